@@ -1,0 +1,38 @@
+"""tlt_jax: TLT (Taming the Long Tail) reasoning-RL rollouts with adaptive speculative decoding, in JAX."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="tlt_jax",
+    version="0.1.0",
+    description=__doc__,
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["tlt_jax", "tlt_jax.*", "kernels", "kernels.*"]),
+    install_requires=[
+        "jax>=0.7,<0.12",
+        "flax>=0.12,<0.14",
+        "optax>=0.2.5,<0.3",
+        "orbax-checkpoint>=0.11,<0.14",
+        "ml-collections>=1.0,<2",
+        "absl-py>=2.1,<3",
+        "transformers>=4.56,<6",
+        "safetensors>=0.5,<1",
+        "tokenizers>=0.21,<1",
+        "numpy>=1.26,<3",
+        "ml_dtypes>=0.5",
+        "tqdm>=4.66,<5",
+        "reasoning-gym>=0.1.20,<1",
+        "math-verify>=0.7,<1",
+        "pyarrow>=15",
+    ],
+    extras_require={
+        # torch is only used to build reference models with `transformers` in tests. Install the
+        # CPU wheel first (`pip install torch==2.13.0`); this range is then already satisfied and
+        # pip never pulls a CUDA build.
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "torch>=2.4,<3"],
+        "gpu": ["jax[cuda12]", "jax-triton>=0.3"],
+        "notebooks": ["jupyter", "nbclient>=0.10", "matplotlib>=3.8"],
+    },
+)

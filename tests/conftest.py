@@ -1,0 +1,81 @@
+"""Shared fixtures: 8 simulated CPU devices and tiny random Hugging Face models of each family."""
+
+import os
+
+# Before jax is imported anywhere: tests run on 8 simulated CPU devices.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import functools  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from tlt_jax.models import transformer  # noqa: E402
+
+# name -> (transformers config class, kwargs). Small, but every switch of the family is on in
+# at least one: q/k/v bias, tied and untied heads, GQA, llama3 rope scaling, q/k norm, head_dim
+# independent of hidden / heads.
+FAMILIES = {
+    "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True, num_key_value_heads=2)),
+    "qwen2_untied": ("Qwen2Config", dict(tie_word_embeddings=False, num_key_value_heads=4, rope_theta=1e6)),
+    "llama3": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=500000.0,
+                                   rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                     high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
+}
+VOCAB = 96
+
+
+def build_hf_model(family: str, seed: int = 0):
+  """A tiny random `transformers` model of `family` with every weight (biases, norms) perturbed."""
+  import torch
+  import transformers
+
+  cls_name, kwargs = FAMILIES[family]
+  cfg = getattr(transformers, cls_name)(
+      vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+      max_position_embeddings=256, eos_token_id=1, pad_token_id=0, **kwargs)
+  torch.manual_seed(seed)
+  model = getattr(transformers, cls_name.replace("Config", "ForCausalLM"))(cfg).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight"):
+        p.copy_(1.0 + 0.1 * torch.randn_like(p))
+      else:
+        p.copy_(0.1 * torch.randn_like(p))
+  return model
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory):
+  """family -> (directory holding the saved HF model, the torch model). Built once per run."""
+  out = {}
+  for family in FAMILIES:
+    model = build_hf_model(family)
+    path = str(tmp_path_factory.mktemp(family))
+    model.save_pretrained(path)
+    out[family] = (path, model)
+  return out
+
+
+@pytest.fixture(scope="session", params=list(FAMILIES))
+def family(request):
+  return request.param
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("all_logits",))
+def jit_prefill(graphdef, state, tokens, lengths, cache, all_logits=False):
+  return transformer.prefill(nnx.merge(graphdef, state), tokens, lengths, cache, all_logits=all_logits)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def jit_decode(graphdef, state, tokens, cache):
+  return transformer.decode(nnx.merge(graphdef, state), tokens, cache)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def jit_verify(graphdef, state, tokens, positions, mask, cache):
+  return transformer.verify(nnx.merge(graphdef, state), tokens, positions, mask, cache)

@@ -1,0 +1,123 @@
+"""Parity of the three forward modes with `transformers` for every family, in float32."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from conftest import VOCAB, jit_decode, jit_prefill, jit_verify
+from tlt_jax.models import KVCache, hf
+from tlt_jax.models import transformer
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def loaded(hf_dirs):
+  cache = {}
+
+  def get(family):
+    if family not in cache:
+      path, ref = hf_dirs[family]
+      model = hf.from_pretrained(path, dtype="float32")
+      cache[family] = (*nnx.split(model), ref, model.config)
+    return cache[family]
+
+  return get
+
+
+def ref_logits(ref, ids):
+  with torch.no_grad():
+    return ref(torch.tensor([ids])).logits[0].numpy()
+
+
+def ragged_batch(rng, lengths, width):
+  """Right-padded rows whose padding is random junk, so that leaking padding would show."""
+  return rng.randint(2, VOCAB, (len(lengths), width)), np.asarray(lengths, np.int32)
+
+
+def test_prefill_ragged_batch(family, loaded):
+  graphdef, state, ref, cfg = loaded(family)
+  tokens, lengths = ragged_batch(np.random.RandomState(1), [9, 4, 6, 1], 9)
+  out = jit_prefill(graphdef, state, tokens, lengths, KVCache.zeros(cfg, 4, 16),
+                    all_logits=True)
+  for b, n in enumerate(lengths):
+    np.testing.assert_allclose(out.logits[b, :n], ref_logits(ref, tokens[b, :n].tolist()), atol=TOL, rtol=0)
+  np.testing.assert_array_equal(out.cache.lengths, lengths)
+  last = jit_prefill(graphdef, state, tokens, lengths, KVCache.zeros(cfg, 4, 16))
+  np.testing.assert_allclose(last.logits, out.logits[np.arange(4), lengths - 1], atol=1e-6, rtol=0)
+
+
+def test_hidden_states_match_reference(family, loaded):
+  graphdef, state, ref, cfg = loaded(family)
+  ids = np.random.RandomState(2).randint(2, VOCAB, (1, 8))
+  model = nnx.merge(graphdef, state)
+  cache = KVCache.zeros(model.config, 1, 8)
+  out = transformer.prefill(model, jnp.asarray(ids), jnp.asarray([8]), cache, hidden_layers=(0,))
+  with torch.no_grad():
+    hs = ref(torch.tensor(ids), output_hidden_states=True).hidden_states
+  np.testing.assert_allclose(out.aux_hidden[0][0], hs[1][0].numpy(), atol=TOL, rtol=0)
+  np.testing.assert_allclose(out.hidden[0], hs[-1][0].numpy(), atol=TOL, rtol=0)
+
+
+def test_step_by_step_decode(family, loaded):
+  graphdef, state, ref, cfg = loaded(family)
+  rng = np.random.RandomState(3)
+  prompt_lengths, steps = [5, 2, 7], 6
+  seqs = rng.randint(2, VOCAB, (3, 7 + steps))
+  out = jit_prefill(graphdef, state, seqs[:, :7], np.asarray(prompt_lengths, np.int32), KVCache.zeros(cfg, 3, 16))
+  refs = [ref_logits(ref, seqs[b, :n + steps].tolist()) for b, n in enumerate(prompt_lengths)]
+  for i in range(steps + 1):
+    for b, n in enumerate(prompt_lengths):
+      np.testing.assert_allclose(out.logits[b], refs[b][n - 1 + i], atol=TOL, rtol=0, err_msg=f"step {i} row {b}")
+    if i < steps:
+      next_tokens = np.asarray([seqs[b, n + i] for b, n in enumerate(prompt_lengths)])
+      out = jit_decode(graphdef, state, next_tokens, out.cache)
+  np.testing.assert_array_equal(out.cache.lengths, np.asarray(prompt_lengths) + steps)
+
+
+# A small draft tree: node 0 is the root (the last emitted token); parents index earlier nodes.
+PARENTS = [-1, 0, 0, 1, 1, 2, 3]
+
+
+def tree_arrays(parents):
+  v = len(parents)
+  mask = np.eye(v, dtype=bool)
+  depth = np.zeros(v, np.int32)
+  for i, p in enumerate(parents):
+    if p >= 0:
+      mask[i] |= mask[p]
+      depth[i] = depth[p] + 1
+  return mask, depth
+
+
+def test_verify_tree(family, loaded):
+  graphdef, state, ref, cfg = loaded(family)
+  rng = np.random.RandomState(4)
+  prompts, lengths = ragged_batch(rng, [6, 3], 6)
+  cache = jit_prefill(graphdef, state, prompts, lengths, KVCache.zeros(cfg, 2, 16)).cache
+  mask, depth = tree_arrays(PARENTS)
+  tree = rng.randint(2, VOCAB, (2, len(PARENTS)))
+  positions = lengths[:, None] + depth[None, :]
+  out = jit_verify(graphdef, state, tree, positions, np.broadcast_to(mask, (2, *mask.shape)), cache)
+  np.testing.assert_array_equal(out.cache.lengths, lengths)  # verify does not commit
+  for b, n in enumerate(lengths):
+    np.testing.assert_array_equal(out.cache.k[:, b, :n], cache.k[:, b, :n])  # prefix untouched
+    for node in range(len(PARENTS)):
+      path = np.flatnonzero(mask[node])  # ancestors in order: parents precede children
+      expected = ref_logits(ref, prompts[b, :n].tolist() + tree[b, path].tolist())[-1]
+      np.testing.assert_allclose(out.logits[b, node], expected, atol=TOL, rtol=0, err_msg=f"row {b} node {node}")
+
+
+def test_attend_len_bucket_matches_full_cache(loaded):
+  graphdef, state, _, _ = loaded("qwen2_tied")
+  model = nnx.merge(graphdef, state)
+  tokens, lengths = ragged_batch(np.random.RandomState(5), [5, 3], 5)
+  full = transformer.prefill(model, jnp.asarray(tokens), jnp.asarray(lengths), KVCache.zeros(model.config, 2, 64))
+  short = transformer.prefill(model, jnp.asarray(tokens), jnp.asarray(lengths), KVCache.zeros(model.config, 2, 64),
+                              attend_len=8)
+  np.testing.assert_allclose(short.logits, full.logits, atol=1e-6, rtol=0)
+  step_full = transformer.decode(model, jnp.asarray([7, 9]), full.cache)
+  step_short = transformer.decode(model, jnp.asarray([7, 9]), short.cache, attend_len=8)
+  np.testing.assert_allclose(step_short.logits, step_full.logits, atol=1e-6, rtol=0)

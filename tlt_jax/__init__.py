@@ -1,0 +1,1 @@
+"""tlt_jax: TLT (Taming the Long Tail) reasoning-RL rollouts with adaptive speculative decoding."""

@@ -1,0 +1,188 @@
+"""Hugging Face checkpoints in and out: `config.json` + (sharded) safetensors + tokenizer.
+
+Loading streams tensor by tensor: every device reads only its own slice of each tensor straight
+from the safetensors file onto its NamedSharding, so the model never exists twice on the host.
+Our parameter paths mirror HF names; Linear kernels are stored transposed ([in, out]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+import safetensors.flax
+from absl import logging
+from flax import nnx
+
+from tlt_jax import sharding
+from tlt_jax.models.config import ConfigError, ModelConfig
+from tlt_jax.models.transformer import CausalLM
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_SAFETENSORS_DTYPES = {"F32", "BF16", "F16"}
+_LEAF_NAMES = {"kernel": "weight", "embedding": "weight", "scale": "weight", "bias": "bias"}
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+  """A checkpoint we cannot load; the message names the file and tensor."""
+
+
+def hf_name(path: tuple) -> str:
+  """Our parameter path -> HF tensor name: ('model', 'layers', 0, 'mlp', 'up_proj', 'kernel')
+  -> 'model.layers.0.mlp.up_proj.weight'."""
+  return ".".join(str(p) for p in path[:-1]) + "." + _LEAF_NAMES[path[-1]]
+
+
+def _dtype(name: Any, source: str):
+  if name is None or not isinstance(name, str):
+    return name
+  if name not in DTYPES:
+    raise CheckpointError(f"{source}: dtype {name!r} is not supported; use one of {sorted(DTYPES)}")
+  return DTYPES[name]
+
+
+def read_config(model_dir: str) -> tuple[ModelConfig, dict]:
+  """The model config of a HF directory (and the raw config dict)."""
+  if not os.path.isdir(model_dir):
+    raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
+  path = os.path.join(model_dir, "config.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path} not found: a Hugging Face model directory needs config.json")
+  with open(path, encoding="utf-8") as f:
+    try:
+      raw = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ConfigError(f"{path}: invalid JSON ({e})") from e
+  return ModelConfig.from_hf(raw, source=path), raw
+
+
+def _weight_files(model_dir: str) -> dict[str, str]:
+  """Tensor name -> safetensors file, from the index of a sharded checkpoint or the single file."""
+  index = os.path.join(model_dir, _INDEX)
+  if os.path.isfile(index):
+    with open(index, encoding="utf-8") as f:
+      weight_map = json.load(f)["weight_map"]
+    files = {os.path.join(model_dir, v) for v in weight_map.values()}
+    missing = sorted(p for p in files if not os.path.isfile(p))
+    if missing:
+      raise FileNotFoundError(f"{index} lists files that do not exist: {missing}")
+    return {k: os.path.join(model_dir, v) for k, v in weight_map.items()}
+  single = os.path.join(model_dir, _SINGLE)
+  if not os.path.isfile(single):
+    raise FileNotFoundError(f"{model_dir}: neither {_INDEX} nor {_SINGLE} found")
+  with safetensors.safe_open(single, framework="flax") as f:
+    return {k: single for k in f.keys()}
+
+
+def from_pretrained(model_dir: str, dtype=None, mesh: jax.sharding.Mesh | None = None) -> CausalLM:
+  """Loads a HF model directory into a `CausalLM`, sharded over `mesh` (default: one device).
+
+  `dtype` (a jnp dtype or 'float32' / 'bfloat16' / 'float16') defaults to the checkpoint's.
+  """
+  cfg, raw = read_config(model_dir)
+  config_path = os.path.join(model_dir, "config.json")
+  dtype = _dtype(dtype, "dtype argument") or _dtype(raw.get("torch_dtype") or raw.get("dtype") or "float32",
+                                                      config_path)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+  if mesh is None:
+    mesh = sharding.make_mesh({}, devices=jax.devices()[:1])
+  files = _weight_files(model_dir)
+  cpu = jax.devices("cpu")[0]
+
+  with contextlib.ExitStack() as stack:
+    handles = {}
+
+    def load(path, var):
+      name = hf_name(path)
+      if name not in files:
+        raise CheckpointError(f"{model_dir}: tensor {name!r} is missing from the checkpoint")
+      if files[name] not in handles:
+        handles[files[name]] = stack.enter_context(safetensors.safe_open(files[name], framework="flax"))
+      tensor = handles[files[name]].get_slice(name)
+      transpose = path[-1] == "kernel"
+      shape = tuple(tensor.get_shape())
+      expected = tuple(var.shape[::-1] if transpose else var.shape)
+      if shape != expected:
+        raise CheckpointError(f"{files[name]}: tensor {name!r} has shape {shape}, expected {expected}")
+      if tensor.get_dtype() not in _SAFETENSORS_DTYPES:
+        raise CheckpointError(f"{files[name]}: tensor {name!r} has dtype {tensor.get_dtype()}, "
+                              f"supported: {sorted(_SAFETENSORS_DTYPES)}")
+
+      def read(index):
+        with jax.default_device(cpu):
+          part = tensor[index[::-1]].T if transpose else tensor[index]
+          return np.asarray(part).astype(dtype)
+
+      target = sharding.variable_sharding(var, mesh)
+      return var.replace(jax.make_array_from_callback(var.shape, target, read))
+
+    state = nnx.from_flat_state([(p, load(p, v)) for p, v in nnx.to_flat_state(abstract)])
+  unused = set(files) - {hf_name(p) for p, _ in nnx.to_flat_state(abstract)}
+  if unused:
+    logging.info("%s: %d checkpoint tensors unused (e.g. %s)", model_dir, len(unused), sorted(unused)[0])
+  return nnx.merge(graphdef, state)
+
+
+def load_tokenizer(model_dir: str):
+  """The directory's tokenizer through `transformers.AutoTokenizer`, or None if it has none."""
+  if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+    return None
+  import transformers  # pylint: disable=g-import-not-at-top  (heavy; only when a tokenizer exists)
+  return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+def save_pretrained(model: CausalLM, out_dir: str, tokenizer=None, max_shard_bytes: int = 4 << 30) -> None:
+  """Writes `model` (and `tokenizer`) as a HF directory that `transformers` loads.
+
+  Tensors go into safetensors files of at most `max_shard_bytes` (with an index when several).
+  The directory is written under a temporary name and renamed, so a crash leaves no half model.
+  """
+  cfg = model.config
+  flat = [(hf_name(p), p[-1] == "kernel", v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+  dtype = jnp.dtype(flat[0][2].dtype).name
+  shards, size = [[]], 0
+  for item in flat:
+    nbytes = item[2].size * item[2].dtype.itemsize
+    if shards[-1] and size + nbytes > max_shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(item)
+    size += nbytes
+  parent = os.path.dirname(os.path.abspath(out_dir))
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out_dir), dir=parent)
+  try:
+    cpu = jax.devices("cpu")[0]
+    weight_map = {}
+    for i, shard in enumerate(shards):
+      fname = _SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      tensors = {}
+      for name, transpose, value in shard:
+        host = np.asarray(jax.device_get(value))
+        tensors[name] = jax.device_put(host.T if transpose else host, cpu)
+        weight_map[name] = fname
+      safetensors.flax.save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
+    if len(shards) > 1:
+      total = sum(v.size * v.dtype.itemsize for _, _, v in flat)
+      with open(os.path.join(tmp, _INDEX), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": int(total)}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+      json.dump({**cfg.to_hf(), "torch_dtype": dtype}, f, indent=2)
+    if tokenizer is not None:
+      tokenizer.save_pretrained(tmp)
+    if os.path.exists(out_dir):
+      shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise

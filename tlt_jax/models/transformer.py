@@ -1,0 +1,249 @@
+"""The target decoder (Qwen2/2.5, R1-Distill-Qwen, Llama 3.x, Qwen3) over an explicit KV cache.
+
+One forward pass serves all three modes. The T new tokens of a row are written into its cache at
+slots `lengths[b] .. lengths[b] + T - 1` and attend to
+  * every cached slot `< lengths[b]` (the row's prefix), and
+  * the new tokens selected by `mask_BxTxT` (causal for prefill, the ancestor mask of a draft
+    tree for speculative verification, a single 1 for decode).
+`prefill` and `decode` then advance `lengths`; `verify` does not (the caller commits the accepted
+path). Attention reads only the first `attend_len` cache slots (a static bucket), so its cost
+tracks the filled length rather than the cache capacity.
+
+Module and parameter names mirror Hugging Face's (`model.layers.3.self_attn.q_proj`), which
+keeps the checkpoint mapping in `hf.py` mechanical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tlt_jax import sharding
+from tlt_jax.models.config import ModelConfig
+
+_init = nnx.initializers.normal(0.02)
+
+
+def _partitioned(init, names):
+  # Logical names only; `sharding.param_shardings` resolves them against a mesh when one is used.
+  return nnx.with_partitioning(init, names, eager_sharding=False)
+
+
+def _linear(n_in, n_out, names, bias, dtype, rngs):
+  return nnx.Linear(
+      n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
+      kernel_init=_partitioned(_init, names),
+      bias_init=_partitioned(nnx.initializers.zeros, names[1:]))
+
+
+def _norm(size, eps, dtype, rngs, name="norm"):
+  return nnx.RMSNorm(size, epsilon=eps, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                     scale_init=_partitioned(nnx.initializers.ones, (name,)))
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Per-layer keys and values with static shapes, and each row's filled length."""
+
+  k: jax.Array  # [L, B, S, Hkv, D]
+  v: jax.Array  # [L, B, S, Hkv, D]
+  lengths: jax.Array  # [B] int32: slots [0, lengths[b]) hold row b's prefix
+
+  @classmethod
+  def zeros(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> "KVCache":
+    shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def capacity(self) -> int:
+    return self.k.shape[2]
+
+
+@flax.struct.dataclass
+class Output:
+  logits: jax.Array  # [B, V] (prefill/decode) or [B, T, V] (verify, prefill with all_logits)
+  hidden: jax.Array  # [B, T, H] last hidden state after the final norm ([B, H] for decode)
+  aux_hidden: tuple[jax.Array, ...]  # [B, T, H] outputs of the requested decoder layers
+  cache: KVCache
+
+
+def _rope(x_BxTxNxD, cos_BxTxD, sin_BxTxD):
+  """Rotary embedding in the half-split layout Hugging Face uses."""
+  half = x_BxTxNxD.shape[-1] // 2
+  rotated = jnp.concatenate([-x_BxTxNxD[..., half:], x_BxTxNxD[..., :half]], axis=-1)
+  cos, sin = cos_BxTxD[:, :, None, :], sin_BxTxD[:, :, None, :]
+  return (x_BxTxNxD * cos + rotated * sin).astype(x_BxTxNxD.dtype)
+
+
+def _write(cache_BxSxNxD, new_BxTxNxD, start_B):
+  """Writes each row's new entries at its own offset (in place under donation)."""
+  put = lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, axis=0)
+  return jax.vmap(put)(cache_BxSxNxD, new_BxTxNxD, start_B)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    self.cfg = cfg
+    h, d = cfg.hidden_size, cfg.head_dim
+    self.q_proj = _linear(h, cfg.num_heads * d, ("embed", "q_heads"), cfg.qkv_bias, dtype, rngs)
+    self.k_proj = _linear(h, cfg.num_kv_heads * d, ("embed", "kv_heads"), cfg.qkv_bias, dtype, rngs)
+    self.v_proj = _linear(h, cfg.num_kv_heads * d, ("embed", "kv_heads"), cfg.qkv_bias, dtype, rngs)
+    self.o_proj = _linear(cfg.num_heads * d, h, ("q_heads", "embed"), False, dtype, rngs)
+    if cfg.qk_norm:
+      self.q_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim")
+      self.k_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim")
+
+  def __call__(self, x_BxTxH, cos, sin, k_BxSxKxD, v_BxSxKxD, lengths_B, mask_BxTxS, attend_len):
+    cfg = self.cfg
+    b, t, _ = x_BxTxH.shape
+    q = self.q_proj(x_BxTxH).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = self.k_proj(x_BxTxH).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = self.v_proj(x_BxTxH).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    k_BxSxKxD = sharding.constrain(_write(k_BxSxKxD, k, lengths_B), sharding.CACHE_AXES)
+    v_BxSxKxD = sharding.constrain(_write(v_BxSxKxD, v, lengths_B), sharding.CACHE_AXES)
+    keys, values = k_BxSxKxD[:, :attend_len], v_BxSxKxD[:, :attend_len]
+    groups = cfg.num_heads // cfg.num_kv_heads
+    q_BxTxKxGxD = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, keys,
+                        preferred_element_type=jnp.float32) * cfg.head_dim**-0.5
+    scores = jnp.where(mask_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, cfg.num_heads * cfg.head_dim)
+    return self.o_proj(out), k_BxSxKxD, v_BxSxKxD
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    h, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+    self.gate_proj = _linear(h, f, ("embed", "mlp"), bias, dtype, rngs)
+    self.up_proj = _linear(h, f, ("embed", "mlp"), bias, dtype, rngs)
+    self.down_proj = _linear(f, h, ("mlp", "embed"), bias, dtype, rngs)
+
+  def __call__(self, x):
+    return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    self.input_layernorm = _norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
+    self.self_attn = Attention(cfg, dtype, rngs)
+    self.post_attention_layernorm = _norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
+    self.mlp = MLP(cfg, dtype, rngs)
+
+  def __call__(self, x, cos, sin, k, v, lengths, mask, attend_len):
+    attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, k, v, lengths, mask, attend_len)
+    x = x + attn
+    x = x + self.mlp(self.post_attention_layernorm(x))
+    return sharding.constrain(x, sharding.ACTIVATION_AXES), k, v
+
+
+class Decoder(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
+                                  embedding_init=_partitioned(_init, ("vocab", "embed")),
+                                  rngs=rngs)
+    self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+    self.norm = _norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
+
+
+class CausalLM(nnx.Module):
+  """Decoder + LM head. Call it through `prefill`, `decode` or `verify`."""
+
+  def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    self.config = cfg
+    self.model = Decoder(cfg, dtype, rngs)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), False, dtype, rngs)
+
+  def logits(self, hidden):
+    """LM head over final hidden states; float32 logits."""
+    if self.config.tie_word_embeddings:
+      out = self.model.embed_tokens.attend(hidden)
+    else:
+      out = self.lm_head(hidden)
+    return out.astype(jnp.float32)
+
+  def __call__(self, tokens_BxT, positions_BxT, cache: KVCache, mask_BxTxT, *,
+               attend_len: int | None = None, hidden_layers: Sequence[int] = ()):
+    """Runs T new tokens per row; returns (final hidden [B,T,H], aux hidden, cache with them written).
+
+    `hidden_layers` are 0-based decoder-layer indices whose outputs are returned (EAGLE-3 input;
+    layer i is Hugging Face's `hidden_states[i + 1]`).
+    """
+    cfg = self.config
+    t = tokens_BxT.shape[1]
+    attend_len = cache.capacity if attend_len is None else attend_len
+    x = sharding.constrain(self.model.embed_tokens(tokens_BxT), sharding.ACTIVATION_AXES)
+    angles = positions_BxT[..., None].astype(jnp.float32) * jnp.asarray(cfg.inv_freq(), jnp.float32)
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    # Key slot s of row b: prefix if s < lengths[b], else new token s - lengths[b] (if < T).
+    rel_BxS = jnp.arange(attend_len)[None, :] - cache.lengths[:, None]
+    new_BxTxS = jnp.take_along_axis(
+        mask_BxTxT, jnp.broadcast_to(jnp.clip(rel_BxS, 0, t - 1)[:, None, :], (*mask_BxTxT.shape[:2], attend_len)),
+        axis=2)
+    mask_BxTxS = (rel_BxS < 0)[:, None, :] | (new_BxTxS & (rel_BxS < t)[:, None, :])
+    ks, vs, aux = [], [], []
+    for i, layer in enumerate(self.model.layers):
+      x, k, v = layer(x, cos, sin, cache.k[i], cache.v[i], cache.lengths, mask_BxTxS, attend_len)
+      ks.append(k)
+      vs.append(v)
+      if i in hidden_layers:
+        aux.append(x)
+    cache = dataclasses.replace(cache, k=jnp.stack(ks), v=jnp.stack(vs))
+    return self.model.norm(x), tuple(aux), cache
+
+
+def prefill(model: CausalLM, tokens_BxT, lengths_B, cache: KVCache, *, all_logits: bool = False,
+            attend_len: int | None = None, hidden_layers: Sequence[int] = ()) -> Output:
+  """Prefill of a right-padded ragged batch (rows of `lengths_B` tokens) after each row's prefix.
+
+  Returns the logits of each row's last real token ([B, V]), or of every position with
+  `all_logits`, and advances the cache lengths by `lengths_B`.
+  """
+  b, t = tokens_BxT.shape
+  positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
+  causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+  hidden, aux, cache = model(tokens_BxT, positions, cache, causal, attend_len=attend_len,
+                             hidden_layers=hidden_layers)
+  if all_logits:
+    logits = model.logits(hidden)
+  else:
+    last = jnp.take_along_axis(hidden, jnp.maximum(lengths_B - 1, 0)[:, None, None], axis=1)[:, 0]
+    logits = model.logits(last)
+  cache = dataclasses.replace(cache, lengths=cache.lengths + lengths_B.astype(jnp.int32))
+  return Output(logits, hidden, aux, cache)
+
+
+def decode(model: CausalLM, tokens_B, cache: KVCache, *, attend_len: int | None = None,
+           hidden_layers: Sequence[int] = ()) -> Output:
+  """One token per row at position `cache.lengths`; advances the lengths by one."""
+  b = tokens_B.shape[0]
+  hidden, aux, cache = model(tokens_B[:, None], cache.lengths[:, None], cache, jnp.ones((b, 1, 1), bool),
+                             attend_len=attend_len, hidden_layers=hidden_layers)
+  cache = dataclasses.replace(cache, lengths=cache.lengths + 1)
+  return Output(model.logits(hidden[:, 0]), hidden[:, 0], tuple(a[:, 0] for a in aux), cache)
+
+
+def verify(model: CausalLM, tokens_BxV, positions_BxV, mask_BxVxV, cache: KVCache, *,
+           attend_len: int | None = None, hidden_layers: Sequence[int] = ()) -> Output:
+  """Speculative verification: V tree tokens per row with explicit positions and ancestor mask.
+
+  The tree's keys/values are written at slots `lengths .. lengths + V - 1` but the lengths are
+  not advanced: committing the accepted path is the caller's job.
+  """
+  hidden, aux, cache = model(tokens_BxV, positions_BxV, cache, mask_BxVxV, attend_len=attend_len,
+                             hidden_layers=hidden_layers)
+  return Output(model.logits(hidden), hidden, aux, cache)
