@@ -6,7 +6,7 @@ import pytest
 import torch
 from flax import nnx
 
-from conftest import VOCAB, jit_decode, jit_prefill, jit_verify
+from tests.conftest import VOCAB, jit_decode, jit_prefill, jit_verify
 from tlt_jax.models import KVCache, hf
 from tlt_jax.models import transformer
 

@@ -1,0 +1,47 @@
+"""A character-level tokenizer for the tiny world, as a Hugging Face fast tokenizer.
+
+One token per printable ASCII character and newline, plus special tokens: small enough
+(103 ids) for a few-million-parameter model, exact on task text, and an ordinary
+`PreTrainedTokenizerFast` so that `save_pretrained`, `AutoTokenizer.from_pretrained` and
+`apply_chat_template` work as they do for real models.
+"""
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+import transformers
+
+PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<bos>", "<eos>"
+ROLES = ("system", "user", "assistant")
+SPECIAL_TOKENS = (PAD, UNK, BOS, EOS) + tuple(f"<|{role}|>" for role in ROLES)
+CHARACTERS = tuple(chr(c) for c in range(32, 127)) + ("\n",)
+
+# One marker token per turn and no separators, to keep sequences short. Assistant turns end
+# with EOS so that a rendered conversation is also an SFT target.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def build_tokenizer(model_max_length: int = 4096) -> transformers.PreTrainedTokenizerFast:
+  """The character tokenizer; characters outside CHARACTERS encode as <unk>."""
+  vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+  tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+  # `[\s\S]` rather than `.`, which would not match a newline.
+  tokenizer.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), behavior="isolated")
+  tokenizer.decoder = decoders.Fuse()  # concatenate; the default decoder joins with spaces
+  tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+  return transformers.PreTrainedTokenizerFast(
+      tokenizer_object=tokenizer,
+      pad_token=PAD,
+      unk_token=UNK,
+      bos_token=BOS,
+      eos_token=EOS,
+      extra_special_tokens=list(SPECIAL_TOKENS[4:]),
+      chat_template=CHAT_TEMPLATE,
+      clean_up_tokenization_spaces=False,  # exact round trips: "3 ." must stay "3 ."
+      model_max_length=model_max_length,
+  )
