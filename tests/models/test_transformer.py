@@ -110,14 +110,20 @@ def test_verify_tree(family, loaded):
       np.testing.assert_allclose(out.logits[b, node], expected, atol=TOL, rtol=0, err_msg=f"row {b} node {node}")
 
 
-def test_attend_len_bucket_matches_full_cache(loaded):
-  graphdef, state, _, _ = loaded("qwen2_tied")
+@pytest.mark.parametrize("block", [4, 16])
+def test_blockwise_attention_matches_dense(loaded, block):
+  graphdef, state, _, cfg = loaded("qwen3")
   model = nnx.merge(graphdef, state)
-  tokens, lengths = ragged_batch(np.random.RandomState(5), [5, 3], 5)
-  full = transformer.prefill(model, jnp.asarray(tokens), jnp.asarray(lengths), KVCache.zeros(model.config, 2, 64))
-  short = transformer.prefill(model, jnp.asarray(tokens), jnp.asarray(lengths), KVCache.zeros(model.config, 2, 64),
-                              attend_len=8)
-  np.testing.assert_allclose(short.logits, full.logits, atol=1e-6, rtol=0)
-  step_full = transformer.decode(model, jnp.asarray([7, 9]), full.cache)
-  step_short = transformer.decode(model, jnp.asarray([7, 9]), short.cache, attend_len=8)
-  np.testing.assert_allclose(step_short.logits, step_full.logits, atol=1e-6, rtol=0)
+  tokens, lengths = ragged_batch(np.random.RandomState(5), [5, 3, 0], 5)
+  mask, depth = tree_arrays(PARENTS)
+  tree = np.random.RandomState(6).randint(2, VOCAB, (3, len(PARENTS)))
+  outs = []
+  for kv_block in (None, block):
+    pre = transformer.prefill(model, jnp.asarray(tokens), jnp.asarray(lengths), KVCache.zeros(cfg, 3, 64),
+                              kv_block=kv_block)
+    dec = transformer.decode(model, jnp.asarray([7, 9, 11]), pre.cache, kv_block=kv_block)
+    ver = transformer.verify(model, jnp.asarray(tree), dec.cache.lengths[:, None] + depth,
+                             jnp.broadcast_to(mask, (3, *mask.shape)), dec.cache, kv_block=kv_block)
+    outs.append((pre.logits, dec.logits, ver.logits))
+  for dense, blocked in zip(*outs):
+    np.testing.assert_allclose(blocked, dense, atol=1e-5, rtol=0)

@@ -6,8 +6,9 @@ slots `lengths[b] .. lengths[b] + T - 1` and attend to
   * the new tokens selected by `mask_BxTxT` (causal for prefill, the ancestor mask of a draft
     tree for speculative verification, a single 1 for decode).
 `prefill` and `decode` then advance `lengths`; `verify` does not (the caller commits the accepted
-path). Attention reads only the first `attend_len` cache slots (a static bucket), so its cost
-tracks the filled length rather than the cache capacity.
+path). With `kv_block` set, attention walks the cache in blocks only up to the longest row's
+filled length (`kernels.tree_attention`), so its cost tracks the filled length rather than the
+cache capacity; `kv_block=None` is one dense, differentiable softmax (training).
 
 Module and parameter names mirror Hugging Face's (`model.layers.3.self_attn.q_proj`), which
 keeps the checkpoint mapping in `hf.py` mechanical.
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels import tree_attention
 from tlt_jax import sharding
 from tlt_jax.models.config import ModelConfig
 
@@ -99,7 +101,7 @@ class Attention(nnx.Module):
       self.q_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim")
       self.k_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim")
 
-  def __call__(self, x_BxTxH, cos, sin, k_BxSxKxD, v_BxSxKxD, lengths_B, mask_BxTxS, attend_len):
+  def __call__(self, x_BxTxH, cos, sin, k_BxSxKxD, v_BxSxKxD, lengths_B, mask_BxTxT, kv_block):
     cfg = self.cfg
     b, t, _ = x_BxTxH.shape
     q = self.q_proj(x_BxTxH).reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -110,15 +112,8 @@ class Attention(nnx.Module):
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     k_BxSxKxD = sharding.constrain(_write(k_BxSxKxD, k, lengths_B), sharding.CACHE_AXES)
     v_BxSxKxD = sharding.constrain(_write(v_BxSxKxD, v, lengths_B), sharding.CACHE_AXES)
-    keys, values = k_BxSxKxD[:, :attend_len], v_BxSxKxD[:, :attend_len]
-    groups = cfg.num_heads // cfg.num_kv_heads
-    q_BxTxKxGxD = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, keys,
-                        preferred_element_type=jnp.float32) * cfg.head_dim**-0.5
-    scores = jnp.where(mask_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, cfg.num_heads * cfg.head_dim)
-    return self.o_proj(out), k_BxSxKxD, v_BxSxKxD
+    out = tree_attention.reference(q, k_BxSxKxD, v_BxSxKxD, lengths_B, mask_BxTxT, block=kv_block)
+    return self.o_proj(out.reshape(b, t, cfg.num_heads * cfg.head_dim)), k_BxSxKxD, v_BxSxKxD
 
 
 class MLP(nnx.Module):
@@ -141,8 +136,8 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = _norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
     self.mlp = MLP(cfg, dtype, rngs)
 
-  def __call__(self, x, cos, sin, k, v, lengths, mask, attend_len):
-    attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, k, v, lengths, mask, attend_len)
+  def __call__(self, x, cos, sin, k, v, lengths, mask, kv_block):
+    attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, k, v, lengths, mask, kv_block)
     x = x + attn
     x = x + self.mlp(self.post_attention_layernorm(x))
     return sharding.constrain(x, sharding.ACTIVATION_AXES), k, v
@@ -176,28 +171,20 @@ class CausalLM(nnx.Module):
     return out.astype(jnp.float32)
 
   def __call__(self, tokens_BxT, positions_BxT, cache: KVCache, mask_BxTxT, *,
-               attend_len: int | None = None, hidden_layers: Sequence[int] = ()):
+               kv_block: int | None = None, hidden_layers: Sequence[int] = ()):
     """Runs T new tokens per row; returns (final hidden [B,T,H], aux hidden, cache with them written).
 
     `hidden_layers` are 0-based decoder-layer indices whose outputs are returned (EAGLE-3 input;
     layer i is Hugging Face's `hidden_states[i + 1]`).
     """
     cfg = self.config
-    t = tokens_BxT.shape[1]
-    attend_len = cache.capacity if attend_len is None else attend_len
     x = sharding.constrain(self.model.embed_tokens(tokens_BxT), sharding.ACTIVATION_AXES)
     angles = positions_BxT[..., None].astype(jnp.float32) * jnp.asarray(cfg.inv_freq(), jnp.float32)
     angles = jnp.concatenate([angles, angles], axis=-1)
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    # Key slot s of row b: prefix if s < lengths[b], else new token s - lengths[b] (if < T).
-    rel_BxS = jnp.arange(attend_len)[None, :] - cache.lengths[:, None]
-    new_BxTxS = jnp.take_along_axis(
-        mask_BxTxT, jnp.broadcast_to(jnp.clip(rel_BxS, 0, t - 1)[:, None, :], (*mask_BxTxT.shape[:2], attend_len)),
-        axis=2)
-    mask_BxTxS = (rel_BxS < 0)[:, None, :] | (new_BxTxS & (rel_BxS < t)[:, None, :])
     ks, vs, aux = [], [], []
     for i, layer in enumerate(self.model.layers):
-      x, k, v = layer(x, cos, sin, cache.k[i], cache.v[i], cache.lengths, mask_BxTxS, attend_len)
+      x, k, v = layer(x, cos, sin, cache.k[i], cache.v[i], cache.lengths, mask_BxTxT, kv_block)
       ks.append(k)
       vs.append(v)
       if i in hidden_layers:
@@ -207,7 +194,7 @@ class CausalLM(nnx.Module):
 
 
 def prefill(model: CausalLM, tokens_BxT, lengths_B, cache: KVCache, *, all_logits: bool = False,
-            attend_len: int | None = None, hidden_layers: Sequence[int] = ()) -> Output:
+            kv_block: int | None = None, hidden_layers: Sequence[int] = ()) -> Output:
   """Prefill of a right-padded ragged batch (rows of `lengths_B` tokens) after each row's prefix.
 
   Returns the logits of each row's last real token ([B, V]), or of every position with
@@ -216,7 +203,7 @@ def prefill(model: CausalLM, tokens_BxT, lengths_B, cache: KVCache, *, all_logit
   b, t = tokens_BxT.shape
   positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
   causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-  hidden, aux, cache = model(tokens_BxT, positions, cache, causal, attend_len=attend_len,
+  hidden, aux, cache = model(tokens_BxT, positions, cache, causal, kv_block=kv_block,
                              hidden_layers=hidden_layers)
   if all_logits:
     logits = model.logits(hidden)
@@ -227,23 +214,23 @@ def prefill(model: CausalLM, tokens_BxT, lengths_B, cache: KVCache, *, all_logit
   return Output(logits, hidden, aux, cache)
 
 
-def decode(model: CausalLM, tokens_B, cache: KVCache, *, attend_len: int | None = None,
+def decode(model: CausalLM, tokens_B, cache: KVCache, *, kv_block: int | None = None,
            hidden_layers: Sequence[int] = ()) -> Output:
   """One token per row at position `cache.lengths`; advances the lengths by one."""
   b = tokens_B.shape[0]
   hidden, aux, cache = model(tokens_B[:, None], cache.lengths[:, None], cache, jnp.ones((b, 1, 1), bool),
-                             attend_len=attend_len, hidden_layers=hidden_layers)
+                             kv_block=kv_block, hidden_layers=hidden_layers)
   cache = dataclasses.replace(cache, lengths=cache.lengths + 1)
   return Output(model.logits(hidden[:, 0]), hidden[:, 0], tuple(a[:, 0] for a in aux), cache)
 
 
 def verify(model: CausalLM, tokens_BxV, positions_BxV, mask_BxVxV, cache: KVCache, *,
-           attend_len: int | None = None, hidden_layers: Sequence[int] = ()) -> Output:
+           kv_block: int | None = None, hidden_layers: Sequence[int] = ()) -> Output:
   """Speculative verification: V tree tokens per row with explicit positions and ancestor mask.
 
   The tree's keys/values are written at slots `lengths .. lengths + V - 1` but the lengths are
   not advanced: committing the accepted path is the caller's job.
   """
-  hidden, aux, cache = model(tokens_BxV, positions_BxV, cache, mask_BxVxV, attend_len=attend_len,
+  hidden, aux, cache = model(tokens_BxV, positions_BxV, cache, mask_BxVxV, kv_block=kv_block,
                              hidden_layers=hidden_layers)
   return Output(model.logits(hidden), hidden, aux, cache)

@@ -1,0 +1,74 @@
+"""Attention of T new tokens per row over that row's KV cache: the verify step's `tree_attention`.
+
+Semantics (shared by every implementation). Row b's cache holds its prefix in slots
+`[0, lengths[b])` and the T new tokens' keys/values in slots `lengths[b] + i`. Query t sees
+  * every prefix slot, and
+  * new token i iff `mask_BxTxT[b, t, i]` (causal for prefill, the draft tree's ancestor mask
+    for verification, a single True for decode).
+Every query must see at least itself (the mask's diagonal is True).
+
+This is the pure-jnp reference. With `block=None` it is one dense softmax over the whole cache
+(differentiable; what training uses). With `block=C` it walks the cache in blocks of C slots
+with an online softmax and stops after the last block any row uses, so its cost tracks the
+filled length, not the cache capacity: a 32k-token cache costs nothing until it is filled.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30  # finite "minus infinity" for the running max, so empty blocks give no NaN
+
+
+def _visible(lengths_B, mask_BxTxT, start, size):
+  """[B, T, size] bool: which of the slots start..start+size-1 each query sees."""
+  t = mask_BxTxT.shape[1]
+  rel_BxC = start + jnp.arange(size)[None, :] - lengths_B[:, None]
+  idx = jnp.broadcast_to(jnp.clip(rel_BxC, 0, t - 1)[:, None, :], (mask_BxTxT.shape[0], t, size))
+  new = jnp.take_along_axis(mask_BxTxT, idx, axis=2) & ((rel_BxC >= 0) & (rel_BxC < t))[:, None, :]
+  return (rel_BxC < 0)[:, None, :] | new
+
+
+def _scores(q_BxTxKxGxD, k_BxCxKxD, visible_BxTxC, scale):
+  s = jnp.einsum("btkgd,bckd->bkgtc", q_BxTxKxGxD, k_BxCxKxD, preferred_element_type=jnp.float32) * scale
+  return jnp.where(visible_BxTxC[:, None, None], s, -jnp.inf)
+
+
+def reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, lengths_B, mask_BxTxT, *, block: int | None = None,
+              scale: float | None = None):
+  """[B, T, H, D] attention outputs (GQA: H is a multiple of the K key/value heads)."""
+  b, t, h, d = q_BxTxHxD.shape
+  s_cap, kv_heads = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
+  scale = d**-0.5 if scale is None else scale
+  q = q_BxTxHxD.reshape(b, t, kv_heads, h // kv_heads, d)
+  if block is None:
+    s = _scores(q, k_BxSxKxD, _visible(lengths_B, mask_BxTxT, 0, s_cap), scale)
+    p = jax.nn.softmax(s, axis=-1).astype(v_BxSxKxD.dtype)
+    out = jnp.einsum("bkgtc,bckd->btkgd", p, v_BxSxKxD)
+    return out.reshape(b, t, h, d)
+
+  if s_cap % block:
+    raise ValueError(f"cache capacity {s_cap} is not a multiple of the attention block {block}")
+  n_blocks = jnp.minimum((jnp.max(lengths_B) + t + block - 1) // block, s_cap // block)
+
+  def body(i, carry):
+    m, l, acc = carry
+    start = i * block
+    k = jax.lax.dynamic_slice_in_dim(k_BxSxKxD, start, block, axis=1)
+    v = jax.lax.dynamic_slice_in_dim(v_BxSxKxD, start, block, axis=1)
+    s = _scores(q, k, _visible(lengths_B, mask_BxTxT, start, block), scale)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.exp(s - m_new[..., None])
+    rescale = jnp.exp(m - m_new)
+    l = l * rescale + p.sum(axis=-1)
+    acc = acc * rescale[..., None] + jnp.einsum("bkgtc,bckd->bkgtd", p.astype(v.dtype), v,
+                                                preferred_element_type=jnp.float32)
+    return m_new, l, acc
+
+  g = h // kv_heads
+  init = (jnp.full((b, kv_heads, g, t), _NEG, jnp.float32), jnp.zeros((b, kv_heads, g, t), jnp.float32),
+          jnp.zeros((b, kv_heads, g, t, d), jnp.float32))
+  _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+  out = (acc / l[..., None]).astype(v_BxSxKxD.dtype)  # [B, K, G, T, D]
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
