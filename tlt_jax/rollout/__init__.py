@@ -1,0 +1,1 @@
+"""The Adaptive Rollout Engine: sampling, the engine loop with bucket compaction, the executable pool."""

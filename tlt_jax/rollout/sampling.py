@@ -1,0 +1,81 @@
+"""Sampling distributions and per-row random keys.
+
+`log_probs` turns logits into the log-probabilities of the distribution tokens are drawn from
+(temperature, then top-k, then top-p). Speculative verification uses the same function, so
+plain and speculative decoding sample from exactly the same distribution.
+
+Keys derive from (seed, prompt index, sample index, position of the generated token), never
+from a row's slot in the batch: batch size, row order and compaction cannot change a sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Static (compiled into the rollout executables). temperature 0 = greedy."""
+
+  temperature: float = 1.0
+  top_k: int = 0  # 0 = no top-k
+  top_p: float = 1.0
+  max_new_tokens: int = 256
+  stop_token_ids: tuple[int, ...] = ()
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+
+def log_probs(logits_BxV: jax.Array, params: SamplingParams) -> jax.Array:
+  """Log-probabilities of the sampling distribution (float32; -inf outside top-k / top-p).
+
+  Greedy returns the plain log-softmax (the argmax is the token; its log-prob is reported).
+  """
+  x = logits_BxV.astype(jnp.float32)
+  if params.greedy:
+    return jax.nn.log_softmax(x, axis=-1)
+  x = x / params.temperature
+  if params.top_k:
+    kth = jax.lax.top_k(x, min(params.top_k, x.shape[-1]))[0][..., -1:]
+    x = jnp.where(x < kth, -jnp.inf, x)
+  if params.top_p < 1:
+    # Keep the smallest set of most likely tokens whose mass reaches top_p (ties kept together).
+    sorted_desc = -jnp.sort(-x, axis=-1)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    n_keep = jnp.sum(mass_before < params.top_p, axis=-1, keepdims=True)
+    threshold = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
+    x = jnp.where(x < threshold, -jnp.inf, x)
+  return jax.nn.log_softmax(x, axis=-1)
+
+
+def row_keys(seed: int, prompt_index_B, sample_index_B, position_B) -> jax.Array:
+  """One key per row from (seed, prompt index, sample index, generated-token position)."""
+  base = jax.random.key(seed)
+  fold = lambda p, s, t: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base, p), s), t)
+  return jax.vmap(fold)(prompt_index_B, sample_index_B, position_B)
+
+
+def sample(logp_BxV: jax.Array, keys_B: jax.Array, params: SamplingParams):
+  """Draws one token per row; returns (tokens [B] int32, their log-probs [B])."""
+  if params.greedy:
+    tokens = jnp.argmax(logp_BxV, axis=-1).astype(jnp.int32)
+  else:
+    tokens = jax.vmap(jax.random.categorical)(keys_B, logp_BxV).astype(jnp.int32)
+  return tokens, jnp.take_along_axis(logp_BxV, tokens[:, None], axis=-1)[:, 0]
