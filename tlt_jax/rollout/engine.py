@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import flax.struct
 import jax
@@ -262,8 +262,12 @@ class Engine:
   # ---- the host loop ----
 
   def generate(self, prompts: Sequence[Sequence[int]], num_samples: int = 1,
-               max_total_len: Sequence[int] | int | None = None) -> Rollout:
-    """Samples `num_samples` continuations of each prompt (token ids)."""
+               max_total_len: Sequence[int] | int | None = None,
+               on_progress: Callable[[int, int], None] | None = None) -> Rollout:
+    """Samples `num_samples` continuations of each prompt (token ids).
+
+    `on_progress(rows_finished_delta, tokens_delta)` is called at every segment boundary.
+    """
     cfg, sp = self.config, self.sampling
     budgets = []
     for i, p in enumerate(prompts):
@@ -281,11 +285,11 @@ class Engine:
     for start in range(0, len(rows), wave):
       chunk = rows[start:start + wave]
       self.prepare(len(chunk), [len(prompts[i]) for i, _ in chunk])
-      samples += self._wave(prompts, chunk, budgets, metrics)
+      samples += self._wave(prompts, chunk, budgets, metrics, on_progress or (lambda rows, tokens: None))
     samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
     return Rollout(samples, metrics)
 
-  def _wave(self, prompts, rows, budgets, metrics) -> list[Sample]:
+  def _wave(self, prompts, rows, budgets, metrics, on_progress) -> list[Sample]:
     """One batch of (prompt index, sample index) rows, from prefill until every row is done."""
     cfg, pool = self.config, self.pool
     b = cfg.bucket(len(rows))
@@ -308,7 +312,8 @@ class Engine:
       st = pool[("prefill", b, p, t)](self.params, st, tokens, lengths, row_prompt)
     done = np.asarray(st.done)
     metrics.prefill_s += time.perf_counter() - t0
-    metrics.tokens += int(np.sum(np.asarray(st.num_generated)))
+    metrics.tokens += len(rows)
+    on_progress(int(done[:len(rows)].sum()), len(rows))
     out: list[Sample] = []
     harvested = np.zeros((len(rows),), bool)
     while not done.all():
@@ -333,6 +338,7 @@ class Engine:
       metrics.decode_s += seconds
       metrics.tokens += produced
       metrics.segments.append(SegmentRecord(b, active, produced, seconds))
+      on_progress(active - int((~done).sum()), produced)
     return out + self._harvest(st, harvested)
 
   def _harvest(self, st: RowState, harvested: np.ndarray) -> list[Sample]:
