@@ -9,7 +9,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_packages(include=["tlt_jax", "tlt_jax.*", "kernels", "kernels.*"]),
+    packages=find_packages(include=["tlt_jax", "tlt_jax.*"]),
     install_requires=[
         "jax>=0.7,<0.12",
         "flax>=0.12,<0.14",

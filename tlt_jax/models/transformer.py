@@ -7,7 +7,7 @@ slots `lengths[b] .. lengths[b] + T - 1` and attend to
     tree for speculative verification, a single 1 for decode).
 `prefill` and `decode` then advance `lengths`; `verify` does not (the caller commits the accepted
 path). With `kv_block` set, attention walks the cache in blocks only up to the longest row's
-filled length (`kernels.tree_attention`), so its cost tracks the filled length rather than the
+filled length (`tlt_jax.kernels.tree_attention`), so its cost tracks the filled length rather than the
 cache capacity; `kv_block=None` is one dense, differentiable softmax (training).
 
 Module and parameter names mirror Hugging Face's (`model.layers.3.self_attn.q_proj`), which
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels import tree_attention
+from tlt_jax.kernels import tree_attention
 from tlt_jax import sharding
 from tlt_jax.models.config import ModelConfig
 
@@ -82,10 +82,15 @@ def _rope(x_BxTxNxD, cos_BxTxD, sin_BxTxD):
   return (x_BxTxNxD * cos + rotated * sin).astype(x_BxTxNxD.dtype)
 
 
-def _write(cache_BxSxNxD, new_BxTxNxD, start_B):
-  """Writes each row's new entries at its own offset (in place under donation)."""
-  put = lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), s, axis=0)
-  return jax.vmap(put)(cache_BxSxNxD, new_BxTxNxD, start_B)
+def _write(cache_LxBxSxKxD, layer, new_BxTxKxD, start_B):
+  """Writes layer `layer`'s new entries of each row at the row's own offset.
+
+  Only the new entries move: the (possibly 32k-slot) cache is updated in place, never copied.
+  """
+  b, t = new_BxTxKxD.shape[:2]
+  rows = jnp.arange(b)[:, None]
+  slots = start_B[:, None] + jnp.arange(t)[None, :]
+  return cache_LxBxSxKxD.at[layer, rows, slots].set(new_BxTxKxD.astype(cache_LxBxSxKxD.dtype), mode="drop")
 
 
 class Attention(nnx.Module):
@@ -101,7 +106,7 @@ class Attention(nnx.Module):
       self.q_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim")
       self.k_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim")
 
-  def __call__(self, x_BxTxH, cos, sin, k_BxSxKxD, v_BxSxKxD, lengths_B, mask_BxTxT, kv_block):
+  def __call__(self, x_BxTxH, cos, sin, layer, k_LxBxSxKxD, v_LxBxSxKxD, lengths_B, mask_BxTxT, kv_block):
     cfg = self.cfg
     b, t, _ = x_BxTxH.shape
     q = self.q_proj(x_BxTxH).reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -110,10 +115,10 @@ class Attention(nnx.Module):
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    k_BxSxKxD = sharding.constrain(_write(k_BxSxKxD, k, lengths_B), sharding.CACHE_AXES)
-    v_BxSxKxD = sharding.constrain(_write(v_BxSxKxD, v, lengths_B), sharding.CACHE_AXES)
-    out = tree_attention.reference(q, k_BxSxKxD, v_BxSxKxD, lengths_B, mask_BxTxT, block=kv_block)
-    return self.o_proj(out.reshape(b, t, cfg.num_heads * cfg.head_dim)), k_BxSxKxD, v_BxSxKxD
+    k_LxBxSxKxD = sharding.constrain(_write(k_LxBxSxKxD, layer, k, lengths_B), (None, *sharding.CACHE_AXES))
+    v_LxBxSxKxD = sharding.constrain(_write(v_LxBxSxKxD, layer, v, lengths_B), (None, *sharding.CACHE_AXES))
+    out = tree_attention.reference(q, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxT, block=kv_block)
+    return self.o_proj(out.reshape(b, t, cfg.num_heads * cfg.head_dim)), k_LxBxSxKxD, v_LxBxSxKxD
 
 
 class MLP(nnx.Module):
@@ -136,8 +141,8 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = _norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
     self.mlp = MLP(cfg, dtype, rngs)
 
-  def __call__(self, x, cos, sin, k, v, lengths, mask, kv_block):
-    attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, k, v, lengths, mask, kv_block)
+  def __call__(self, x, cos, sin, layer, k, v, lengths, mask, kv_block):
+    attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, layer, k, v, lengths, mask, kv_block)
     x = x + attn
     x = x + self.mlp(self.post_attention_layernorm(x))
     return sharding.constrain(x, sharding.ACTIVATION_AXES), k, v
@@ -182,14 +187,12 @@ class CausalLM(nnx.Module):
     angles = positions_BxT[..., None].astype(jnp.float32) * jnp.asarray(cfg.inv_freq(), jnp.float32)
     angles = jnp.concatenate([angles, angles], axis=-1)
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    ks, vs, aux = [], [], []
+    k, v, aux = cache.k, cache.v, []
     for i, layer in enumerate(self.model.layers):
-      x, k, v = layer(x, cos, sin, cache.k[i], cache.v[i], cache.lengths, mask_BxTxT, kv_block)
-      ks.append(k)
-      vs.append(v)
+      x, k, v = layer(x, cos, sin, i, k, v, cache.lengths, mask_BxTxT, kv_block)
       if i in hidden_layers:
         aux.append(x)
-    cache = dataclasses.replace(cache, k=jnp.stack(ks), v=jnp.stack(vs))
+    cache = dataclasses.replace(cache, k=k, v=v)
     return self.model.norm(x), tuple(aux), cache
 
 

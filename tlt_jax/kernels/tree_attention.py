@@ -35,17 +35,21 @@ def _scores(q_BxTxKxGxD, k_BxCxKxD, visible_BxTxC, scale):
   return jnp.where(visible_BxTxC[:, None, None], s, -jnp.inf)
 
 
-def reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, lengths_B, mask_BxTxT, *, block: int | None = None,
+def reference(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxT, *, block: int | None = None,
               scale: float | None = None):
-  """[B, T, H, D] attention outputs (GQA: H is a multiple of the K key/value heads)."""
+  """[B, T, H, D] attention outputs over layer `layer` of the caches (GQA: H = K x groups).
+
+  The caches hold every layer so that the blockwise path slices blocks straight out of them:
+  slicing the layer first would copy the whole layer cache at every step.
+  """
   b, t, h, d = q_BxTxHxD.shape
-  s_cap, kv_heads = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
+  s_cap, kv_heads = k_LxBxSxKxD.shape[2], k_LxBxSxKxD.shape[3]
   scale = d**-0.5 if scale is None else scale
   q = q_BxTxHxD.reshape(b, t, kv_heads, h // kv_heads, d)
   if block is None:
-    s = _scores(q, k_BxSxKxD, _visible(lengths_B, mask_BxTxT, 0, s_cap), scale)
-    p = jax.nn.softmax(s, axis=-1).astype(v_BxSxKxD.dtype)
-    out = jnp.einsum("bkgtc,bckd->btkgd", p, v_BxSxKxD)
+    s = _scores(q, k_LxBxSxKxD[layer], _visible(lengths_B, mask_BxTxT, 0, s_cap), scale)
+    p = jax.nn.softmax(s, axis=-1).astype(v_LxBxSxKxD.dtype)
+    out = jnp.einsum("bkgtc,bckd->btkgd", p, v_LxBxSxKxD[layer])
     return out.reshape(b, t, h, d)
 
   if s_cap % block:
@@ -55,8 +59,9 @@ def reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, lengths_B, mask_BxTxT, *, block: 
   def body(i, carry):
     m, l, acc = carry
     start = i * block
-    k = jax.lax.dynamic_slice_in_dim(k_BxSxKxD, start, block, axis=1)
-    v = jax.lax.dynamic_slice_in_dim(v_BxSxKxD, start, block, axis=1)
+    at, size = (layer, 0, start, 0, 0), (1, b, block, kv_heads, d)
+    k = jax.lax.dynamic_slice(k_LxBxSxKxD, at, size)[0]
+    v = jax.lax.dynamic_slice(v_LxBxSxKxD, at, size)[0]
     s = _scores(q, k, _visible(lengths_B, mask_BxTxT, start, block), scale)
     m_new = jnp.maximum(m, s.max(axis=-1))
     p = jnp.exp(s - m_new[..., None])
@@ -70,5 +75,5 @@ def reference(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, lengths_B, mask_BxTxT, *, block: 
   init = (jnp.full((b, kv_heads, g, t), _NEG, jnp.float32), jnp.zeros((b, kv_heads, g, t), jnp.float32),
           jnp.zeros((b, kv_heads, g, t, d), jnp.float32))
   _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
-  out = (acc / l[..., None]).astype(v_BxSxKxD.dtype)  # [B, K, G, T, D]
+  out = (acc / l[..., None]).astype(v_LxBxSxKxD.dtype)  # [B, K, G, T, D]
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
