@@ -42,11 +42,16 @@ def difficulty(config) -> tasks.Difficulty:
 
 
 def build_policy(config, tok) -> CausalLM:
+  """A Qwen3-architecture policy (q/k norm, tied embeddings).
+
+  Not Qwen2: transformers 5 loads every `qwen2` directory's tokenizer as Qwen2Tokenizer,
+  whatever tokenizer_config.json says, which would mangle the character tokenizer.
+  """
   m = config.model
   cfg = ModelConfig(
-      architecture="Qwen2ForCausalLM", vocab_size=len(tok), hidden_size=m.hidden_size,
+      architecture="Qwen3ForCausalLM", vocab_size=len(tok), hidden_size=m.hidden_size,
       intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
-      num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qkv_bias=True, tie_word_embeddings=True,
+      num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=True, tie_word_embeddings=True,
       max_position_embeddings=m.max_position_embeddings, bos_token_id=tok.bos_token_id,
       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
   return CausalLM(cfg, rngs=nnx.Rngs(config.seed))
@@ -150,13 +155,15 @@ def evaluate(config, model: CausalLM, tok, held_out: datasets.Dataset) -> dict:
     responses = [tok.decode(s.tokens, skip_special_tokens=True) for s in rollout.samples]
     scores, stats = rewards.score_batch("reasoning_gym", responses, [ex.ground_truth for ex in held_out],
                                         [ex.metadata for ex in held_out])
+    correct = scores >= 1.0
     terms = np.asarray([ex.metadata["num_terms"] for ex in held_out])
     by_bin = {}
     for label, lo, hi in BINS:
       sel = (terms >= lo) & (terms <= hi)
       if sel.any():
-        by_bin[label] = {"accuracy": float(scores[sel].mean()), "problems": int(sel.sum())}
-    report[name] = {"accuracy": float(scores.mean()), "accuracy_by_terms": by_bin, "reward_failures": stats["failures"],
+        by_bin[label] = {"accuracy": float(correct[sel].mean()), "problems": int(sel.sum())}
+    report[name] = {"accuracy": float(correct.mean()), "mean_reward": float(scores.mean()),
+                    "accuracy_by_terms": by_bin, "reward_failures": stats["failures"],
                     "response_length": length_stats([len(s.tokens) for s in rollout.samples]),
                     "truncated": sum(s.finish_reason == "length" for s in rollout.samples),
                     "tokens_per_s": rollout.metrics.tokens_per_s}
