@@ -121,3 +121,12 @@ def test_set_params_swaps_weights_without_recompiling(models):
   engine.set_params(perturbed)
   second = sample_set(engine.generate([[5, 6, 7]]))
   assert len(engine.pool) == n and first != second
+
+
+def test_persistent_compilation_cache(models, tmp_path):
+  config = EngineConfig(**{**CONFIG.__dict__, "batch_buckets": (1, 2), "compilation_cache_dir": str(tmp_path)})
+  try:
+    Engine(models["qwen2_tied"], config, SamplingParams(temperature=0, max_new_tokens=4)).generate([[5, 6]])
+  finally:
+    jax.config.update("jax_compilation_cache_dir", None)
+  assert len(list(tmp_path.iterdir())) >= 3  # init, prefill, segments, halve

@@ -40,7 +40,7 @@ def test_samples_follow_the_distribution():
   expected = probs(params) * n
   assert counts[expected == 0].sum() == 0
   assert stats.chisquare(counts[expected > 0], expected[expected > 0]).pvalue > 1e-3
-  np.testing.assert_allclose(np.asarray(lp), np.log(probs(params))[np.asarray(tokens)], atol=1e-6)
+  np.testing.assert_allclose(np.asarray(lp), np.log(probs(params)[np.asarray(tokens)]), atol=1e-6)
 
 
 def test_greedy_is_argmax_with_its_log_prob():

@@ -45,6 +45,7 @@ class EngineConfig:
   prefill_batch: int = 16  # unique prompts per prefill call
   compact: bool = True
   capture_hidden: bool = False  # keep the target's last hidden state of every generated token
+  compilation_cache_dir: str | None = None  # persistent XLA cache: later processes skip compiling
 
   def __post_init__(self):
     b = self.batch_buckets
@@ -140,6 +141,9 @@ class Engine:
       raise ValueError(f"max_new_tokens={params.max_new_tokens} exceeds the engine's capacity "
                        f"max_new_tokens={config.max_new_tokens}")
     self.config, self.sampling, self.mesh = config, params, mesh
+    if config.compilation_cache_dir:
+      jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+      jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     self.model_config = model.config
     self.graphdef, self.params = nnx.split(model)
     self.pool = ExecutablePool()
