@@ -12,7 +12,7 @@ def brute_force(q, k, v, lengths, mask):
   out = np.zeros_like(q)
   for r in range(b):
     for i in range(t):
-      keys = list(range(lengths[r])) + [lengths[r] + j for j in range(t) if mask[r, i, j]]
+      keys = list(range(lengths[r])) + [lengths[r] + j for j in range(mask.shape[2]) if mask[r, i, j]]
       for head in range(h):
         s = np.asarray([q[r, i, head] @ k[r, j, head // groups] for j in keys]) / np.sqrt(d)
         p = np.exp(s - s.max())
@@ -22,12 +22,13 @@ def brute_force(q, k, v, lengths, mask):
 
 @pytest.mark.parametrize("block", [None, 4, 8])
 @pytest.mark.parametrize("groups", [1, 4])
-def test_matches_brute_force(block, groups):
+@pytest.mark.parametrize("earlier", [0, 3])  # tree tokens of earlier calls before the new ones
+def test_matches_brute_force(block, groups, earlier):
   rng = np.random.RandomState(groups)
-  b, t, kv, d, cap = 3, 5, 2, 8, 16
+  b, t, kv, d, cap = 3, 5, 2, 8, 24
   lengths = np.asarray([0, 4, 11], np.int32)
-  mask = rng.rand(b, t, t) < 0.5
-  mask |= np.eye(t, dtype=bool)  # every query sees itself
+  mask = rng.rand(b, t, earlier + t) < 0.5
+  mask[:, :, earlier:] |= np.eye(t, dtype=bool)  # every query sees itself
   q = rng.randn(b, t, kv * groups, d).astype(np.float32)
   k = rng.randn(1, b, cap, kv, d).astype(np.float32)
   v = rng.randn(1, b, cap, kv, d).astype(np.float32)

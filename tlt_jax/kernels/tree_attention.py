@@ -1,11 +1,13 @@
 """Attention of T new tokens per row over that row's KV cache: the verify step's `tree_attention`.
 
 Semantics (shared by every implementation). Row b's cache holds its prefix in slots
-`[0, lengths[b])` and the T new tokens' keys/values in slots `lengths[b] + i`. Query t sees
+`[0, lengths[b])`, then a window of W slots: W - T tree tokens written by earlier calls (the
+drafter's previous tree levels; none for the target) and the T new tokens' keys/values last.
+Query t sees
   * every prefix slot, and
-  * new token i iff `mask_BxTxT[b, t, i]` (causal for prefill, the draft tree's ancestor mask
-    for verification, a single True for decode).
-Every query must see at least itself (the mask's diagonal is True).
+  * window slot w iff `mask_BxTxW[b, t, w]` (causal for prefill, the draft tree's ancestor
+    mask for verification, a single True for decode).
+Every query must see at least itself.
 
 This is the pure-jnp reference. With `block=None` it is one dense softmax over the whole cache
 (differentiable; what training uses). With `block=C` it walks the cache in blocks of C slots
@@ -21,12 +23,12 @@ import jax.numpy as jnp
 _NEG = -1e30  # finite "minus infinity" for the running max, so empty blocks give no NaN
 
 
-def _visible(lengths_B, mask_BxTxT, start, size):
+def _visible(lengths_B, mask_BxTxW, start, size):
   """[B, T, size] bool: which of the slots start..start+size-1 each query sees."""
-  t = mask_BxTxT.shape[1]
+  b, t, w = mask_BxTxW.shape
   rel_BxC = start + jnp.arange(size)[None, :] - lengths_B[:, None]
-  idx = jnp.broadcast_to(jnp.clip(rel_BxC, 0, t - 1)[:, None, :], (mask_BxTxT.shape[0], t, size))
-  new = jnp.take_along_axis(mask_BxTxT, idx, axis=2) & ((rel_BxC >= 0) & (rel_BxC < t))[:, None, :]
+  idx = jnp.broadcast_to(jnp.clip(rel_BxC, 0, w - 1)[:, None, :], (b, t, size))
+  new = jnp.take_along_axis(mask_BxTxW, idx, axis=2) & ((rel_BxC >= 0) & (rel_BxC < w))[:, None, :]
   return (rel_BxC < 0)[:, None, :] | new
 
 
@@ -35,7 +37,7 @@ def _scores(q_BxTxKxGxD, k_BxCxKxD, visible_BxTxC, scale):
   return jnp.where(visible_BxTxC[:, None, None], s, -jnp.inf)
 
 
-def reference(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxT, *, block: int | None = None,
+def reference(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW, *, block: int | None = None,
               scale: float | None = None):
   """[B, T, H, D] attention outputs over layer `layer` of the caches (GQA: H = K x groups).
 
@@ -47,14 +49,14 @@ def reference(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxT,
   scale = d**-0.5 if scale is None else scale
   q = q_BxTxHxD.reshape(b, t, kv_heads, h // kv_heads, d)
   if block is None:
-    s = _scores(q, k_LxBxSxKxD[layer], _visible(lengths_B, mask_BxTxT, 0, s_cap), scale)
+    s = _scores(q, k_LxBxSxKxD[layer], _visible(lengths_B, mask_BxTxW, 0, s_cap), scale)
     p = jax.nn.softmax(s, axis=-1).astype(v_LxBxSxKxD.dtype)
     out = jnp.einsum("bkgtc,bckd->btkgd", p, v_LxBxSxKxD[layer])
     return out.reshape(b, t, h, d)
 
   if s_cap % block:
     raise ValueError(f"cache capacity {s_cap} is not a multiple of the attention block {block}")
-  n_blocks = jnp.minimum((jnp.max(lengths_B) + t + block - 1) // block, s_cap // block)
+  n_blocks = jnp.minimum((jnp.max(lengths_B) + mask_BxTxW.shape[2] + block - 1) // block, s_cap // block)
 
   def body(i, carry):
     m, l, acc = carry
@@ -62,7 +64,7 @@ def reference(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxT,
     at, size = (layer, 0, start, 0, 0), (1, b, block, kv_heads, d)
     k = jax.lax.dynamic_slice(k_LxBxSxKxD, at, size)[0]
     v = jax.lax.dynamic_slice(v_LxBxSxKxD, at, size)[0]
-    s = _scores(q, k, _visible(lengths_B, mask_BxTxT, start, block), scale)
+    s = _scores(q, k, _visible(lengths_B, mask_BxTxW, start, block), scale)
     m_new = jnp.maximum(m, s.max(axis=-1))
     p = jnp.exp(s - m_new[..., None])
     rescale = jnp.exp(m - m_new)

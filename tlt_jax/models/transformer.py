@@ -1,10 +1,11 @@
 """The target decoder (Qwen2/2.5, R1-Distill-Qwen, Llama 3.x, Qwen3) over an explicit KV cache.
 
-One forward pass serves all three modes. The T new tokens of a row are written into its cache at
-slots `lengths[b] .. lengths[b] + T - 1` and attend to
-  * every cached slot `< lengths[b]` (the row's prefix), and
-  * the new tokens selected by `mask_BxTxT` (causal for prefill, the ancestor mask of a draft
-    tree for speculative verification, a single 1 for decode).
+One forward pass serves all three modes. After a row's prefix (slots `< lengths[b]`) comes a
+window of W slots whose last T receive the new tokens' keys/values (the first W - T hold tree
+tokens of earlier calls: the drafter's previous tree levels). New tokens attend to
+  * the whole prefix, and
+  * the window slots selected by `mask_BxTxW` (causal for prefill, the ancestor mask of a draft
+    tree for speculative verification, a single 1 for decode; W = T except for the drafter).
 `prefill` and `decode` then advance `lengths`; `verify` does not (the caller commits the accepted
 path). With `kv_block` set, attention walks the cache in blocks only up to the longest row's
 filled length (`tlt_jax.kernels.tree_attention`), so its cost tracks the filled length rather than the
@@ -83,7 +84,7 @@ def _rope(x_BxTxNxD, cos_BxTxD, sin_BxTxD):
 
 
 def _write(cache_LxBxSxKxD, layer, new_BxTxKxD, start_B):
-  """Writes layer `layer`'s new entries of each row at the row's own offset.
+  """Writes layer `layer`'s new entries of each row from the row's own offset `start_B`.
 
   Only the new entries move: the (possibly 32k-slot) cache is updated in place, never copied.
   """
@@ -106,7 +107,7 @@ class Attention(nnx.Module):
       self.q_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim")
       self.k_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim")
 
-  def __call__(self, x_BxTxH, cos, sin, layer, k_LxBxSxKxD, v_LxBxSxKxD, lengths_B, mask_BxTxT, kv_block):
+  def __call__(self, x_BxTxH, cos, sin, layer, k_LxBxSxKxD, v_LxBxSxKxD, lengths_B, mask_BxTxW, kv_block):
     cfg = self.cfg
     b, t, _ = x_BxTxH.shape
     q = self.q_proj(x_BxTxH).reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -115,9 +116,10 @@ class Attention(nnx.Module):
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    k_LxBxSxKxD = sharding.constrain(_write(k_LxBxSxKxD, layer, k, lengths_B), (None, *sharding.CACHE_AXES))
-    v_LxBxSxKxD = sharding.constrain(_write(v_LxBxSxKxD, layer, v, lengths_B), (None, *sharding.CACHE_AXES))
-    out = tree_attention.reference(q, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxT, block=kv_block)
+    start = lengths_B + mask_BxTxW.shape[2] - t
+    k_LxBxSxKxD = sharding.constrain(_write(k_LxBxSxKxD, layer, k, start), (None, *sharding.CACHE_AXES))
+    v_LxBxSxKxD = sharding.constrain(_write(v_LxBxSxKxD, layer, v, start), (None, *sharding.CACHE_AXES))
+    out = tree_attention.reference(q, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW, block=kv_block)
     return self.o_proj(out.reshape(b, t, cfg.num_heads * cfg.head_dim)), k_LxBxSxKxD, v_LxBxSxKxD
 
 
@@ -175,7 +177,7 @@ class CausalLM(nnx.Module):
       out = self.lm_head(hidden)
     return out.astype(jnp.float32)
 
-  def __call__(self, tokens_BxT, positions_BxT, cache: KVCache, mask_BxTxT, *,
+  def __call__(self, tokens_BxT, positions_BxT, cache: KVCache, mask_BxTxW, *,
                kv_block: int | None = None, hidden_layers: Sequence[int] = ()):
     """Runs T new tokens per row; returns (final hidden [B,T,H], aux hidden, cache with them written).
 
@@ -189,7 +191,7 @@ class CausalLM(nnx.Module):
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
     k, v, aux = cache.k, cache.v, []
     for i, layer in enumerate(self.model.layers):
-      x, k, v = layer(x, cos, sin, i, k, v, cache.lengths, mask_BxTxT, kv_block)
+      x, k, v = layer(x, cos, sin, i, k, v, cache.lengths, mask_BxTxW, kv_block)
       if i in hidden_layers:
         aux.append(x)
     cache = dataclasses.replace(cache, k=k, v=v)
