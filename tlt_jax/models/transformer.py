@@ -58,8 +58,9 @@ class KVCache:
   lengths: jax.Array  # [B] int32: slots [0, lengths[b]) hold row b's prefix
 
   @classmethod
-  def zeros(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> "KVCache":
-    shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+  def zeros(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32,
+            num_layers: int | None = None) -> "KVCache":
+    shape = (cfg.num_layers if num_layers is None else num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
   @property
@@ -135,16 +136,25 @@ class MLP(nnx.Module):
     return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nnx.Module):
+def rope_tables(cfg: ModelConfig, positions_BxT, dtype):
+  """cos, sin [B, T, head_dim] for the given positions."""
+  angles = positions_BxT[..., None].astype(jnp.float32) * jnp.asarray(cfg.inv_freq(), jnp.float32)
+  angles = jnp.concatenate([angles, angles], axis=-1)
+  return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
-  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-    self.input_layernorm = _norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm attention + SwiGLU MLP. The EAGLE drafter's layer has no input norm."""
+
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, input_norm: bool = True):
+    self.input_layernorm = _norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs) if input_norm else None
     self.self_attn = Attention(cfg, dtype, rngs)
     self.post_attention_layernorm = _norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
     self.mlp = MLP(cfg, dtype, rngs)
 
   def __call__(self, x, cos, sin, layer, k, v, lengths, mask, kv_block):
-    attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, layer, k, v, lengths, mask, kv_block)
+    h = x if self.input_layernorm is None else self.input_layernorm(x)
+    attn, k, v = self.self_attn(h, cos, sin, layer, k, v, lengths, mask, kv_block)
     x = x + attn
     x = x + self.mlp(self.post_attention_layernorm(x))
     return sharding.constrain(x, sharding.ACTIVATION_AXES), k, v
@@ -186,9 +196,7 @@ class CausalLM(nnx.Module):
     """
     cfg = self.config
     x = sharding.constrain(self.model.embed_tokens(tokens_BxT), sharding.ACTIVATION_AXES)
-    angles = positions_BxT[..., None].astype(jnp.float32) * jnp.asarray(cfg.inv_freq(), jnp.float32)
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    cos, sin = rope_tables(cfg, positions_BxT, x.dtype)
     k, v, aux = cache.k, cache.v, []
     for i, layer in enumerate(self.model.layers):
       x, k, v = layer(x, cos, sin, i, k, v, cache.lengths, mask_BxTxW, kv_block)

@@ -1,12 +1,18 @@
 """The rollout engine: jitted prefill and decode segments over explicit state, with long-tail compaction.
 
-Functional core: `RowState` (KV cache, last token, per-row counters, outputs) goes through pure
+Functional core: `RowState` (KV caches, last token, per-row counters, outputs) goes through pure
 functions compiled ahead of time for every batch bucket: `init`, `prefill` (a chunk of unique
 prompts, copied into each of their sample rows: GRPO groups share one prefill), `segment`
-(up to `segment_steps` decode steps in a `lax.while_loop`) and `halve` (compaction into the
-next smaller bucket). Imperative shell: `Engine.generate` regains control between segments,
+(up to `segment_steps` steps in a `lax.while_loop`) and `halve` (compaction into the next
+smaller bucket). Imperative shell: `Engine.generate` regains control between segments,
 harvests finished rows, and when the active rows fit a smaller bucket it compacts them, so the
 long tail runs a small executable instead of dragging finished rows along.
+
+One step function serves plain and speculative decoding: a plain step verifies the one-node
+tree (the last token), a speculative step drafts an EAGLE-2 tree first; both accept with
+`speculative.accept`. With a drafter attached, every step also feeds the drafter the committed
+(feature, token) pairs, so its cache is current whenever the tail switches speculation on
+(costing one drafter layer per plain step instead of a re-prefill at the switch).
 
 Every executable a rollout needs is compiled before it starts (the JAX counterpart of TLT's
 CUDA-graph pool); a rollout itself never compiles.
@@ -15,7 +21,7 @@ CUDA-graph pool); a rollout itself never compiles.
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 import time
 from typing import Callable, Sequence
 
@@ -28,9 +34,11 @@ from flax import nnx
 from tlt_jax import sharding
 from tlt_jax.models import transformer
 from tlt_jax.models.transformer import KVCache
-from tlt_jax.rollout import sampling
+from tlt_jax.drafter.model import Drafter
+from tlt_jax.rollout import speculative
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.speculative import Strategy
 
 FINISH_REASONS = ("running", "stop", "length")
 
@@ -46,6 +54,8 @@ class EngineConfig:
   compact: bool = True
   capture_hidden: bool = False  # keep the target's last hidden state of every generated token
   compilation_cache_dir: str | None = None  # persistent XLA cache: later processes skip compiling
+  speculative: Strategy | None = None  # draft strategy for the tail (needs a drafter)
+  sd_max_batch: int = 32  # speculate while at most this many rows are active (TLT: 32)
 
   def __post_init__(self):
     b = self.batch_buckets
@@ -54,7 +64,9 @@ class EngineConfig:
 
   @property
   def capacity(self) -> int:
-    return -(-(self.max_prompt_len + self.max_new_tokens) // self.kv_block) * self.kv_block
+    """Cache slots per row: prompt, response, and the tree slots a step writes past the length."""
+    window = self.speculative.window if self.speculative else 1
+    return -(-(self.max_prompt_len + self.max_new_tokens + window) // self.kv_block) * self.kv_block
 
   @property
   def prompt_buckets(self) -> tuple[int, ...]:
@@ -82,6 +94,9 @@ class RowState:
   tokens: jax.Array  # [B, N]
   logprobs: jax.Array  # [B, N] log-prob of each token under the sampling distribution
   hidden: jax.Array | None  # [B, N, H] feature that produced token i (EAGLE's f_t for x_{t+1})
+  passes: jax.Array  # [B] target forward passes (verify steps) while active
+  drafter_cache: KVCache | None  # one layer; pairs (f_p, x_{p+1}) for every committed position p
+  draft_feat: jax.Array | None  # [B, H] drafter output for the last committed pair
 
 
 @dataclasses.dataclass
@@ -100,6 +115,8 @@ class SegmentRecord:
   active_rows: int
   tokens: int
   seconds: float
+  strategy: str | None = None  # None: plain decoding
+  passes: int = 0  # row-steps: target forward passes summed over active rows
 
 
 @dataclasses.dataclass
@@ -121,6 +138,19 @@ class RolloutMetrics:
   def buckets(self) -> list[int]:
     return [s.bucket for s in self.segments]
 
+  @property
+  def sd_s(self) -> float:
+    return sum(s.seconds for s in self.segments if s.strategy)
+
+  @property
+  def verify_passes(self) -> int:
+    return sum(s.passes for s in self.segments if s.strategy)
+
+  @property
+  def accept_len(self) -> float:
+    """Mean tokens emitted per speculative verify pass (bonus included); 0 without speculation."""
+    return sum(s.tokens for s in self.segments if s.strategy) / max(self.verify_passes, 1)
+
 
 @dataclasses.dataclass
 class Rollout:
@@ -133,19 +163,26 @@ def _where_rows(mask_B, new, old):
 
 
 class Engine:
-  """Generates from a `CausalLM` with sampling params fixed per engine (they are compiled in)."""
+  """Generates from a `CausalLM` with sampling params fixed per engine (they are compiled in).
+
+  With a `drafter` and `config.speculative`, rows of the tail (at most `config.sd_max_batch`
+  active) decode speculatively; the output distribution is the target's either way.
+  """
 
   def __init__(self, model: transformer.CausalLM, config: EngineConfig, params: SamplingParams,
-               mesh: jax.sharding.Mesh | None = None):
+               mesh: jax.sharding.Mesh | None = None, drafter: Drafter | None = None):
     if params.max_new_tokens > config.max_new_tokens:
       raise ValueError(f"max_new_tokens={params.max_new_tokens} exceeds the engine's capacity "
                        f"max_new_tokens={config.max_new_tokens}")
+    if config.speculative is not None and drafter is None:
+      raise ValueError(f"speculative strategy {config.speculative.name} needs a drafter")
     self.config, self.sampling, self.mesh = config, params, mesh
     if config.compilation_cache_dir:
       jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     self.model_config = model.config
     self.graphdef, self.params = nnx.split(model)
+    self.drafter_graphdef, self.drafter_params = nnx.split(drafter) if drafter is not None else (None, None)
     self.pool = ExecutablePool()
     self._dtype = model.model.embed_tokens.embedding.dtype
 
@@ -153,62 +190,121 @@ class Engine:
     """Swaps in new weights of the same shapes (e.g. after an RL update); no recompilation."""
     self.params = state
 
+  def set_drafter_params(self, state: nnx.State) -> None:
+    self.drafter_params = state
+
   # ---- pure functions (compiled per shape) ----
+
+  def _models(self, params, drafter_params):
+    model = nnx.merge(self.graphdef, params)
+    drafter = None if self.drafter_graphdef is None else nnx.merge(self.drafter_graphdef, drafter_params)
+    return model, drafter
 
   def _init(self, prompt_index, sample_index, row_id, max_new):
     cfg, mc = self.config, self.model_config
     b, n = prompt_index.shape[0], self.sampling.max_new_tokens
     zeros = jnp.zeros((b,), jnp.int32)
+    drafting = self.drafter_graphdef is not None
     return RowState(
         cache=KVCache.zeros(mc, b, cfg.capacity, self._dtype), last_token=zeros, num_generated=zeros,
         max_new=max_new, done=row_id < 0, finish=zeros, prompt_index=prompt_index,
         sample_index=sample_index, row_id=row_id, tokens=jnp.zeros((b, n), jnp.int32),
         logprobs=jnp.zeros((b, n), jnp.float32),
-        hidden=jnp.zeros((b, n, mc.hidden_size), self._dtype) if cfg.capture_hidden else None)
+        hidden=jnp.zeros((b, n, mc.hidden_size), self._dtype) if cfg.capture_hidden else None, passes=zeros,
+        drafter_cache=KVCache.zeros(mc, b, cfg.capacity, self._dtype, num_layers=1) if drafting else None,
+        draft_feat=jnp.zeros((b, mc.hidden_size), self._dtype) if drafting else None)
 
-  def _emit(self, st: RowState, active, logits, hidden):
-    """Samples each active row's next token from `logits` and records it."""
-    sp = self.sampling
-    keys = sampling.row_keys(sp.seed, st.prompt_index, st.sample_index, st.num_generated)
-    tok, lp = sampling.sample(sampling.log_probs(logits, sp), keys, sp)
-    rows = jnp.arange(tok.shape[0])
-    pos = jnp.where(active, st.num_generated, st.tokens.shape[1])  # out of bounds: dropped
-    n_gen = st.num_generated + active
-    stop = active & jnp.isin(tok, jnp.asarray(sp.stop_token_ids, jnp.int32))
-    length = active & ~stop & (n_gen >= st.max_new)
+  def _record(self, st: RowState, active, acc: speculative.Accepted, hidden_BxMxH):
+    """Writes the accepted tokens (and the features that produced them) into the row outputs."""
+    b, m = acc.tokens.shape
+    rows = jnp.arange(b)[:, None]
+    j = jnp.arange(m)[None]
+    pos = jnp.where(j < acc.count[:, None], st.num_generated[:, None] + j, st.tokens.shape[1])  # else dropped
+    last = acc.tokens[rows[:, 0], jnp.maximum(acc.count - 1, 0)]
+    hidden = st.hidden
+    if hidden is not None:
+      hidden = hidden.at[rows, pos].set(hidden_BxMxH.astype(hidden.dtype), mode="drop")
     return dataclasses.replace(
-        st, last_token=jnp.where(active, tok, st.last_token), num_generated=n_gen,
-        done=st.done | stop | length, finish=jnp.where(stop, 1, jnp.where(length, 2, st.finish)),
-        tokens=st.tokens.at[rows, pos].set(tok, mode="drop"),
-        logprobs=st.logprobs.at[rows, pos].set(lp, mode="drop"),
-        hidden=None if st.hidden is None else st.hidden.at[rows, pos].set(hidden.astype(st.hidden.dtype),
-                                                                          mode="drop"))
+        st, last_token=jnp.where(acc.count > 0, last, st.last_token), num_generated=st.num_generated + acc.count,
+        done=st.done | acc.stop | acc.length, finish=jnp.where(acc.stop, 1, jnp.where(acc.length, 2, st.finish)),
+        tokens=st.tokens.at[rows, pos].set(acc.tokens, mode="drop"),
+        logprobs=st.logprobs.at[rows, pos].set(acc.logprobs, mode="drop"), hidden=hidden,
+        passes=st.passes + active)
 
-  def _prefill(self, params, st: RowState, tokens_PxT, lengths_P, row_prompt_B):
+  def _feed_drafter(self, model, drafter, st: RowState, features_BxMxH, tokens_BxM, count_B):
+    """Writes the committed pairs (f_p, x_{p+1}) into the drafter cache; keeps the last output."""
+    b, m = tokens_BxM.shape
+    dcache = st.drafter_cache
+    positions = dcache.lengths[:, None] + jnp.arange(m)[None]
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((m, m), bool)), (b, m, m))
+    out, dcache = drafter(model, features_BxMxH, tokens_BxM, positions, dcache, causal, kv_block=self.config.kv_block)
+    last = out[jnp.arange(b), jnp.maximum(count_B - 1, 0)]
+    return dataclasses.replace(st, drafter_cache=dataclasses.replace(dcache, lengths=dcache.lengths + count_B),
+                               draft_feat=jnp.where((count_B > 0)[:, None], last, st.draft_feat))
+
+  def _prefill(self, params, drafter_params, st: RowState, tokens_PxT, lengths_P, row_prompt_B):
     """Prefills P unique prompts and copies each into its rows (row_prompt_B >= 0)."""
-    model = nnx.merge(self.graphdef, params)
+    model, drafter = self._models(params, drafter_params)
     p, t = tokens_PxT.shape
-    out = transformer.prefill(model, tokens_PxT, lengths_P, KVCache.zeros(self.model_config, p, t, self._dtype))
+    layers = drafter.feature_layers if drafter is not None else ()
+    out = transformer.prefill(model, tokens_PxT, lengths_P, KVCache.zeros(self.model_config, p, t, self._dtype),
+                              hidden_layers=layers)
     sel, src = row_prompt_B >= 0, jnp.maximum(row_prompt_B, 0)
-    k = _where_rows(sel, jnp.moveaxis(out.cache.k[:, src], 1, 0), jnp.moveaxis(st.cache.k[:, :, :t], 1, 0))
-    v = _where_rows(sel, jnp.moveaxis(out.cache.v[:, src], 1, 0), jnp.moveaxis(st.cache.v[:, :, :t], 1, 0))
-    cache = KVCache(k=st.cache.k.at[:, :, :t].set(jnp.moveaxis(k, 0, 1)),
-                    v=st.cache.v.at[:, :, :t].set(jnp.moveaxis(v, 0, 1)),
+    copy_rows = lambda new, old: jnp.moveaxis(_where_rows(sel, jnp.moveaxis(new, 1, 0), jnp.moveaxis(old, 1, 0)), 0, 1)
+    cache = KVCache(k=st.cache.k.at[:, :, :t].set(copy_rows(out.cache.k[:, src], st.cache.k[:, :, :t])),
+                    v=st.cache.v.at[:, :, :t].set(copy_rows(out.cache.v[:, src], st.cache.v[:, :, :t])),
                     lengths=jnp.where(sel, lengths_P[src], st.cache.lengths))
-    last_hidden = jnp.take_along_axis(out.hidden, jnp.maximum(lengths_P - 1, 0)[:, None, None], axis=1)[:, 0]
-    return self._emit(dataclasses.replace(st, cache=cache), sel, out.logits[src], last_hidden[src])
+    rows = jnp.arange(src.shape[0])
+    last = jnp.maximum(lengths_P[src] - 1, 0)
+    acc = speculative.accept(out.logits[src][:, None], speculative.root_only(st.last_token), sel, st.num_generated,
+                             st.max_new, st.prompt_index, st.sample_index, self.sampling, 0)
+    st = self._record(dataclasses.replace(st, cache=cache), jnp.zeros_like(sel), acc,
+                      out.hidden[src][rows, last][:, None])
+    if drafter is None:
+      return st
+    # The drafter's prompt pairs (f_p, x_{p+1}); the last one pairs with the row's own first token.
+    features = drafter.target_features(out.hidden, out.aux_hidden)[src]
+    shifted = jnp.concatenate([tokens_PxT[src][:, 1:], jnp.zeros((src.shape[0], 1), jnp.int32)], axis=1)
+    shifted = shifted.at[rows, last].set(acc.tokens[:, 0])
+    fresh = dataclasses.replace(st, drafter_cache=drafter.empty_cache(src.shape[0], t, self._dtype))
+    fed = self._feed_drafter(model, drafter, fresh, features, shifted, jnp.where(sel, lengths_P[src], 0))
+    dcache = st.drafter_cache
+    dcache = KVCache(k=dcache.k.at[:, :, :t].set(copy_rows(fed.drafter_cache.k, dcache.k[:, :, :t])),
+                     v=dcache.v.at[:, :, :t].set(copy_rows(fed.drafter_cache.v, dcache.v[:, :, :t])),
+                     lengths=jnp.where(sel, fed.drafter_cache.lengths, dcache.lengths))
+    return dataclasses.replace(st, drafter_cache=dcache, draft_feat=jnp.where(sel[:, None], fed.draft_feat,
+                                                                                st.draft_feat))
 
-  def _segment(self, params, st: RowState):
-    """Up to `segment_steps` decode steps; stops early once every row is done."""
-    model = nnx.merge(self.graphdef, params)
+  def _step(self, model, drafter, st: RowState, strategy: Strategy | None) -> RowState:
+    """One plain (strategy None) or speculative step for every active row."""
+    active = ~st.done
+    kv_block = self.config.kv_block
+    if strategy is None:
+      tree, depth = speculative.root_only(st.last_token), 0
+    else:
+      def draft_fn(cache, feats, tokens, positions, mask):
+        return drafter(model, feats, tokens, positions, cache, mask, kv_block=kv_block)
 
-    def step(carry):
-      i, st = carry
-      active = ~st.done
-      out = transformer.decode(model, st.last_token, st.cache, kv_block=self.config.kv_block)
-      cache = dataclasses.replace(out.cache, lengths=jnp.where(active, out.cache.lengths, st.cache.lengths))
-      return i + 1, self._emit(dataclasses.replace(st, cache=cache), active, out.logits, out.hidden)
+      tree, dcache = speculative.draft_tree(draft_fn, model.logits, st.draft_feat, st.last_token, st.drafter_cache,
+                                            strategy)
+      st, depth = dataclasses.replace(st, drafter_cache=dcache), strategy.depth
+    layers = drafter.feature_layers if drafter is not None else ()
+    out = transformer.verify(model, tree.tokens, st.cache.lengths[:, None] + tree.depths, tree.mask, st.cache,
+                             kv_block=kv_block, hidden_layers=layers)
+    acc = speculative.accept(out.logits, tree, active, st.num_generated, st.max_new, st.prompt_index,
+                             st.sample_index, self.sampling, depth)
+    cache = speculative.commit(out.cache, acc.nodes, acc.count, tree.tokens.shape[1])
+    rows = jnp.arange(acc.nodes.shape[0])[:, None]
+    st = self._record(dataclasses.replace(st, cache=cache), active, acc, out.hidden[rows, acc.nodes])
+    if drafter is None:
+      return st
+    features = drafter.target_features(out.hidden, out.aux_hidden)[rows, acc.nodes]
+    return self._feed_drafter(model, drafter, st, features, acc.tokens, acc.count)
 
+  def _segment(self, params, drafter_params, st: RowState, strategy: Strategy | None):
+    """Up to `segment_steps` steps; stops early once every row is done."""
+    model, drafter = self._models(params, drafter_params)
+    step = lambda carry: (carry[0] + 1, self._step(model, drafter, carry[1], strategy))
     cond = lambda carry: (carry[0] < self.config.segment_steps) & ~jnp.all(carry[1].done)
     return jax.lax.while_loop(cond, step, (jnp.int32(0), st))[1]
 
@@ -216,11 +312,11 @@ class Engine:
   def _halve(st: RowState, keep_b):
     """Gathers rows `keep_b` (half the bucket; -1 = empty slot) into a state half the size."""
     src = jnp.maximum(keep_b, 0)
-    take = lambda x: None if x is None else x[src]
-    out = jax.tree.map(take, dataclasses.replace(st, cache=None))
-    cache = KVCache(k=st.cache.k[:, src], v=st.cache.v[:, src], lengths=st.cache.lengths[src])
+    out = jax.tree.map(lambda x: x[src], dataclasses.replace(st, cache=None, drafter_cache=None))
+    take_cache = lambda c: None if c is None else KVCache(k=c.k[:, src], v=c.v[:, src], lengths=c.lengths[src])
     empty = keep_b < 0
-    return dataclasses.replace(out, cache=cache, done=out.done | empty, row_id=jnp.where(empty, -1, out.row_id))
+    return dataclasses.replace(out, cache=take_cache(st.cache), drafter_cache=take_cache(st.drafter_cache),
+                               done=out.done | empty, row_id=jnp.where(empty, -1, out.row_id))
 
   # ---- the executable pool ----
 
@@ -232,8 +328,9 @@ class Engine:
     if self.mesh is None:
       return None
     batch = lambda x: sharding.array_sharding(x.shape, ("batch",) + (None,) * (x.ndim - 1), self.mesh)
-    shardings = jax.tree.map(batch, dataclasses.replace(state, cache=None))
-    return dataclasses.replace(shardings, cache=sharding.cache_shardings(state.cache, self.mesh))
+    shardings = jax.tree.map(batch, dataclasses.replace(state, cache=None, drafter_cache=None))
+    cache = lambda c: None if c is None else sharding.cache_shardings(c, self.mesh)
+    return dataclasses.replace(shardings, cache=cache(state.cache), drafter_cache=cache(state.drafter_cache))
 
   def _compile(self, key, fn, args, out_bucket, donate=()):
     def build():
@@ -244,21 +341,30 @@ class Engine:
       return jitted.lower(*abstract).compile()
     return self.pool.get_or_compile(key, build)
 
+  def _uses_sd(self, bucket: int) -> bool:
+    cfg = self.config
+    return cfg.speculative is not None and bucket <= cfg.bucket(min(cfg.sd_max_batch, cfg.batch_buckets[-1]))
+
   def prepare(self, rows: int, prompt_lens: Sequence[int] = ()) -> None:
     """Compiles everything a rollout of `rows` rows needs (no-op for what the pool holds)."""
     cfg = self.config
     b0 = cfg.bucket(rows)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    params = (self.params, self.drafter_params)
     self._compile(("init", b0), self._init, [i32(b0)] * 4, b0)
     p = min(cfg.prefill_batch, b0)
     for t in sorted({self._prompt_bucket(n) for n in prompt_lens} or set(cfg.prompt_buckets)):
       self._compile(("prefill", b0, p, t), self._prefill,
-                    [self.params, self._abstract_state(b0), i32(p, t), i32(p), i32(b0)], b0, donate=(1,))
+                    [*params, self._abstract_state(b0), i32(p, t), i32(p), i32(b0)], b0, donate=(2,))
     for b in cfg.batch_buckets:
-      if b <= b0:
-        self._compile(("segment", b), self._segment, [self.params, self._abstract_state(b)], b, donate=(1,))
-        if b > 1 and cfg.compact:
-          self._compile(("halve", b // 2, b), self._halve, [self._abstract_state(b), i32(b // 2)], b // 2)
+      if b > b0:
+        break
+      strategies = [None] + ([cfg.speculative] if self._uses_sd(b) else [])
+      for strategy in strategies:
+        self._compile(("segment", b, strategy), functools.partial(self._segment, strategy=strategy),
+                      [*params, self._abstract_state(b)], b, donate=(2,))
+      if b > 1 and cfg.compact:
+        self._compile(("halve", b // 2, b), self._halve, [self._abstract_state(b), i32(b // 2)], b // 2)
 
   def _prompt_bucket(self, n: int) -> int:
     return next(t for t in self.config.prompt_buckets if t >= n)
@@ -313,7 +419,7 @@ class Engine:
         lengths[k] = len(prompts[i])
       slot = {i: k for k, i in enumerate(chunk)}
       row_prompt = pad([slot.get(i, -1) for i, _ in rows], -1)
-      st = pool[("prefill", b, p, t)](self.params, st, tokens, lengths, row_prompt)
+      st = pool[("prefill", b, p, t)](self.params, self.drafter_params, st, tokens, lengths, row_prompt)
     done = np.asarray(st.done)
     metrics.prefill_s += time.perf_counter() - t0
     metrics.tokens += len(rows)
@@ -333,21 +439,23 @@ class Engine:
           b //= 2
         jax.block_until_ready(st)
         metrics.compact_s += time.perf_counter() - t0
+      strategy = cfg.speculative if self._uses_sd(b) and active <= cfg.sd_max_batch else None
       t0 = time.perf_counter()
-      before = int(np.sum(np.asarray(st.num_generated)))
-      st = pool[("segment", b)](self.params, st)
+      before = np.asarray(st.num_generated).sum(), np.asarray(st.passes).sum()
+      st = pool[("segment", b, strategy)](self.params, self.drafter_params, st)
       done = np.asarray(st.done)
-      produced = int(np.sum(np.asarray(st.num_generated))) - before
+      produced = int(np.asarray(st.num_generated).sum() - before[0])
       seconds = time.perf_counter() - t0
       metrics.decode_s += seconds
       metrics.tokens += produced
-      metrics.segments.append(SegmentRecord(b, active, produced, seconds))
+      metrics.segments.append(SegmentRecord(b, active, produced, seconds, strategy and strategy.name,
+                                            int(np.asarray(st.passes).sum() - before[1])))
       on_progress(active - int((~done).sum()), produced)
     return out + self._harvest(st, harvested)
 
   def _harvest(self, st: RowState, harvested: np.ndarray) -> list[Sample]:
     """Host copies of the finished rows not yet taken (before compaction drops them)."""
-    host = jax.device_get(dataclasses.replace(st, cache=None))
+    host = jax.device_get(dataclasses.replace(st, cache=None, drafter_cache=None, draft_feat=None))
     out = []
     for r in np.flatnonzero(host.done & (host.row_id >= 0)):
       rid = host.row_id[r]

@@ -1,0 +1,1 @@
+"""The Adaptive Drafter: EAGLE-style one-layer drafter, its loss and training."""

@@ -1,0 +1,59 @@
+"""EAGLE-style drafter: one decoder layer fed by the target's features.
+
+At position t the drafter reads `fc(concat(embed(x_{t+1}), f_t))` (2H -> H), where f_t is the
+target's feature at t, runs one decoder layer without input norm (and no final norm) and
+predicts f_{t+1}; logits come from the TARGET's lm_head. Embedding and lm_head are the live
+policy's own: they are passed in at every call, never copied, so they follow the policy as RL
+changes it. Only `fc` and the layer are trainable.
+
+EAGLE-3 (`feature_layers` set): the target feature is a learned fusion of three target layers
+(low, mid, high) instead of its last hidden state; deeper tree levels feed the drafter its own
+output, as in EAGLE-3.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.transformer import CausalLM, DecoderLayer, KVCache, _linear, rope_tables
+
+
+class Drafter(nnx.Module):
+
+  def __init__(self, target: ModelConfig, *, feature_layers: Sequence[int] = (), dtype=jnp.float32,
+               rngs: nnx.Rngs):
+    h = target.hidden_size
+    self.config = target
+    self.feature_layers = tuple(feature_layers)
+    if self.feature_layers and len(self.feature_layers) != 3:
+      raise ValueError(f"EAGLE-3 fuses three target layers (low, mid, high), got {self.feature_layers}")
+    self.fuse = _linear(3 * h, h, ("embed", "embed"), False, dtype, rngs) if self.feature_layers else None
+    self.fc = _linear(2 * h, h, ("embed", "embed"), True, dtype, rngs)
+    self.layer = DecoderLayer(target, dtype, rngs, input_norm=False)
+
+  def target_features(self, hidden_BxTxH, aux_hidden: tuple[jax.Array, ...]) -> jax.Array:
+    """The drafter's view of the target at each position: its last hidden state, or (EAGLE-3)
+    the fusion of the `feature_layers` outputs (request them with `hidden_layers`)."""
+    if self.fuse is None:
+      return hidden_BxTxH
+    return self.fuse(jnp.concatenate(aux_hidden, axis=-1))
+
+  def __call__(self, target: CausalLM, features_BxTxH, tokens_BxT, positions_BxT, cache: KVCache, mask_BxTxW, *,
+               kv_block: int | None = None):
+    """Predicted next features [B, T, H] and the drafter cache with the new pairs written.
+
+    Pair t is (feature f_p, token x_{p+1}) at position p = positions_BxT[:, t].
+    """
+    embed = target.model.embed_tokens(tokens_BxT)
+    x = self.fc(jnp.concatenate([embed, features_BxTxH.astype(embed.dtype)], axis=-1))
+    cos, sin = rope_tables(self.config, positions_BxT, x.dtype)
+    x, k, v = self.layer(x, cos, sin, 0, cache.k, cache.v, cache.lengths, mask_BxTxW, kv_block)
+    return x, KVCache(k=k, v=v, lengths=cache.lengths)
+
+  def empty_cache(self, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+    return KVCache.zeros(self.config, batch, capacity, dtype, num_layers=1)

@@ -1,0 +1,199 @@
+"""Speculative decoding pieces: strategies, EAGLE-2 dynamic draft trees, lossless acceptance, commit.
+
+Tree layout (static shapes, V = verify tokens): node 0 is the root (the last emitted token, not
+yet in the target cache); nodes 1..V-1 are draft tokens ordered so that parents precede
+children; `parents[0] = -1`; `mask[i, j]` is True iff j is i or an ancestor of i.
+
+Acceptance is exact for any drafter. At the current node (the root first) the next token is
+drawn from the target's sampling distribution p at that node with the key plain decoding would
+use for that position; if it equals one of the node's children, the walk descends there and
+repeats, otherwise it stops with that token as the bonus. Each child c is thus accepted with
+probability p(c), and on rejection of all children the bonus follows p restricted to the other
+tokens, renormalised: the target-only sequential scheme of REFERENCE.md section 3 (one draw per
+depth against the siblings' cumulative target mass). Every emitted token is a sample of p with
+plain decoding's own key, so a speculative rollout equals the plain one for any drafter, up to
+float rounding of p.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from tlt_jax.models.transformer import KVCache
+from tlt_jax.rollout import sampling
+from tlt_jax.rollout.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+  """Draft depth, children kept per expanded node, and tokens verified (root included)."""
+
+  depth: int
+  top_k: int
+  verify_tokens: int
+
+  def __post_init__(self):
+    if self.depth < 1 or self.top_k < 1:
+      raise ValueError(f"strategy {self.name}: depth and top_k must be >= 1")
+    candidates = self.top_k + (self.depth - 1) * self.top_k**2
+    if not 2 <= self.verify_tokens <= 1 + candidates:
+      raise ValueError(f"strategy {self.name}: verify_tokens must be in [2, {1 + candidates}] "
+                       f"(root + the {candidates} candidates a depth-{self.depth}, top-{self.top_k} tree drafts)")
+
+  @property
+  def name(self) -> str:
+    return f"{self.depth}_{self.top_k}_{self.verify_tokens}"
+
+  @classmethod
+  def parse(cls, name: str) -> "Strategy":
+    """'depth_topk_verify', e.g. '4_2_8'; top_k 1 is chain drafting."""
+    try:
+      depth, top_k, verify = (int(x) for x in name.split("_"))
+    except ValueError:
+      raise ValueError(f"strategy {name!r} is not 'depth_topk_verify' (e.g. '4_2_8')") from None
+    return cls(depth, top_k, verify)
+
+  @property
+  def window(self) -> int:
+    """Cache slots a step may write past a row's length (tree, drafter levels, catch-up)."""
+    return max(self.verify_tokens, (self.depth - 1) * self.top_k, self.depth + 1)
+
+
+@flax.struct.dataclass
+class Tree:
+  tokens: jax.Array  # [B, V]
+  parents: jax.Array  # [B, V], -1 for the root
+  depths: jax.Array  # [B, V]
+  mask: jax.Array  # [B, V, V] ancestor-or-self
+
+
+def ancestor_mask(parents_BxV, depth: int):
+  """[B, V, V] ancestor-or-self mask of trees of at most `depth` levels below the root."""
+  b, v = parents_BxV.shape
+  up = jnp.maximum(parents_BxV, 0)  # the root is its own parent
+  mask = jnp.broadcast_to(jnp.eye(v, dtype=bool), (b, v, v))
+  cur = jnp.broadcast_to(jnp.arange(v), (b, v))
+  rows = jnp.arange(b)[:, None]
+  for _ in range(depth):
+    cur = up[rows, cur]
+    mask = mask | jax.nn.one_hot(cur, v, dtype=bool)
+  return mask
+
+
+def draft_tree(draft_fn, logits_fn, draft_feat_BxH, root_B, cache: KVCache, strategy: Strategy):
+  """EAGLE-2 dynamic tree: expand the top-k frontier level by level, keep the best V-1 nodes.
+
+  `draft_feat_BxH` is the drafter's output for the last committed pair (it predicts the root's
+  feature); `draft_fn(cache, features_BxKxH, tokens_BxK, positions_BxK, mask_BxKxW)` runs the
+  drafter on one frontier, writing the drafter cache past its lengths, and returns (predicted
+  features, cache); `logits_fn` maps features to target vocabulary logits. Scores are
+  cumulative draft log-probs. Returns the tree and the drafter cache (lengths unchanged).
+  """
+  lengths_B = cache.lengths
+  k, depth, v = strategy.top_k, strategy.depth, strategy.verify_tokens
+  b = root_B.shape[0]
+  rows = jnp.arange(b)[:, None]
+  score, token = jax.lax.top_k(jax.nn.log_softmax(logits_fn(draft_feat_BxH), axis=-1), k)
+  pool_token, pool_score = [token], [score]
+  pool_parent, pool_depth = [jnp.full((b, k), -1)], [jnp.ones((b, k), jnp.int32)]
+  frontier = jnp.broadcast_to(jnp.arange(k), (b, k))  # pool indices of the frontier
+  feats = jnp.broadcast_to(draft_feat_BxH[:, None], (b, k, draft_feat_BxH.shape[-1]))
+  window = (depth - 1) * k
+  anc = jnp.zeros((b, k, max(window, 1)), bool)  # drafter-window slots of each frontier node's ancestors
+  offset = k
+  for d in range(2, depth + 1):
+    slots = (d - 2) * k + jnp.arange(k)
+    own = anc.at[:, jnp.arange(k), slots].set(True)
+    out, cache = draft_fn(cache, feats, token, lengths_B[:, None] + d - 2 + jnp.zeros((b, k), jnp.int32),
+                          own[:, :, :(d - 1) * k])
+    child_score, child_token = jax.lax.top_k(jax.nn.log_softmax(logits_fn(out), axis=-1), k)
+    cum = (score[:, :, None] + child_score).reshape(b, k * k)
+    pool_token.append(child_token.reshape(b, k * k))
+    pool_score.append(cum)
+    pool_parent.append(jnp.repeat(frontier, k, axis=1))
+    pool_depth.append(jnp.full((b, k * k), d, jnp.int32))
+    score, best = jax.lax.top_k(cum, k)
+    parent = best // k
+    frontier = offset + best
+    token = child_token.reshape(b, k * k)[rows, best]
+    feats = out[rows, parent]
+    anc = own[rows, parent]
+    offset += k * k
+  pool_token, pool_score = jnp.concatenate(pool_token, 1), jnp.concatenate(pool_score, 1)
+  pool_parent, pool_depth = jnp.concatenate(pool_parent, 1), jnp.concatenate(pool_depth, 1)
+  # Best V-1 candidates; ties go to the lower pool index, so a parent (score >= child's, lower
+  # index) is always kept before its children and the kept set is a tree.
+  chosen = jnp.sort(jax.lax.top_k(pool_score, v - 1)[1], axis=1)
+  verify_index = jnp.full(pool_score.shape, -1).at[rows, chosen].set(jnp.arange(1, v))
+  parent_pool = pool_parent[rows, chosen]
+  parents = jnp.where(parent_pool < 0, 0, verify_index[rows, jnp.maximum(parent_pool, 0)])
+  parents = jnp.concatenate([jnp.full((b, 1), -1), parents], axis=1)
+  depths = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), pool_depth[rows, chosen]], axis=1)
+  tokens = jnp.concatenate([root_B[:, None], pool_token[rows, chosen]], axis=1).astype(jnp.int32)
+  return Tree(tokens, parents, depths, ancestor_mask(parents, depth)), cache
+
+
+def root_only(root_B) -> Tree:
+  """The one-node tree of plain decoding."""
+  b = root_B.shape[0]
+  zeros = jnp.zeros((b, 1), jnp.int32)
+  return Tree(root_B[:, None].astype(jnp.int32), zeros - 1, zeros, jnp.ones((b, 1, 1), bool))
+
+
+@flax.struct.dataclass
+class Accepted:
+  tokens: jax.Array  # [B, D+1] emitted tokens (first `count`)
+  logprobs: jax.Array  # [B, D+1] their log-probs under the sampling distribution
+  nodes: jax.Array  # [B, D+1] tree node whose target distribution produced each token
+  count: jax.Array  # [B] tokens emitted (0 for inactive rows)
+  stop: jax.Array  # [B] the last emitted token is a stop token
+  length: jax.Array  # [B] the row's budget is used up
+
+
+def accept(logits_BxVxN, tree: Tree, active_B, num_generated_B, max_new_B, prompt_index_B, sample_index_B,
+           params: SamplingParams, max_depth: int) -> Accepted:
+  """Walks the tree from the root, emitting one exact target sample per visited node."""
+  b, v, _ = logits_BxVxN.shape
+  rows = jnp.arange(b)
+  logp = sampling.log_probs(logits_BxVxN, params)
+  stop_ids = jnp.asarray(params.stop_token_ids, jnp.int32)
+  node = jnp.zeros((b,), jnp.int32)
+  alive, count = active_B, jnp.zeros((b,), jnp.int32)
+  stopped, out_of_budget = jnp.zeros((b,), bool), jnp.zeros((b,), bool)
+  tokens, logprobs, nodes = [], [], []
+  for j in range(max_depth + 1):
+    keys = sampling.row_keys(params.seed, prompt_index_B, sample_index_B, num_generated_B + j)
+    x, lp = sampling.sample(logp[rows, node], keys, params)
+    tokens.append(x)
+    logprobs.append(lp)
+    nodes.append(node)
+    count = count + alive
+    is_stop = alive & jnp.isin(x, stop_ids)
+    is_length = alive & ~is_stop & (num_generated_B + j + 1 >= max_new_B)
+    stopped, out_of_budget = stopped | is_stop, out_of_budget | is_length
+    match = (tree.parents == node[:, None]) & (tree.tokens == x[:, None])
+    alive = alive & ~is_stop & ~is_length & match.any(axis=1)
+    node = jnp.where(match.any(axis=1), jnp.argmax(match, axis=1), node).astype(jnp.int32)
+  return Accepted(jnp.stack(tokens, 1), jnp.stack(logprobs, 1), jnp.stack(nodes, 1), count, stopped, out_of_budget)
+
+
+def commit(cache: KVCache, nodes_BxM, count_B, window: int) -> KVCache:
+  """Moves the accepted path's keys/values from tree slots `lengths + nodes[j]` to `lengths + j`
+  and advances the lengths by `count`; the rest of the `window` tree slots become garbage past
+  the new length. The path's node indices increase, so each slot moves towards the prefix."""
+  b, m = nodes_BxM.shape
+  j = jnp.arange(window)[None]
+  path = jnp.pad(nodes_BxM, ((0, 0), (0, max(window - m, 0))))[:, :window]
+  src = jnp.where(j < count_B[:, None], path, j)
+
+  def move(kv_LxSxKxD, start, idx):
+    part = jax.lax.dynamic_slice_in_dim(kv_LxSxKxD, start, window, axis=1)
+    return jax.lax.dynamic_update_slice_in_dim(kv_LxSxKxD, part[:, idx], start, axis=1)
+
+  move_rows = jax.vmap(move, in_axes=(1, 0, 0), out_axes=1)
+  return KVCache(k=move_rows(cache.k, cache.lengths, src), v=move_rows(cache.v, cache.lengths, src),
+                 lengths=cache.lengths + count_B)
