@@ -45,19 +45,6 @@ def test_greedy_matches_transformers(family, hf_dirs, tmp_path, capsys):
     assert r["output_ids"] == expected
 
 
-@pytest.mark.parametrize("line, message", [
-    ("{not json", r"in.jsonl:2: malformed JSON"),
-    ({"text": "x"}, r"in.jsonl:2: needs a 'prompt' or 'prompt_ids' field"),
-    ({"prompt_ids": []}, r"in.jsonl:2: empty prompt"),
-    ({"prompt_ids": [3] * 300}, r"in.jsonl:2: prompt has 300 tokens; the model allows 256"),
-    ({"prompt": "hello"}, r"in.jsonl:2: a text 'prompt' needs a tokenizer"),
-])
-def test_bad_lines_are_named(line, message, hf_dirs, tmp_path):
-  path = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [3, 4]}, line])
-  with pytest.raises(generate.InputError, match=message):
-    generate.read_prompts(path, None, False, 256)
-
-
 def test_cli_fails_cleanly_without_partial_output(hf_dirs, tmp_path):
   model_dir, _ = hf_dirs["qwen2_tied"]
   bad = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [3, 4]}, "{oops"])

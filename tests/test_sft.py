@@ -10,7 +10,7 @@ import torch
 import transformers
 from flax import nnx
 
-from tlt_jax import sft
+from tlt_jax import packing, sft
 from tlt_jax.models import hf
 from tlt_jax.rl import datasets, tokenizer as tokenizer_lib
 
@@ -34,20 +34,21 @@ def tok():
 def test_packing_keeps_samples_apart(tok, tmp_path):
   config = tiny_config(tmp_path)
   examples = datasets.from_tasks("basic_arithmetic", tok, size=6, seed=0).examples
-  packed = sft.pack(examples, tok, 512)
+  packed = packing.pack(sft.sequences(examples, tok), 512)
   tokens, positions, segments, loss_mask = packed
   assert packed.shape[1] == 1 and segments.max() == 6
+  expected = {tuple(ex.prompt_ids) + tuple(tok(ex.solution, add_special_tokens=False)["input_ids"]) +
+              (tok.eos_token_id,): len(ex.prompt_ids) for ex in examples}
   for seg in range(1, 7):
     at = np.flatnonzero(segments[0] == seg)
     assert positions[0, at].tolist() == list(range(len(at)))  # positions restart per sample
-    ex = examples[seg - 1]
-    target = tok(ex.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    assert tokens[0, at].tolist() == list(ex.prompt_ids) + target
-    assert loss_mask[0, at].tolist() == [0] * len(ex.prompt_ids) + [1] * len(target)
+    prompt_len = expected.pop(tuple(tokens[0, at].tolist()))  # each sample is one example's prompt + solution
+    assert loss_mask[0, at].tolist() == [0] * prompt_len + [1] * (len(at) - prompt_len)
+  assert not expected
   # The packed row's loss is the token-weighted mean of the samples' losses computed alone.
   model = sft.build_policy(config, tok)
   packed_loss = sft.lm_loss(model, *map(jnp.asarray, packed))
-  alone = [sft.pack([ex], tok, 512) for ex in examples]
+  alone = [packing.pack(sft.sequences([ex], tok), 512) for ex in examples]
   losses = [float(sft.lm_loss(model, *map(jnp.asarray, p))) for p in alone]
   weights = [p[3, 0, 1:].sum() for p in alone]
   np.testing.assert_allclose(float(packed_loss), np.average(losses, weights=weights), rtol=1e-5)

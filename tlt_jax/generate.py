@@ -2,10 +2,13 @@
 
   python -m tlt_jax.generate --model=DIR --prompts=IN.jsonl --output=OUT.jsonl \\
       [--max_new_tokens=256 --temperature=1.0 --top_p=1.0 --top_k=0 --seed=0 --num_samples=1 --batch_size=64]
+      [--drafter=DIR|random --strategy=4_2_8 --sd_max_batch=32]
 
 Input lines are {"prompt": "text"} (needs a tokenizer in DIR; `--chat` applies its chat
 template) or {"prompt_ids": [1, 2, 3]}. Output lines: prompt_index, sample_index, output_ids,
 text (with a tokenizer), finish_reason. A JSON summary goes to stdout, a progress bar to stderr.
+With `--drafter`, rows decode speculatively once at most `--sd_max_batch` are active; the
+summary then reports target verify passes and the mean acceptance length (tokens per pass).
 The output file appears only when generation succeeded (written to a temporary path, renamed).
 """
 
@@ -17,11 +20,16 @@ import sys
 import tempfile
 
 from absl import app, flags
+from flax import nnx
 from tqdm import tqdm
 
+from tlt_jax.drafter import checkpoint
+from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
+from tlt_jax.prompts import InputError, read_prompts
 from tlt_jax.rollout.engine import Engine, EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.speculative import Strategy
 
 _MODEL = flags.DEFINE_string("model", None, "Hugging Face model directory.", required=True)
 _PROMPTS = flags.DEFINE_string("prompts", None, "Input JSONL file.", required=True)
@@ -36,52 +44,10 @@ _BATCH = flags.DEFINE_integer("batch_size", 64, "Rows decoded together at most (
                               lower_bound=1)
 _CHAT = flags.DEFINE_bool("chat", False, "Apply the tokenizer's chat template to text prompts.")
 _DTYPE = flags.DEFINE_enum("dtype", None, list(hf.DTYPES), "Compute dtype (default: the checkpoint's).")
-
-
-class InputError(ValueError):
-  """Bad input; the message names the file and line."""
-
-
-def read_prompts(path: str, tokenizer, chat: bool, max_len: int) -> list[list[int]]:
-  """Token ids of every line of a prompts JSONL file."""
-  if not os.path.isfile(path):
-    raise InputError(f"{path}: no such file")
-  prompts = []
-  with open(path, encoding="utf-8") as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      where = f"{path}:{n}"
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise InputError(f"{where}: malformed JSON ({e.msg})") from None
-      if not isinstance(row, dict) or ("prompt" not in row and "prompt_ids" not in row):
-        raise InputError(f"{where}: needs a 'prompt' or 'prompt_ids' field")
-      if "prompt_ids" in row:
-        ids = row["prompt_ids"]
-        if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
-          raise InputError(f"{where}: 'prompt_ids' must be a list of non-negative integers")
-      else:
-        if tokenizer is None:
-          raise InputError(f"{where}: a text 'prompt' needs a tokenizer in the model directory; "
-                           "give 'prompt_ids' instead")
-        text = row["prompt"]
-        if not isinstance(text, str):
-          raise InputError(f"{where}: 'prompt' must be a string")
-        if chat:
-          ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=False)
-        else:
-          ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-      if not ids:
-        raise InputError(f"{where}: empty prompt")
-      if len(ids) >= max_len:
-        raise InputError(f"{where}: prompt has {len(ids)} tokens; the model allows {max_len} positions in all")
-      prompts.append(list(ids))
-  if not prompts:
-    raise InputError(f"{path}: no prompts")
-  return prompts
+_DRAFTER = flags.DEFINE_string("drafter", None, "Drafter directory (train_drafter output), or 'random' (testing).")
+_STRATEGY = flags.DEFINE_string("strategy", "4_2_8", "Speculative strategy depth_topk_verify (with --drafter).")
+_SD_MAX_BATCH = flags.DEFINE_integer("sd_max_batch", 32, "Speculate while at most this many rows are active.",
+                                     lower_bound=1)
 
 
 def main(argv):
@@ -91,7 +57,8 @@ def main(argv):
   tokenizer = hf.load_tokenizer(_MODEL.value)
   cfg = model.config
   try:
-    prompts = read_prompts(_PROMPTS.value, tokenizer, _CHAT.value, cfg.max_position_embeddings)
+    prompts = read_prompts(_PROMPTS.value, tokenizer, chat=_CHAT.value, max_len=cfg.max_position_embeddings,
+                           vocab_size=cfg.vocab_size)
   except InputError as e:
     sys.exit(f"error: {e}")
   stop = set(cfg.stop_token_ids)
@@ -102,10 +69,21 @@ def main(argv):
   buckets = [1]
   while buckets[-1] < _BATCH.value:
     buckets.append(buckets[-1] * 2)
+  drafter, strategy = None, None
+  if _DRAFTER.value == "random":
+    drafter = Drafter(cfg, rngs=nnx.Rngs(_SEED.value))
+  elif _DRAFTER.value:
+    drafter = checkpoint.load_drafter(_DRAFTER.value, cfg)
+  if drafter is not None:
+    try:
+      strategy = Strategy.parse(_STRATEGY.value)
+    except ValueError as e:
+      sys.exit(f"error: --strategy: {e}")
   engine = Engine(
-      model, EngineConfig(batch_buckets=tuple(buckets), max_prompt_len=longest, max_new_tokens=max_new),
+      model, EngineConfig(batch_buckets=tuple(buckets), max_prompt_len=longest, max_new_tokens=max_new,
+                          speculative=strategy, sd_max_batch=_SD_MAX_BATCH.value),
       SamplingParams(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value, max_new_tokens=max_new,
-                     stop_token_ids=tuple(sorted(stop)), seed=_SEED.value))
+                     stop_token_ids=tuple(sorted(stop)), seed=_SEED.value), drafter=drafter)
   with tqdm(total=len(prompts) * _NUM_SAMPLES.value, unit="sample", file=sys.stderr) as bar:
     tokens = [0]
 
@@ -135,6 +113,7 @@ def main(argv):
   print(json.dumps({"samples": len(rollout.samples), "tokens": m.tokens, "wall_s": round(m.wall_s, 4),
                     "tokens_per_s": round(m.tokens_per_s, 2), "prefill_s": round(m.prefill_s, 4),
                     "decode_s": round(m.decode_s, 4), "compact_s": round(m.compact_s, 4),
+                    "sd_s": round(m.sd_s, 4), "verify_passes": m.verify_passes, "accept_len": round(m.accept_len, 3),
                     "executables": len(engine.pool)}))
 
 

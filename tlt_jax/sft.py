@@ -9,7 +9,6 @@ difficulty and the response-length distribution of greedy and temperature-1 samp
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -24,13 +23,13 @@ from flax import nnx
 from ml_collections import config_flags
 from tqdm import tqdm
 
+from tlt_jax import packing
 from tlt_jax.models import CausalLM, KVCache, ModelConfig, hf
 from tlt_jax.rl import datasets, rewards, tasks, tokenizer as tokenizer_lib
 from tlt_jax.rollout.engine import Engine, EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.py")
-_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Experiment config file.")
 
 # Difficulty bins (number of terms) for the accuracy report.
 BINS = (("2-3", 2, 3), ("4-7", 4, 7), ("8-15", 8, 15), ("16+", 16, 1 << 30))
@@ -57,48 +56,17 @@ def build_policy(config, tok) -> CausalLM:
   return CausalLM(cfg, rngs=nnx.Rngs(config.seed))
 
 
-def pack(examples, tok, row_len: int):
-  """Packs prompt + solution + EOS sequences into rows; segment 0 is padding.
-
-  Returns tokens, positions (restarting per sample), segment ids and the loss mask (solution
-  and EOS tokens), each [rows, row_len].
-  """
-  rows, row, used, too_long = [], [], 0, 0
-  for ex in examples:
-    target = tok(ex.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    seq = list(ex.prompt_ids) + target
-    if len(seq) > row_len:
-      too_long += 1
-      continue
-    if used + len(seq) > row_len:
-      rows.append(row)
-      row, used = [], 0
-    row.append((seq, len(ex.prompt_ids)))
-    used += len(seq)
-  rows.append(row)
-  if too_long:
-    logging.warning("packing: %d of %d samples are longer than row_len=%d and were left out", too_long,
-                    len(examples), row_len)
-  out = np.zeros((4, len(rows), row_len), np.int32)
-  for r, samples in enumerate(rows):
-    at = 0
-    for seg, (seq, prompt_len) in enumerate(samples, 1):
-      n = len(seq)
-      out[0, r, at:at + n] = seq
-      out[1, r, at:at + n] = np.arange(n)
-      out[2, r, at:at + n] = seg
-      out[3, r, at + prompt_len:at + n] = 1
-      at += n
-  return out
+def sequences(examples, tok):
+  """(prompt ids, worked solution + EOS) of each example: the SFT targets."""
+  return [(ex.prompt_ids, tok(ex.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+          for ex in examples]
 
 
 def lm_loss(model: CausalLM, tokens, positions, segments, loss_mask):
   """Mean next-token cross-entropy over the loss mask; packed samples never see each other."""
   b, t = tokens.shape
-  causal = jnp.tril(jnp.ones((t, t), bool))
-  mask = (segments[:, :, None] == segments[:, None, :]) & causal | jnp.eye(t, dtype=bool)
   cache = KVCache.zeros(model.config, b, t, model.model.embed_tokens.embedding.dtype)
-  hidden, _, _ = model(tokens, positions, cache, mask)
+  hidden, _, _ = model(tokens, positions, cache, packing.segment_mask(segments))
   logits = model.logits(hidden[:, :-1])
   weights = loss_mask[:, 1:]
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
@@ -125,7 +93,7 @@ def train(config, model: CausalLM, rows: np.ndarray) -> list[float]:
   losses = []
   with tqdm(range(s.steps), desc="sft", unit="step") as bar:
     for _ in bar:
-      if len(order) < s.batch_rows:
+      while len(order) < s.batch_rows:
         order = np.concatenate([order, rng.permutation(rows.shape[1])])
       take, order = order[:s.batch_rows], order[s.batch_rows:]
       params, opt_state, loss = step(params, opt_state, tuple(rows[:, take]))
@@ -177,7 +145,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
                                   difficulty=difficulty(config))
   held_out = datasets.from_tasks(config.task.family, tok, size=config.sft.eval_size, seed=config.seed + 1,
                                  difficulty=difficulty(config))
-  rows = pack(train_set, tok, config.sft.row_len)
+  rows = packing.pack(sequences(train_set, tok), config.sft.row_len, truncate=False)
   model = build_policy(config, tok)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   logging.info("tiny policy: %.2fM parameters; %d packed rows of %d tokens", n_params / 1e6, rows.shape[1],
@@ -197,9 +165,11 @@ def run(config: ml_collections.ConfigDict) -> dict:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  report = run(_CONFIG.value)
+  report = run(flags.FLAGS.config)
   print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
+  # Flags only when run as a program, so other programs can import the SFT stage.
+  config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Experiment config file.")
   app.run(main)

@@ -2,8 +2,9 @@
 
 Modules name the axes of their parameters and activations logically (`("embed", "mlp")`);
 `RULES` maps each logical name to mesh axes. A mesh axis is dropped from a dimension it does
-not divide (a 2-head KV cache on a 4-way tensor axis stays replicated), so every model fits
-every mesh, just with less sharding.
+not divide (a 2-head KV cache on a 4-way tensor axis stays replicated) or that an earlier
+dimension already uses (the drafter's H x H `fc`), so every model fits every mesh, just with
+less sharding.
 """
 
 from __future__ import annotations
@@ -63,14 +64,15 @@ def logical_spec(shape: Sequence[int], names: Sequence[str | None], mesh_shape: 
                  rules=RULES) -> P:
   """PartitionSpec for an array of `shape` whose axes have logical `names`."""
   table = dict(rules)
-  spec = []
+  spec, used = [], set()
   for dim, name in zip(shape, names):
     target = table.get(name) if name is not None else None
     axes = (target,) if isinstance(target, str) else tuple(target or ())
     kept, size = [], 1
     for a in axes:
-      if a in mesh_shape and dim % (size * mesh_shape[a]) == 0:
+      if a in mesh_shape and a not in used and dim % (size * mesh_shape[a]) == 0:
         kept.append(a)
+        used.add(a)
         size *= mesh_shape[a]
     spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
   return P(*spec)

@@ -1,6 +1,5 @@
 """The EAGLE drafter reads the live policy's embedding and lm_head and owns only fc + one layer."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -40,7 +39,7 @@ def test_reads_the_live_target_embedding():
 
 
 def test_eagle3_fuses_three_target_layers():
-  target, drafter = CausalLM(CFG, rngs=nnx.Rngs(0)), Drafter(CFG, feature_layers=(0, 1, 2), rngs=nnx.Rngs(1))
+  drafter = Drafter(CFG, feature_layers=(0, 1, 2), rngs=nnx.Rngs(1))
   aux = tuple(jnp.full((1, 2, 32), float(i)) for i in range(3))
   fused = drafter.target_features(jnp.zeros((1, 2, 32)), aux)
   assert fused.shape == (1, 2, 32) and not np.allclose(fused, 0)

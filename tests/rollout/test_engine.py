@@ -7,9 +7,11 @@ import torch
 from flax import nnx
 
 from tests.conftest import FAMILIES, VOCAB
-from tlt_jax.models import hf
+from tlt_jax.drafter.model import Drafter
+from tlt_jax.models import CausalLM, ModelConfig, hf
 from tlt_jax.rollout.engine import Engine, EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.speculative import Strategy
 
 STOP = 1
 CONFIG = EngineConfig(batch_buckets=(1, 2, 4, 8), max_prompt_len=24, max_new_tokens=64, kv_block=16, segment_steps=8)
@@ -113,7 +115,7 @@ def test_bad_prompts_are_named(models):
 
 
 def test_set_params_swaps_weights_without_recompiling(models):
-  a, b = models["qwen2_tied"], models["qwen3"]
+  a = models["qwen2_tied"]
   engine = Engine(a, CONFIG, SamplingParams(temperature=0, max_new_tokens=8))
   first = sample_set(engine.generate([[5, 6, 7]]))
   n = len(engine.pool)
@@ -130,3 +132,87 @@ def test_persistent_compilation_cache(models, tmp_path):
   finally:
     jax.config.update("jax_compilation_cache_dir", None)
   assert len(list(tmp_path.iterdir())) >= 3  # init, prefill, segments, halve
+
+
+def with_sd(config, strategy, sd_max_batch=8):
+  return EngineConfig(**{**config.__dict__, "speculative": Strategy.parse(strategy), "sd_max_batch": sd_max_batch})
+
+
+def test_speculative_greedy_is_identical_for_any_drafter(models):
+  """Random drafter, chain and tree strategies, 1 to 8 rows, stops and budgets inside steps."""
+  model = models["qwen3"]
+  drafter = Drafter(model.config, rngs=nnx.Rngs(1))
+  params = SamplingParams(temperature=0, max_new_tokens=48, stop_token_ids=(STOP, 7, 11))
+  plain = Engine(model, CONFIG, params)
+  engines = [Engine(model, with_sd(CONFIG, s), params, drafter=drafter) for s in ("3_1_4", "3_2_6")]
+  for rows in (8, 3, 1):  # largest first: smaller rollouts reuse its segment executables
+    ps = prompts(rows, seed=10 + rows)
+    limits = [len(p) + 5 + 7 * i for i, p in enumerate(ps)]  # budgets end at odd places
+    expected = sample_set(plain.generate(ps, max_total_len=limits))
+    for engine in engines:
+      rollout = engine.generate(ps, max_total_len=limits)
+      assert sample_set(rollout) == expected, (rows, engine.config.speculative)
+      assert rollout.metrics.verify_passes > 0
+
+
+def test_speculative_sampling_equals_plain_sampling_with_the_same_seed(models):
+  model = models["qwen2_untied"]
+  drafter = Drafter(model.config, rngs=nnx.Rngs(2))
+  params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=40, stop_token_ids=(STOP,), seed=5)
+  ps = prompts(4, seed=6)
+  plain = sample_set(Engine(model, CONFIG, params).generate(ps, num_samples=2))
+  rollout = Engine(model, with_sd(CONFIG, "3_2_6"), params, drafter=drafter).generate(ps, num_samples=2)
+  assert sample_set(rollout) == plain
+  assert {s.strategy for s in rollout.metrics.segments} == {"3_2_6"}
+
+
+def test_speculation_only_in_the_tail(models):
+  model = models["qwen3"]
+  params = SamplingParams(temperature=1.0, max_new_tokens=48, stop_token_ids=(STOP, 2, 3, 4, 5, 6), seed=1)
+  engine = Engine(model, with_sd(CONFIG, "2_2_4", sd_max_batch=2), params, drafter=Drafter(model.config, rngs=nnx.Rngs(0)))
+  rollout = engine.generate(prompts(8, seed=8))
+  segments = rollout.metrics.segments
+  assert all((s.strategy is not None) == (s.active_rows <= 2) for s in segments)
+  assert {s.strategy for s in segments} == {None, "2_2_4"}
+
+
+def test_speculation_needs_a_drafter(models):
+  with pytest.raises(ValueError, match="needs a drafter"):
+    Engine(models["qwen3"], with_sd(CONFIG, "2_2_4"), SamplingParams(max_new_tokens=8))
+
+
+def tiny_vocab_model():
+  cfg = ModelConfig("Qwen3ForCausalLM", vocab_size=6, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                    num_kv_heads=1, head_dim=8, qk_norm=True, tie_word_embeddings=True)
+  model = CausalLM(cfg, rngs=nnx.Rngs(3))
+  nnx.update(model, jax.tree.map(lambda x: x * 40, nnx.state(model, nnx.Param)))  # peaked, varied distributions
+  return model
+
+
+def first_tokens(model, config, drafter, seed, n):
+  params = SamplingParams(temperature=1.0, max_new_tokens=3, seed=seed)
+  rollout = Engine(model, config, params, drafter=drafter).generate([[1, 2, 3]], num_samples=n)
+  return np.asarray([s.tokens for s in rollout.samples])
+
+
+def test_speculative_first_three_tokens_follow_plain_sampling():
+  """Independent seeds: the two-sample chi-square of marginals and the 2-token joint."""
+  from scipy import stats
+  model = tiny_vocab_model()
+  n = 20_480
+  config = EngineConfig(batch_buckets=tuple(2**i for i in range(12)), max_prompt_len=4, max_new_tokens=3, kv_block=16,
+                        segment_steps=4, compact=False)
+  plain = first_tokens(model, config, None, seed=1, n=n)
+  spec = first_tokens(model, with_sd(config, "2_2_4", sd_max_batch=2048), Drafter(model.config, rngs=nnx.Rngs(4)),
+                      seed=2, n=n)
+  vocab = model.config.vocab_size
+
+  def two_sample(a, b, cells):
+    table = np.stack([np.bincount(a, minlength=cells), np.bincount(b, minlength=cells)])
+    table = table[:, table.sum(0) > 0]
+    return stats.chi2_contingency(table).pvalue
+
+  for j in range(3):
+    assert two_sample(plain[:, j], spec[:, j], vocab) > 1e-3, f"token {j}"
+  assert two_sample(plain[:, 0] * vocab + plain[:, 1], spec[:, 0] * vocab + spec[:, 1], vocab**2) > 1e-3
+  assert len(np.unique(plain[:, 1])) > 2  # the distributions are not degenerate

@@ -23,15 +23,22 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import CausalLM, DecoderLayer, KVCache, _linear, rope_tables
 
 
+def check_feature_layers(num_layers: int, feature_layers: Sequence[int]) -> None:
+  """EAGLE-3 fuses three increasing target layers (the target returns their outputs in order)."""
+  layers = list(feature_layers)
+  if layers and (len(layers) != 3 or layers != sorted(set(layers)) or not 0 <= layers[0] <= layers[-1] < num_layers):
+    raise ValueError(f"EAGLE-3 fuses three target layers (low, mid, high): need 3 increasing indices of the "
+                     f"target's {num_layers} layers, got {layers}")
+
+
 class Drafter(nnx.Module):
 
   def __init__(self, target: ModelConfig, *, feature_layers: Sequence[int] = (), dtype=jnp.float32,
                rngs: nnx.Rngs):
     h = target.hidden_size
     self.config = target
+    check_feature_layers(target.num_layers, feature_layers)
     self.feature_layers = tuple(feature_layers)
-    if self.feature_layers and len(self.feature_layers) != 3:
-      raise ValueError(f"EAGLE-3 fuses three target layers (low, mid, high), got {self.feature_layers}")
     self.fuse = _linear(3 * h, h, ("embed", "embed"), False, dtype, rngs) if self.feature_layers else None
     self.fc = _linear(2 * h, h, ("embed", "embed"), True, dtype, rngs)
     self.layer = DecoderLayer(target, dtype, rngs, input_norm=False)

@@ -231,13 +231,13 @@ class Engine:
         logprobs=st.logprobs.at[rows, pos].set(acc.logprobs, mode="drop"), hidden=hidden,
         passes=st.passes + active)
 
-  def _feed_drafter(self, model, drafter, st: RowState, features_BxMxH, tokens_BxM, count_B):
+  def _feed_drafter(self, model, drafter, st: RowState, features_BxMxH, tokens_BxM, count_B, kv_block):
     """Writes the committed pairs (f_p, x_{p+1}) into the drafter cache; keeps the last output."""
     b, m = tokens_BxM.shape
     dcache = st.drafter_cache
     positions = dcache.lengths[:, None] + jnp.arange(m)[None]
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((m, m), bool)), (b, m, m))
-    out, dcache = drafter(model, features_BxMxH, tokens_BxM, positions, dcache, causal, kv_block=self.config.kv_block)
+    out, dcache = drafter(model, features_BxMxH, tokens_BxM, positions, dcache, causal, kv_block=kv_block)
     last = out[jnp.arange(b), jnp.maximum(count_B - 1, 0)]
     return dataclasses.replace(st, drafter_cache=dataclasses.replace(dcache, lengths=dcache.lengths + count_B),
                                draft_feat=jnp.where((count_B > 0)[:, None], last, st.draft_feat))
@@ -267,7 +267,7 @@ class Engine:
     shifted = jnp.concatenate([tokens_PxT[src][:, 1:], jnp.zeros((src.shape[0], 1), jnp.int32)], axis=1)
     shifted = shifted.at[rows, last].set(acc.tokens[:, 0])
     fresh = dataclasses.replace(st, drafter_cache=drafter.empty_cache(src.shape[0], t, self._dtype))
-    fed = self._feed_drafter(model, drafter, fresh, features, shifted, jnp.where(sel, lengths_P[src], 0))
+    fed = self._feed_drafter(model, drafter, fresh, features, shifted, jnp.where(sel, lengths_P[src], 0), None)
     dcache = st.drafter_cache
     dcache = KVCache(k=dcache.k.at[:, :, :t].set(copy_rows(fed.drafter_cache.k, dcache.k[:, :, :t])),
                      v=dcache.v.at[:, :, :t].set(copy_rows(fed.drafter_cache.v, dcache.v[:, :, :t])),
@@ -299,7 +299,7 @@ class Engine:
     if drafter is None:
       return st
     features = drafter.target_features(out.hidden, out.aux_hidden)[rows, acc.nodes]
-    return self._feed_drafter(model, drafter, st, features, acc.tokens, acc.count)
+    return self._feed_drafter(model, drafter, st, features, acc.tokens, acc.count, kv_block)
 
   def _segment(self, params, drafter_params, st: RowState, strategy: Strategy | None):
     """Up to `segment_steps` steps; stops early once every row is done."""
@@ -357,8 +357,8 @@ class Engine:
       self._compile(("prefill", b0, p, t), self._prefill,
                     [*params, self._abstract_state(b0), i32(p, t), i32(p), i32(b0)], b0, donate=(2,))
     for b in cfg.batch_buckets:
-      if b > b0:
-        break
+      if b > b0 or (b < b0 and not cfg.compact):  # without compaction only b0 runs
+        continue
       strategies = [None] + ([cfg.speculative] if self._uses_sd(b) else [])
       for strategy in strategies:
         self._compile(("segment", b, strategy), functools.partial(self._segment, strategy=strategy),

@@ -1,0 +1,128 @@
+"""EAGLE distillation: pairing, masking, frozen target, packing isolation, and that it learns."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests.conftest import jit_prefill
+from tlt_jax import packing
+from tlt_jax.drafter import train
+from tlt_jax.drafter.model import Drafter
+from tlt_jax.models import CausalLM, KVCache, ModelConfig
+
+ROW_LEN = 32
+
+
+@pytest.fixture(scope="module")
+def target():
+  cfg = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+                    num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, tie_word_embeddings=True)
+  return CausalLM(cfg, rngs=nnx.Rngs(0))
+
+
+def random_sequences(n, seed=0):
+  rng = np.random.default_rng(seed)
+  return [(rng.integers(2, 64, rng.integers(2, 6)).tolist(), rng.integers(2, 64, rng.integers(3, 12)).tolist())
+          for _ in range(n)]
+
+
+class Oracle:
+  """Stands in for a drafter and outputs fixed features."""
+
+  feature_layers = ()
+
+  def __init__(self, out):
+    self.out = out
+
+  def target_features(self, hidden, aux):
+    return hidden
+
+  def empty_cache(self, batch, capacity, dtype):
+    return None
+
+  def __call__(self, target, features, tokens, positions, cache, mask):
+    return self.out, cache
+
+
+def test_pairing_is_feature_t_and_token_t_plus_1(target):
+  prompt, response = [3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14]
+  seq = prompt + response
+  n = len(seq)
+  pairs = train.sequence_pairs(target, (), packing.pack([(prompt, response)], ROW_LEN))
+  # f_0..f_{n-1} from the target alone (through the prefill path, not the packed one).
+  f = jit_prefill(*nnx.split(target), jnp.asarray([seq]), jnp.asarray([n]), KVCache.zeros(target.config, 1, n)).hidden
+  np.testing.assert_array_equal(pairs.tokens[0, :n - 1], seq[1:])
+  np.testing.assert_array_equal(pairs.positions[0, :n], np.arange(n))
+  np.testing.assert_array_equal(pairs.weights[0], [0] * 4 + [1] * 7 + [0] * (ROW_LEN - 11))
+  np.testing.assert_allclose(pairs.hidden[0, :n], f[0], atol=1e-5)
+  np.testing.assert_allclose(pairs.next_hidden[0, :n - 1], f[0, 1:], atol=1e-5)
+
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, ROW_LEN - x.shape[1]), (0, 0)))
+  _, exact = train.loss_fn(Oracle(pad(f[:, 1:])), target, pairs)  # outputs f_{t+1} at pair t
+  _, off_by_one = train.loss_fn(Oracle(pad(f)), target, pairs)  # outputs f_t: the reference's bug
+  assert float(exact["feature_loss"]) < 1e-10 and float(exact["top1"]) == 1.0
+  assert float(off_by_one["feature_loss"]) > 0.05 and float(off_by_one["logit_loss"]) > float(exact["logit_loss"])
+
+
+@pytest.fixture(scope="module")
+def evaluate(target):
+  """Jitted metrics of one fixed, untrained drafter."""
+  drafter = Drafter(target.config, rngs=nnx.Rngs(1))
+  fn = train.make_eval_step(drafter, target)
+  _, dp = nnx.split(drafter)
+  _, tp = nnx.split(target)
+  return lambda pairs: {k: float(v) for k, v in fn(dp, tp, pairs).items()}
+
+
+def test_prompt_pairs_do_not_contribute(target, evaluate):
+  pairs = train.sequence_pairs(target, (), packing.pack(random_sequences(3), ROW_LEN))
+  masked = (pairs.weights == 0)[..., None]
+  noise = 10.0 * jax.random.normal(jax.random.key(0), pairs.next_hidden.shape)
+  loss = evaluate(pairs)["loss"]
+  assert evaluate(pairs.replace(next_hidden=jnp.where(masked, noise, pairs.next_hidden)))["loss"] == loss
+  assert evaluate(pairs.replace(next_hidden=jnp.where(masked, pairs.next_hidden, noise)))["loss"] != loss
+
+
+def test_packed_loss_is_token_weighted_mean_of_samples(target, evaluate):
+  sequences = random_sequences(3, seed=1)
+  assert packing.pack(sequences, ROW_LEN).shape[1] == 1  # all three share one row
+  metrics = lambda seqs: evaluate(train.sequence_pairs(target, (), packing.pack(seqs, ROW_LEN)))
+  packed = metrics(sequences)
+  alone = [metrics([s]) for s in sequences]
+  counts = np.asarray([m["pairs"] for m in alone])
+  assert packed["pairs"] == counts.sum() == sum(len(r) for _, r in sequences)
+  for key in ("loss", "feature_loss", "logit_loss"):
+    np.testing.assert_allclose(packed[key], np.dot(counts, [m[key] for m in alone]) / counts.sum(), rtol=1e-5)
+
+
+def test_distill_learns_and_leaves_the_target_alone(target):
+  drafter = Drafter(target.config, rngs=nnx.Rngs(1))
+  assert not any("embed_tokens" in str(path) for path, _ in nnx.to_flat_state(nnx.state(drafter)))
+  sequences = random_sequences(12)
+  before = train.evaluate(target, drafter, sequences, batch_rows=4, row_len=ROW_LEN)
+  target_before = jax.tree.map(np.array, nnx.state(target))
+  drafter_before = jax.tree.map(np.array, nnx.state(drafter))
+  steps = []
+  result = train.distill(target, drafter, sequences, steps=25, batch_rows=4, row_len=ROW_LEN, lr=3e-2,
+                         eval_sequences=sequences, on_step=lambda i, m: steps.append(i))
+  assert steps == list(range(25)) and len(result.losses) == len(result.metrics) == 25
+  assert result.losses[-1] < result.losses[0]
+  assert result.eval["feature_loss"] < 0.5 * before["feature_loss"] and result.eval["loss"] < before["loss"]
+  assert result.eval["top1"] > 0.5 > before["top1"]
+  # Gradients reach the drafter only: every drafter tensor moved, no target tensor did.
+  jax.tree.map(np.testing.assert_array_equal, target_before, jax.tree.map(np.array, nnx.state(target)))
+  moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), drafter_before, jax.tree.map(np.array, nnx.state(drafter)))
+  assert all(jax.tree.leaves(moved))
+
+
+def test_eagle3_drafter_trains_on_the_logit_loss(target):
+  drafter = Drafter(target.config, feature_layers=(0, 1, 2), rngs=nnx.Rngs(1))
+  result = train.distill(target, drafter, random_sequences(4), steps=2, batch_rows=2, row_len=ROW_LEN, lr=1e-2)
+  for m in result.metrics:
+    assert np.isfinite(m["loss"]) and m["feature_loss"] > 0
+    np.testing.assert_allclose(m["loss"], train.LOGIT_WEIGHT * m["logit_loss"], rtol=1e-6)
+  for bad in ((0, 1, 3), (0, 1, 1)):
+    with pytest.raises(ValueError, match=r"need 3 increasing indices of the target's 3 layers"):
+      train.sequence_pairs(target, bad, packing.pack(random_sequences(1), ROW_LEN))

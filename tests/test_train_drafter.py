@@ -1,0 +1,53 @@
+"""`python -m tlt_jax.train_drafter` end to end on a tiny model directory.
+
+Run as a subprocess: the CLIs define absl flags of the same names (--model, --output), so two
+of them cannot be imported into one test process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+from flax import nnx
+
+from tlt_jax.drafter import checkpoint
+from tlt_jax.models import hf
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args):
+  return subprocess.run([sys.executable, "-m", "tlt_jax.train_drafter", "--verbosity=-1", *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=300, check=False)
+
+
+def write_prompts(tmp_path, rows):
+  path = tmp_path / "prompts.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+def test_trains_saves_and_reloads_a_drafter(hf_dirs, tmp_path):
+  model_dir = hf_dirs["qwen3"][0]  # no tokenizer: prompts as token ids
+  prompts = write_prompts(tmp_path, [{"prompt_ids": [5, 17, 40, 9]}, {"prompt_ids": [7, 3, 88]}])
+  out = tmp_path / "drafter"
+  proc = run_cli(f"--model={model_dir}", f"--prompts={prompts}", f"--output={out}", "--num_samples=1",
+                 "--max_new_tokens=12", "--steps=3", "--batch_rows=2", "--row_len=32", "--eval_fraction=0.5")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert summary["samples"] == 2 and summary["train_sequences"] == 1 and summary["eval_sequences"] == 1
+  assert summary["feature_layers"] == [] and summary["steps"] == 3
+  assert np.isfinite(summary["loss_first"]) and 0 <= summary["top1_heldout"] <= 1
+  drafter = checkpoint.load_drafter(str(out), hf.read_config(model_dir)[0])
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(nnx.state(drafter)))
+
+
+def test_bad_input_is_named(hf_dirs, tmp_path):
+  model_dir = hf_dirs["qwen3"][0]
+  prompts = write_prompts(tmp_path, [{"prompt_ids": [5, 17]}, {"prompt_ids": [5, 99]}])
+  proc = run_cli(f"--model={model_dir}", f"--prompts={prompts}", f"--output={tmp_path / 'd'}")
+  assert proc.returncode != 0 and "prompts.jsonl:2: 'prompt_ids' must be a list of token ids in [0, 96)" in proc.stderr
+  assert not os.path.exists(tmp_path / "d")

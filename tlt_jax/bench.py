@@ -1,0 +1,101 @@
+"""Speculative-decoding speed grid: batch size x strategy, SD vs plain decoding on the same prompts.
+
+  python -m tlt_jax.bench --model=DIR --drafter=DIR --output=FILE.json \\
+      [--batch_sizes=1,2,4,8,16,32 --strategies=4_2_8,6_4_16 --temperature=1.0 --max_new_tokens=128]
+
+Rows decode to `--max_new_tokens` without stopping, so the batch stays at its size. Each cell
+times one rollout after a warm-up rollout (compilation excluded). Writes a JSON list of
+{batch_size, strategy, tokens_per_s, baseline_tokens_per_s, speedup, accept_len} and the same
+table as CSV next to it. The counterpart of the reference's bench_sd.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+
+import numpy as np
+from absl import app, flags
+from flax import nnx
+from tqdm import tqdm
+
+from tlt_jax.drafter import checkpoint
+from tlt_jax.drafter.model import Drafter
+from tlt_jax.models import hf
+from tlt_jax.rl import datasets
+from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.speculative import Strategy
+
+_MODEL = flags.DEFINE_string("model", None, "Hugging Face model directory of the target.", required=True)
+_DRAFTER = flags.DEFINE_string("drafter", None, "Drafter directory (train_drafter output) or 'random'.",
+                               required=True)
+_OUTPUT = flags.DEFINE_string("output", None, "Output JSON file (a CSV is written beside it).", required=True)
+_BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16", "32"], "Batch sizes.")
+_STRATEGIES = flags.DEFINE_list("strategies", ["4_1_5", "4_2_8", "6_4_16"], "depth_topk_verify strategies.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (0 = greedy).", lower_bound=0.0)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens per row.", lower_bound=1)
+_TASK = flags.DEFINE_string("task", "basic_arithmetic", "Procedural task for prompts (needs a tokenizer in --model).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of prompts and sampling.")
+
+
+def _rollout_speed(engine: Engine, prompts) -> tuple[float, float]:
+  engine.generate(prompts)  # warm-up: compiles
+  metrics = engine.generate(prompts).metrics
+  return sum(s.tokens for s in metrics.segments) / metrics.decode_s, metrics.accept_len
+
+
+def run(model, drafter: Drafter, prompts, batch_sizes, strategies, temperature, max_new_tokens, seed):
+  records = []
+  top = max(batch_sizes)
+  buckets = tuple(2**i for i in range(int(np.ceil(np.log2(top))) + 1))
+  base = EngineConfig(batch_buckets=buckets, max_prompt_len=max(map(len, prompts)), max_new_tokens=max_new_tokens,
+                      segment_steps=32, compact=False)
+  params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+  plain = Engine(model, base, params)
+  with tqdm(total=len(batch_sizes) * (len(strategies) + 1), desc="bench", file=sys.stderr) as bar:
+    for b in batch_sizes:
+      batch = prompts[:b]
+      baseline, _ = _rollout_speed(plain, batch)
+      bar.update()
+      for strategy in strategies:
+        config = EngineConfig(**{**base.__dict__, "speculative": strategy, "sd_max_batch": top})
+        speed, accept_len = _rollout_speed(Engine(model, config, params, drafter=drafter), batch)
+        records.append({"batch_size": b, "strategy": strategy.name, "tokens_per_s": round(speed, 2),
+                        "baseline_tokens_per_s": round(baseline, 2), "speedup": round(speed / baseline, 3),
+                        "accept_len": round(accept_len, 3)})
+        bar.update()
+  return records
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  strategies = [Strategy.parse(s) for s in _STRATEGIES.value]
+  batch_sizes = [int(b) for b in _BATCH_SIZES.value]
+  model = hf.from_pretrained(_MODEL.value)
+  tokenizer = hf.load_tokenizer(_MODEL.value)
+  if tokenizer is None:
+    sys.exit(f"error: {_MODEL.value} has no tokenizer to build --task={_TASK.value} prompts with")
+  prompts = [ex.prompt_ids for ex in datasets.from_tasks(_TASK.value, tokenizer, size=max(batch_sizes),
+                                                         seed=_SEED.value)]
+  if _DRAFTER.value == "random":
+    drafter = Drafter(model.config, rngs=nnx.Rngs(_SEED.value))
+  else:
+    drafter = checkpoint.load_drafter(_DRAFTER.value, model.config)
+  records = run(model, drafter, prompts, batch_sizes, strategies, _TEMPERATURE.value, _MAX_NEW.value, _SEED.value)
+  os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)
+  with open(_OUTPUT.value, "w", encoding="utf-8") as f:
+    json.dump(records, f, indent=2)
+  with open(os.path.splitext(_OUTPUT.value)[0] + ".csv", "w", encoding="utf-8", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(records[0]))
+    writer.writeheader()
+    writer.writerows(records)
+  for r in records:
+    print(json.dumps(r))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,112 @@
+"""Drafter checkpoints: the trainable params (orbax) plus `drafter_config.json` to rebuild it.
+
+A checkpoint directory holds
+  params/              orbax StandardCheckpointer save of the drafter's nnx.Param state
+  drafter_config.json  feature_layers, dtype and the target ModelConfig it was trained for
+Only the drafter's own params are stored: embedding and lm_head belong to the target. Loading
+checks the target's config field by field, so a drafter never silently runs against a
+different model. The directory is written under a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from tlt_jax.drafter.model import Drafter
+from tlt_jax.models import hf
+from tlt_jax.models.config import ModelConfig
+
+CONFIG_FILE = "drafter_config.json"
+PARAMS_DIR = "params"
+FORMAT_VERSION = 1
+
+
+class DrafterCheckpointError(ValueError):
+  """A drafter checkpoint we cannot load; the message names the file and field."""
+
+
+def _target_fields(cfg: ModelConfig) -> dict[str, Any]:
+  # Through JSON so tuples compare equal to the lists read back.
+  return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def save_drafter(drafter: Drafter, directory: str) -> None:
+  """Writes `drafter` to `directory` (replacing what is there) atomically."""
+  params = nnx.state(drafter, nnx.Param)
+  config = {"format_version": FORMAT_VERSION, "feature_layers": list(drafter.feature_layers),
+            "dtype": drafter.fc.kernel.get_value().dtype.name, "target": _target_fields(drafter.config)}
+  directory = os.path.abspath(directory)
+  parent = os.path.dirname(directory)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(directory), dir=parent)
+  try:
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(os.path.join(tmp, PARAMS_DIR), params)
+    with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
+      json.dump(config, f, indent=2)
+    if os.path.exists(directory):
+      shutil.rmtree(directory)
+    os.replace(tmp, directory)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+
+
+def read_drafter_config(directory: str) -> dict[str, Any]:
+  """The checkpoint's `drafter_config.json`, checked for the keys loading needs."""
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"drafter directory {directory!r} does not exist")
+  path = os.path.join(directory, CONFIG_FILE)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path} not found: not a drafter checkpoint")
+  with open(path, encoding="utf-8") as f:
+    try:
+      config = json.load(f)
+    except json.JSONDecodeError as e:
+      raise DrafterCheckpointError(f"{path}: invalid JSON ({e})") from e
+  for key in ("format_version", "feature_layers", "dtype", "target"):
+    if key not in config:
+      raise DrafterCheckpointError(f"{path}: missing key {key!r}")
+  if config["format_version"] != FORMAT_VERSION:
+    raise DrafterCheckpointError(f"{path}: format_version {config['format_version']!r} is not supported "
+                                 f"(expected {FORMAT_VERSION})")
+  if config["dtype"] not in hf.DTYPES:
+    raise DrafterCheckpointError(f"{path}: dtype {config['dtype']!r} is not one of {sorted(hf.DTYPES)}")
+  return config
+
+
+def load_drafter(directory: str, target_config: ModelConfig) -> Drafter:
+  """Rebuilds the drafter saved in `directory` for a target with `target_config`.
+
+  Params land on the default device; `sharding.shard_model` spreads them over a mesh.
+  """
+  config = read_drafter_config(directory)
+  path = os.path.join(directory, CONFIG_FILE)
+  saved, expected = config["target"], _target_fields(target_config)
+  for field in expected:
+    if saved.get(field) != expected[field]:
+      raise DrafterCheckpointError(
+          f"{path}: the drafter was trained for a target with {field}={saved.get(field)!r}, "
+          f"but this target has {field}={expected[field]!r}")
+  params_dir = os.path.join(os.path.abspath(directory), PARAMS_DIR)
+  if not os.path.isdir(params_dir):
+    raise FileNotFoundError(f"{params_dir} not found: the drafter checkpoint has no params")
+  dtype = hf.DTYPES[config["dtype"]]
+  layers = tuple(config["feature_layers"])
+  graphdef, abstract, rest = nnx.split(
+      nnx.eval_shape(lambda: Drafter(target_config, feature_layers=layers, dtype=dtype, rngs=nnx.Rngs(0))),
+      nnx.Param, ...)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
+  with ocp.StandardCheckpointer() as checkpointer:
+    params = checkpointer.restore(params_dir, target)
+  return nnx.merge(graphdef, params, rest)

@@ -1,0 +1,201 @@
+"""EAGLE distillation of the drafter: packing, target features, loss, optimizer, train step.
+
+A sequence x_0..x_{L-1} (prompt + response) and the target's features f_0..f_{L-1} give the
+drafter pairs (f_t, x_{t+1}) at position t, each predicting f_{t+1}. The loss at pair t is
+  SmoothL1(predicted, f_{t+1})  +  0.1 * CE(softmax(lm_head(f_{t+1})), log_softmax(lm_head(predicted)))
+over pairs whose x_{t+1} is a response token. EAGLE-3 drafters (`feature_layers` set) read a
+learned fusion of three target layers, which lives in a different space from f_{t+1}, so their
+feature term has weight 0 (only the logit term trains them; EAGLE-3's multi-step
+"training-time test" is not implemented here).
+
+The target is frozen: gradients are taken with respect to the drafter's parameters only, and the
+embedding and lm_head are read from the target passed in, never copied. `Pairs` is the unit of
+training data, so the online trainer can build it from features captured by the rollout and
+reuse `make_train_step` as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from flax import nnx
+
+from tlt_jax.drafter.model import Drafter, check_feature_layers
+from tlt_jax.models.transformer import CausalLM, KVCache
+from tlt_jax.packing import Sequences, pack, segment_mask
+
+LOGIT_WEIGHT = 0.1  # EAGLE's weight of the soft cross-entropy beside the feature regression
+
+@flax.struct.dataclass
+class Pairs:
+  """Packed drafter training pairs; slot t holds pair (f_t, x_{t+1}) -> f_{t+1}."""
+
+  tokens: jax.Array  # [B, T] int32: x_{t+1}
+  positions: jax.Array  # [B, T] int32: t, restarting at 0 for every packed sample
+  segments: jax.Array  # [B, T] int32: sample id within the row, 0 = padding / no pair
+  weights: jax.Array  # [B, T] float32: 1 where x_{t+1} is a response token
+  hidden: jax.Array  # [B, T, H] f_t: the target's final hidden state (after its final norm)
+  aux: tuple[jax.Array, ...]  # EAGLE-3: the feature layers' outputs at t ([B, T, H] each); else ()
+  next_hidden: jax.Array  # [B, T, H] f_{t+1}
+
+
+def sequence_pairs(target: CausalLM, feature_layers: Sequence[int], rows: np.ndarray) -> Pairs:
+  """Drafter pairs of packed rows ([4, B, T] from `pack`), features from one target forward."""
+  check_feature_layers(target.config.num_layers, feature_layers)
+  graphdef, params = nnx.split(target)
+  return _sequence_pairs(graphdef, tuple(feature_layers), params, *(jnp.asarray(x) for x in rows))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _sequence_pairs(graphdef, feature_layers, params, tokens, positions, segments, loss_mask) -> Pairs:
+  target = nnx.merge(graphdef, params)
+  b, t = tokens.shape
+  cache = KVCache.zeros(target.config, b, t, target.model.embed_tokens.embedding.dtype)
+  hidden, aux, _ = target(tokens, positions, cache, segment_mask(segments), hidden_layers=feature_layers)
+  shift = lambda x: jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
+  # Pair t exists when x_{t+1} belongs to the same sample as x_t.
+  valid = (shift(segments) == segments) & (segments > 0)
+  return Pairs(tokens=shift(tokens), positions=positions, segments=jnp.where(valid, segments, 0),
+               weights=(valid & (shift(loss_mask) > 0)).astype(jnp.float32), hidden=hidden, aux=aux,
+               next_hidden=shift(hidden))
+
+
+def loss_fn(drafter: Drafter, target: CausalLM, pairs: Pairs) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Weighted mean EAGLE loss over the pairs, and metrics (losses, top-1 agreement, pair count)."""
+  b, t = pairs.tokens.shape
+  features = drafter.target_features(pairs.hidden, pairs.aux)
+  cache = drafter.empty_cache(b, t, features.dtype)
+  predicted, _ = drafter(target, features, pairs.tokens, pairs.positions, cache, segment_mask(pairs.segments))
+  predicted = predicted.astype(jnp.float32)
+  true_next = pairs.next_hidden.astype(jnp.float32)
+  feature = optax.huber_loss(predicted, true_next, delta=1.0).mean(-1)  # SmoothL1 with beta 1
+  target_logits = target.logits(pairs.next_hidden)
+  logits = target.logits(predicted)
+  logit = -jnp.sum(jax.nn.softmax(target_logits) * jax.nn.log_softmax(logits), axis=-1)
+  feature_weight = 0.0 if drafter.feature_layers else 1.0
+  w = pairs.weights
+  n = jnp.maximum(w.sum(), 1.0)
+  mean = lambda x: jnp.sum(x * w) / n
+  loss = feature_weight * mean(feature) + LOGIT_WEIGHT * mean(logit)
+  top1 = jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)
+  return loss, {"loss": loss, "feature_loss": mean(feature), "logit_loss": mean(logit), "top1": mean(top1),
+                "pairs": w.sum()}
+
+
+def cosine_schedule(learning_rate: float, steps: int, warmup_steps: int | None = None) -> optax.Schedule:
+  """Linear warmup (default 10% of the steps) then cosine decay to 0 at `steps`."""
+  warmup = max(steps // 10, 1) if warmup_steps is None else warmup_steps
+  return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(steps, warmup + 1))
+
+
+def make_optimizer(learning_rate: float | optax.Schedule) -> optax.GradientTransformation:
+  """AdamW (betas 0.9, 0.95; weight decay 0.01) after global-norm clipping at 1.0."""
+  return optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=0.01))
+
+
+def make_train_step(drafter: Drafter, target: CausalLM, optimizer: optax.GradientTransformation) -> Callable:
+  """Jitted `step(drafter_params, opt_state, target_params, pairs) -> (drafter_params, opt_state, metrics)`.
+
+  The graphdefs are captured once; the target's params are an argument, so a live policy's
+  new weights go in without recompiling. Drafter params and optimizer state are donated.
+  """
+  drafter_def = nnx.graphdef(drafter)
+  target_def = nnx.graphdef(target)
+
+  def step(drafter_params, opt_state, target_params, pairs):
+    target_model = nnx.merge(target_def, target_params)
+    grad_fn = jax.grad(lambda p: loss_fn(nnx.merge(drafter_def, p), target_model, pairs), has_aux=True)
+    grads, metrics = grad_fn(drafter_params)
+    updates, opt_state = optimizer.update(grads, opt_state, drafter_params)
+    return optax.apply_updates(drafter_params, updates), opt_state, metrics
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_eval_step(drafter: Drafter, target: CausalLM) -> Callable:
+  """Jitted `evaluate(drafter_params, target_params, pairs) -> metrics` (no update)."""
+  drafter_def, target_def = nnx.graphdef(drafter), nnx.graphdef(target)
+  return jax.jit(lambda dp, tp, pairs: loss_fn(nnx.merge(drafter_def, dp), nnx.merge(target_def, tp), pairs)[1])
+
+
+@dataclasses.dataclass
+class DistillResult:
+  losses: list[float]  # training loss per step
+  metrics: list[dict[str, float]]  # per step: loss, feature_loss, logit_loss, top1, pairs
+  eval: dict[str, float] | None  # pair-weighted metrics on `eval_sequences`, when given
+
+
+def _pairs_in_batches(target: CausalLM, feature_layers, rows: np.ndarray, batch_rows: int) -> list[Pairs]:
+  # Features are computed once up front: every epoch after the first reuses them.
+  out = []
+  for start in range(0, rows.shape[1], batch_rows):
+    chunk = rows[:, start:start + batch_rows]
+    pad = batch_rows - chunk.shape[1]  # keep one shape (one compilation); padding rows weigh 0
+    out.append(jax.device_get(sequence_pairs(target, feature_layers, np.pad(chunk, ((0, 0), (0, pad), (0, 0))))))
+  return out
+
+
+def distill(target: CausalLM, drafter: Drafter, sequences: Sequences, *, steps: int, batch_rows: int, row_len: int,
+            lr: float, seed: int = 0, eval_sequences: Sequences = (), warmup_steps: int | None = None,
+            on_step: Callable[[int, dict[str, float]], None] | None = None) -> DistillResult:
+  """Trains `drafter` in place on the target's `sequences` for `steps` steps of `batch_rows` packed rows."""
+  if steps < 1 or batch_rows < 1:
+    raise ValueError(f"steps and batch_rows must be positive, got steps={steps}, batch_rows={batch_rows}")
+  layers = drafter.feature_layers
+  rows = pack(sequences, row_len)
+  logging.info("distill: %d sequences packed into %d rows of %d tokens", len(sequences), rows.shape[1], row_len)
+  batches = _pairs_in_batches(target, layers, rows, batch_rows)
+  # One host array per field (padding rows cut off), from which each step gathers its rows.
+  all_pairs = jax.tree.map(lambda *xs: np.concatenate(xs)[:rows.shape[1]], *batches)
+  optimizer = make_optimizer(cosine_schedule(lr, steps, warmup_steps))
+  _, target_params = nnx.split(target)
+  _, params = nnx.split(drafter)
+  opt_state = optimizer.init(params)
+  # Compiled ahead of time: a plain jit would compile again at step 2, once the fresh (uncommitted)
+  # drafter state has come back committed to the target's mesh.
+  abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((batch_rows, *x.shape[1:]), x.dtype), all_pairs)
+  step = make_train_step(drafter, target, optimizer).lower(params, opt_state, target_params, abstract_batch).compile()
+  rng = np.random.default_rng(seed)
+  order = np.empty(0, np.int64)
+  losses, metrics = [], []
+  for i in range(steps):
+    while len(order) < batch_rows:  # epochs of shuffled rows; fewer rows than batch_rows repeat
+      order = np.concatenate([order, rng.permutation(rows.shape[1])])
+    take, order = order[:batch_rows], order[batch_rows:]
+    batch = jax.tree.map(lambda x: x[take], all_pairs)
+    params, opt_state, m = step(params, opt_state, target_params, batch)
+    m = {k: float(v) for k, v in m.items()}
+    losses.append(m["loss"])
+    metrics.append(m)
+    if on_step is not None:
+      on_step(i, m)
+  nnx.update(drafter, params)
+  eval_metrics = evaluate(target, drafter, eval_sequences, batch_rows=batch_rows, row_len=row_len) \
+      if eval_sequences else None
+  return DistillResult(losses, metrics, eval_metrics)
+
+
+def evaluate(target: CausalLM, drafter: Drafter, sequences: Sequences, *, batch_rows: int,
+             row_len: int) -> dict[str, float]:
+  """Pair-weighted loss and top-1 agreement of the drafter on `sequences`."""
+  rows = pack(sequences, row_len)
+  evaluate_fn = make_eval_step(drafter, target)
+  _, drafter_params = nnx.split(drafter)
+  _, target_params = nnx.split(target)
+  sums, total = {}, 0.0
+  for pairs in _pairs_in_batches(target, drafter.feature_layers, rows, batch_rows):
+    m = {k: float(v) for k, v in evaluate_fn(drafter_params, target_params, pairs).items()}
+    total += m["pairs"]
+    for k, v in m.items():
+      if k != "pairs":
+        sums[k] = sums.get(k, 0.0) + v * m["pairs"]
+  return {**{k: v / max(total, 1.0) for k, v in sums.items()}, "pairs": total}

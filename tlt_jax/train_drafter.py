@@ -1,0 +1,160 @@
+"""Offline drafter warm-up: distil an EAGLE drafter from a target's own samples.
+
+  python -m tlt_jax.train_drafter --model=DIR --output=DIR \\
+      [--prompts=FILE.jsonl | --task=basic_arithmetic --num_prompts=256] \\
+      [--num_samples=4 --temperature=1.0 --max_new_tokens=256 --steps=300 --batch_rows=16 \\
+       --row_len=256 --learning_rate=3e-3 --eagle3_layers= --eval_fraction=0.1 --seed=0]
+
+Samples responses from the target with the rollout engine, distils a fresh drafter on them
+(`tlt_jax.drafter.train`), saves it to --output (`tlt_jax.drafter.checkpoint`), reloads it to
+check, and prints a JSON summary. Prompt lines are {"prompt": "text"} (chat-templated when the
+tokenizer has a template, as RL prompts are) or {"prompt_ids": [...]}. The last --eval_fraction
+of the prompts is held out for the reported top-1 agreement.
+
+Offline distillation recomputes the target's features with one forward pass over each sampled
+sequence; the online trainer instead uses the features the rollout captured while decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+from flax import nnx
+from tqdm import tqdm
+
+from tlt_jax.drafter import checkpoint, train
+from tlt_jax.drafter.model import Drafter, check_feature_layers
+from tlt_jax.models import hf
+from tlt_jax.prompts import InputError, read_prompts
+from tlt_jax.rl import datasets
+from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.sampling import SamplingParams
+
+_MODEL = flags.DEFINE_string("model", None, "Target: a Hugging Face model directory.", required=True)
+_OUTPUT = flags.DEFINE_string("output", None, "Directory to write the drafter checkpoint to.", required=True)
+_PROMPTS = flags.DEFINE_string("prompts", None, "Prompts JSONL file (exclusive with --task).")
+_TASK = flags.DEFINE_string("task", None, "Procedural task family, e.g. basic_arithmetic (exclusive with --prompts).")
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 256, "Prompts generated for --task.", lower_bound=1)
+_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 4, "Samples per prompt.", lower_bound=1)
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 = greedy.", lower_bound=0.0)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens generated at most per sample.", lower_bound=1)
+_STEPS = flags.DEFINE_integer("steps", 300, "Training steps.", lower_bound=1)
+_BATCH_ROWS = flags.DEFINE_integer("batch_rows", 16, "Packed rows per training step.", lower_bound=1)
+_ROW_LEN = flags.DEFINE_integer("row_len", 256, "Tokens per packed row; longer sequences are truncated.",
+                                lower_bound=2)
+_LR = flags.DEFINE_float("learning_rate", 3e-3, "Peak learning rate (warmup, then cosine decay).", lower_bound=0.0)
+_EAGLE3 = flags.DEFINE_list("eagle3_layers", [], "Three target layer indices (low,mid,high) for an EAGLE-3 "
+                            "drafter; empty = EAGLE-1.")
+_EVAL_FRACTION = flags.DEFINE_float("eval_fraction", 0.1, "Fraction of the prompts held out for evaluation.",
+                                    lower_bound=0.0, upper_bound=0.5)
+_SEED = flags.DEFINE_integer("seed", 0, "Seed for prompts, sampling, drafter init and batch order.")
+_ROLLOUT_ROWS = 64  # rows decoded together at most
+
+
+def build_prompts(model_dir: str, tokenizer, cfg) -> list[list[int]]:
+  if (_PROMPTS.value is None) == (_TASK.value is None):
+    raise InputError("give exactly one of --prompts and --task")
+  if _PROMPTS.value is not None:
+    chat = tokenizer is not None and bool(tokenizer.chat_template)
+    return read_prompts(_PROMPTS.value, tokenizer, chat=chat, max_len=cfg.max_position_embeddings,
+                        vocab_size=cfg.vocab_size)
+  if tokenizer is None:
+    raise InputError(f"--task needs a tokenizer in --model={model_dir}; give --prompts with 'prompt_ids' instead")
+  dataset = datasets.from_tasks(_TASK.value, tokenizer, size=_NUM_PROMPTS.value, seed=_SEED.value)
+  return [ex.prompt_ids for ex in dataset]
+
+
+def feature_layers(num_layers: int) -> tuple[int, ...]:
+  flag = f"--eagle3_layers={','.join(_EAGLE3.value)}"
+  try:
+    layers = tuple(int(x) for x in _EAGLE3.value)
+  except ValueError:
+    raise InputError(f"{flag}: expected integers") from None
+  try:
+    check_feature_layers(num_layers, layers)
+  except ValueError as e:
+    raise InputError(f"{flag}: {e}") from None
+  return layers
+
+
+def sample(model, tokenizer, prompts: list[list[int]]):
+  """The target's own responses: `num_samples` per prompt."""
+  cfg = model.config
+  longest = max(map(len, prompts))
+  max_new = min(_MAX_NEW.value, cfg.max_position_embeddings - longest)
+  stop = set(cfg.stop_token_ids)
+  if tokenizer is not None and tokenizer.eos_token_id is not None:
+    stop.add(tokenizer.eos_token_id)
+  rows = min(len(prompts) * _NUM_SAMPLES.value, _ROLLOUT_ROWS)
+  buckets = [1]
+  while buckets[-1] < rows:
+    buckets.append(buckets[-1] * 2)
+  engine = Engine(model, EngineConfig(batch_buckets=tuple(buckets), max_prompt_len=longest, max_new_tokens=max_new),
+                  SamplingParams(temperature=_TEMPERATURE.value, max_new_tokens=max_new,
+                                 stop_token_ids=tuple(sorted(stop)), seed=_SEED.value))
+  with tqdm(total=len(prompts) * _NUM_SAMPLES.value, desc="rollout", unit="sample", file=sys.stderr) as bar:
+    return engine.generate(prompts, num_samples=_NUM_SAMPLES.value, on_progress=lambda done, _: bar.update(done))
+
+
+def run() -> dict:
+  start = time.perf_counter()
+  cfg, _ = hf.read_config(_MODEL.value)
+  layers = feature_layers(cfg.num_layers)  # flags and prompts are checked before the weights load
+  tokenizer = hf.load_tokenizer(_MODEL.value)
+  prompts = build_prompts(_MODEL.value, tokenizer, cfg)
+  model = hf.from_pretrained(_MODEL.value)
+  rollout = sample(model, tokenizer, prompts)
+  rollout_s = time.perf_counter() - start
+
+  held_out = int(len(prompts) * _EVAL_FRACTION.value)
+  first_eval = len(prompts) - held_out
+  sequence = lambda s: (prompts[s.prompt_index], s.tokens.tolist())
+  train_seqs = [sequence(s) for s in rollout.samples if s.prompt_index < first_eval]
+  eval_seqs = [sequence(s) for s in rollout.samples if s.prompt_index >= first_eval]
+
+  drafter = Drafter(model.config, feature_layers=layers, rngs=nnx.Rngs(_SEED.value))
+  with tqdm(total=_STEPS.value, desc="distill", unit="step", file=sys.stderr) as bar:
+    def on_step(_, metrics):
+      bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}", refresh=False)
+      bar.update(1)
+
+    result = train.distill(model, drafter, train_seqs, steps=_STEPS.value, batch_rows=_BATCH_ROWS.value,
+                           row_len=_ROW_LEN.value, lr=_LR.value, seed=_SEED.value, eval_sequences=eval_seqs,
+                           on_step=on_step)
+
+  checkpoint.save_drafter(drafter, _OUTPUT.value)
+  reloaded = checkpoint.load_drafter(_OUTPUT.value, model.config)
+  same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), nnx.state(drafter, nnx.Param),
+                      nnx.state(reloaded, nnx.Param))
+  if not all(jax.tree.leaves(same)):
+    raise RuntimeError(f"{_OUTPUT.value}: the reloaded drafter differs from the trained one")
+
+  summary = {"samples": len(rollout.samples), "tokens": rollout.metrics.tokens, "train_sequences": len(train_seqs),
+             "eval_sequences": len(eval_seqs), "feature_layers": list(layers), "steps": _STEPS.value,
+             "loss_first": result.losses[0], "loss_last": result.losses[-1], "top1_last": result.metrics[-1]["top1"]}
+  if result.eval is not None:
+    summary["top1_heldout"] = result.eval["top1"]
+    summary["loss_heldout"] = result.eval["loss"]
+  summary.update({"drafter": os.path.abspath(_OUTPUT.value), "rollout_s": round(rollout_s, 1),
+                  "seconds": round(time.perf_counter() - start, 1)})
+  return summary
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    summary = run()
+  except InputError as e:
+    sys.exit(f"error: {e}")
+  print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+  app.run(main)
