@@ -3,8 +3,9 @@
   python -m tlt_jax.bench --model=DIR --drafter=DIR --output=FILE.json \\
       [--batch_sizes=1,2,4,8,16,32 --strategies=4_2_8,6_4_16 --temperature=1.0 --max_new_tokens=128]
 
-Rows decode to `--max_new_tokens` without stopping, so the batch stays at its size. Each cell
-times one rollout after a warm-up rollout (compilation excluded). Writes a JSON list of
+Prompts are procedural problems with at least `--min_terms` terms, so responses are long (the
+tail's regime); rows stop at EOS or `--max_new_tokens`. Compaction is off, so every step runs at
+the cell's batch size. Each cell times one rollout after a warm-up rollout (compilation excluded). Writes a JSON list of
 {batch_size, strategy, tokens_per_s, baseline_tokens_per_s, speedup, accept_len} and the same
 table as CSV next to it. The counterpart of the reference's bench_sd.
 """
@@ -24,7 +25,7 @@ from tqdm import tqdm
 from tlt_jax.drafter import checkpoint
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
-from tlt_jax.rl import datasets
+from tlt_jax.rl import datasets, tasks
 from tlt_jax.rollout.engine import Engine, EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
@@ -36,24 +37,28 @@ _OUTPUT = flags.DEFINE_string("output", None, "Output JSON file (a CSV is writte
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16", "32"], "Batch sizes.")
 _STRATEGIES = flags.DEFINE_list("strategies", ["4_1_5", "4_2_8", "6_4_16"], "depth_topk_verify strategies.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (0 = greedy).", lower_bound=0.0)
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens per row.", lower_bound=1)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens per row at most.", lower_bound=1)
 _TASK = flags.DEFINE_string("task", "basic_arithmetic", "Procedural task for prompts (needs a tokenizer in --model).")
+_MIN_TERMS = flags.DEFINE_integer("min_terms", 16, "Fewest terms per problem (longer problems, longer responses).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of prompts and sampling.")
 
 
-def _rollout_speed(engine: Engine, prompts) -> tuple[float, float]:
+def _rollout_speed(engine: Engine, prompts, repeats: int = 3) -> tuple[float, float]:
+  """Median decode tokens/s over `repeats` rollouts after a warm-up one, and the acceptance length."""
   engine.generate(prompts)  # warm-up: compiles
-  metrics = engine.generate(prompts).metrics
-  return sum(s.tokens for s in metrics.segments) / metrics.decode_s, metrics.accept_len
+  runs = [engine.generate(prompts).metrics for _ in range(repeats)]
+  speed = float(np.median([sum(s.tokens for s in m.segments) / m.decode_s for m in runs]))
+  return speed, runs[0].accept_len
 
 
-def run(model, drafter: Drafter, prompts, batch_sizes, strategies, temperature, max_new_tokens, seed):
+def run(model, drafter: Drafter, prompts, batch_sizes, strategies, temperature, max_new_tokens, seed, stop_ids):
   records = []
   top = max(batch_sizes)
   buckets = tuple(2**i for i in range(int(np.ceil(np.log2(top))) + 1))
   base = EngineConfig(batch_buckets=buckets, max_prompt_len=max(map(len, prompts)), max_new_tokens=max_new_tokens,
                       segment_steps=32, compact=False)
-  params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+  params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
+                          stop_token_ids=tuple(stop_ids))
   plain = Engine(model, base, params)
   with tqdm(total=len(batch_sizes) * (len(strategies) + 1), desc="bench", file=sys.stderr) as bar:
     for b in batch_sizes:
@@ -79,13 +84,16 @@ def main(argv):
   tokenizer = hf.load_tokenizer(_MODEL.value)
   if tokenizer is None:
     sys.exit(f"error: {_MODEL.value} has no tokenizer to build --task={_TASK.value} prompts with")
+  difficulty = tasks.Difficulty(min_terms=_MIN_TERMS.value, max_terms=max(_MIN_TERMS.value, 24))
   prompts = [ex.prompt_ids for ex in datasets.from_tasks(_TASK.value, tokenizer, size=max(batch_sizes),
-                                                         seed=_SEED.value)]
+                                                         seed=_SEED.value, difficulty=difficulty)]
   if _DRAFTER.value == "random":
     drafter = Drafter(model.config, rngs=nnx.Rngs(_SEED.value))
   else:
     drafter = checkpoint.load_drafter(_DRAFTER.value, model.config)
-  records = run(model, drafter, prompts, batch_sizes, strategies, _TEMPERATURE.value, _MAX_NEW.value, _SEED.value)
+  stop = set(model.config.stop_token_ids) | {tokenizer.eos_token_id}
+  records = run(model, drafter, prompts, batch_sizes, strategies, _TEMPERATURE.value, _MAX_NEW.value, _SEED.value,
+                sorted(stop))
   os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)
   with open(_OUTPUT.value, "w", encoding="utf-8") as f:
     json.dump(records, f, indent=2)

@@ -285,7 +285,7 @@ def test_commit_moves_the_accepted_path():
   nodes = np.asarray([[0, 1, 3, 4], [0, 2, 6, 6], [0, 1, 2, 3]])  # past `count`, nodes are garbage
   count = np.asarray([3, 2, 0])
   cache = speculative.commit(KVCache(jnp.asarray(k), jnp.asarray(-k), jnp.asarray(lengths)), jnp.asarray(nodes),
-                             jnp.asarray(count), window)
+                             jnp.asarray(count))
   expected, defined = ids.copy(), np.ones(ids.shape, bool)
   for r, (n, c) in enumerate(zip(lengths, count)):  # slot n + j takes n + nodes[j]; the rest of the window is garbage
     expected[:, r, n:n + c] = ids[:, r, n + nodes[r, :c]]

@@ -293,7 +293,7 @@ class Engine:
                              kv_block=kv_block, hidden_layers=layers)
     acc = speculative.accept(out.logits, tree, active, st.num_generated, st.max_new, st.prompt_index,
                              st.sample_index, self.sampling, depth)
-    cache = speculative.commit(out.cache, acc.nodes, acc.count, tree.tokens.shape[1])
+    cache = speculative.commit(out.cache, acc.nodes, acc.count)
     rows = jnp.arange(acc.nodes.shape[0])[:, None]
     st = self._record(dataclasses.replace(st, cache=cache), active, acc, out.hidden[rows, acc.nodes])
     if drafter is None:

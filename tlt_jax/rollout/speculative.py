@@ -181,19 +181,14 @@ def accept(logits_BxVxN, tree: Tree, active_B, num_generated_B, max_new_B, promp
   return Accepted(jnp.stack(tokens, 1), jnp.stack(logprobs, 1), jnp.stack(nodes, 1), count, stopped, out_of_budget)
 
 
-def commit(cache: KVCache, nodes_BxM, count_B, window: int) -> KVCache:
+def commit(cache: KVCache, nodes_BxM, count_B) -> KVCache:
   """Moves the accepted path's keys/values from tree slots `lengths + nodes[j]` to `lengths + j`
-  and advances the lengths by `count`; the rest of the `window` tree slots become garbage past
-  the new length. The path's node indices increase, so each slot moves towards the prefix."""
+  and advances the lengths by `count`; the other tree slots become garbage past the new length."""
   b, m = nodes_BxM.shape
-  j = jnp.arange(window)[None]
-  path = jnp.pad(nodes_BxM, ((0, 0), (0, max(window - m, 0))))[:, :window]
-  src = jnp.where(j < count_B[:, None], path, j)
-
-  def move(kv_LxSxKxD, start, idx):
-    part = jax.lax.dynamic_slice_in_dim(kv_LxSxKxD, start, window, axis=1)
-    return jax.lax.dynamic_update_slice_in_dim(kv_LxSxKxD, part[:, idx], start, axis=1)
-
-  move_rows = jax.vmap(move, in_axes=(1, 0, 0), out_axes=1)
-  return KVCache(k=move_rows(cache.k, cache.lengths, src), v=move_rows(cache.v, cache.lengths, src),
-                 lengths=cache.lengths + count_B)
+  j = jnp.arange(m)[None]
+  rows = jnp.arange(b)[:, None]
+  src = cache.lengths[:, None] + jnp.where(j < count_B[:, None], nodes_BxM, j)
+  dst = cache.lengths[:, None] + j
+  # Gather the path, scatter it back: only these m slots move, never the whole cache.
+  move = lambda kv: kv.at[:, rows, dst].set(kv[:, rows, src], mode="drop")
+  return KVCache(k=move(cache.k), v=move(cache.v), lengths=cache.lengths + count_B)
