@@ -1,8 +1,8 @@
 """Offline drafter warm-up: distil an EAGLE drafter from a target's own samples.
 
   python -m tlt_jax.train_drafter --model=DIR --output=DIR \\
-      [--prompts=FILE.jsonl | --task=basic_arithmetic --num_prompts=256] \\
-      [--num_samples=4 --temperature=1.0 --max_new_tokens=256 --steps=300 --batch_rows=16 \\
+      [--prompts=FILE.jsonl | --task=basic_arithmetic --num_prompts=512] \\
+      [--num_samples=4 --temperature=1.0 --max_new_tokens=256 --steps=400 --batch_rows=16 \\
        --row_len=256 --learning_rate=3e-3 --eagle3_layers= --eval_fraction=0.1 --seed=0]
 
 Samples responses from the target with the rollout engine, distils a fresh drafter on them
@@ -40,11 +40,11 @@ _MODEL = flags.DEFINE_string("model", None, "Target: a Hugging Face model direct
 _OUTPUT = flags.DEFINE_string("output", None, "Directory to write the drafter checkpoint to.", required=True)
 _PROMPTS = flags.DEFINE_string("prompts", None, "Prompts JSONL file (exclusive with --task).")
 _TASK = flags.DEFINE_string("task", None, "Procedural task family, e.g. basic_arithmetic (exclusive with --prompts).")
-_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 256, "Prompts generated for --task.", lower_bound=1)
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 512, "Prompts generated for --task.", lower_bound=1)
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 4, "Samples per prompt.", lower_bound=1)
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 = greedy.", lower_bound=0.0)
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens generated at most per sample.", lower_bound=1)
-_STEPS = flags.DEFINE_integer("steps", 300, "Training steps.", lower_bound=1)
+_STEPS = flags.DEFINE_integer("steps", 400, "Training steps.", lower_bound=1)
 _BATCH_ROWS = flags.DEFINE_integer("batch_rows", 16, "Packed rows per training step.", lower_bound=1)
 _ROW_LEN = flags.DEFINE_integer("row_len", 256, "Tokens per packed row; longer sequences are truncated.",
                                 lower_bound=2)
