@@ -33,7 +33,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.sft = ml_collections.ConfigDict()
   c.sft.num_problems = 20000  # training problems (seed c.seed)
-  c.sft.steps = 260
+  c.sft.steps = 240
   c.sft.batch_rows = 16  # packed rows per step
   c.sft.row_len = 256  # tokens per packed row
   c.sft.learning_rate = 5e-3
