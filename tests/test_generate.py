@@ -57,3 +57,17 @@ def test_cli_fails_cleanly_without_partial_output(hf_dirs, tmp_path):
   proc = subprocess.run([sys.executable, "-m", "tlt_jax.generate", "--model=x", "--prompts=y", "--output=z",
                          "--temprature=1"], capture_output=True, text=True, env=env)
   assert proc.returncode != 0 and "temprature" in proc.stderr
+
+
+def test_random_drafter_gives_the_same_greedy_output(hf_dirs, tmp_path, capsys):
+  model_dir, _ = hf_dirs["qwen3"]
+  prompts = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [5, 9, 14]}, {"prompt_ids": [7, 3]}])
+  outputs = {}
+  for name, extra in (("plain", []), ("sd", ["--drafter=random", "--strategy=3_2_5"])):
+    out = tmp_path / f"{name}.jsonl"
+    run_cli([f"--model={model_dir}", f"--prompts={prompts}", f"--output={out}", "--temperature=0",
+             "--max_new_tokens=24", "--batch_size=2", *extra])
+    outputs[name] = [json.loads(line)["output_ids"] for line in out.read_text().splitlines()]
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert outputs["sd"] == outputs["plain"]
+  assert summary["verify_passes"] > 0 and summary["accept_len"] >= 1
