@@ -72,6 +72,8 @@ def test_samples_do_not_depend_on_batch_size_or_compaction(models, sampling):
   assert len({len(t) for t in results[0].values()}) > 1  # rows finish at different times
   for r in results[1:]:
     assert r == results[0]
+  three = sample_set(Engine(models["llama3"], CONFIG, params).generate(ps[:3]))  # a batch of 3 rows
+  assert three == {k: v for k, v in results[0].items() if k[0] < 3 and k[1] == 0}
 
 
 def test_compaction_and_no_compilation_after_warmup(models):
@@ -217,6 +219,8 @@ def test_speculative_first_three_tokens_follow_plain_sampling(drafter_kind):
   spec = np.asarray([s.tokens for s in rollout.samples])
   if drafter_kind == "distilled":
     assert rollout.metrics.accept_len > 1.3  # at most 2 here: the first token comes from the prefill
+    # With plain decoding's seed the accepted runs (cut by the 3-token budget) are the plain samples.
+    np.testing.assert_array_equal(spec, first_tokens(model, config, None, seed=2, n=n))
   vocab = model.config.vocab_size
 
   def two_sample(a, b, cells):
