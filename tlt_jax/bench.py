@@ -66,7 +66,7 @@ def run(model, drafter: Drafter, prompts, batch_sizes, strategies, temperature, 
       baseline, _ = _rollout_speed(plain, batch)
       bar.update()
       for strategy in strategies:
-        config = EngineConfig(**{**base.__dict__, "speculative": strategy, "sd_max_batch": top})
+        config = EngineConfig(**{**base.__dict__, "strategies": (strategy,), "sd_max_batch": top})
         speed, accept_len = _rollout_speed(Engine(model, config, params, drafter=drafter), batch)
         records.append({"batch_size": b, "strategy": strategy.name, "tokens_per_s": round(speed, 2),
                         "baseline_tokens_per_s": round(baseline, 2), "speedup": round(speed / baseline, 3),

@@ -81,7 +81,7 @@ def main(argv):
       sys.exit(f"error: --strategy: {e}")
   engine = Engine(
       model, EngineConfig(batch_buckets=tuple(buckets), max_prompt_len=longest, max_new_tokens=max_new,
-                          speculative=strategy, sd_max_batch=_SD_MAX_BATCH.value),
+                          strategies=(strategy,) if strategy else (), sd_max_batch=_SD_MAX_BATCH.value),
       SamplingParams(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value, max_new_tokens=max_new,
                      stop_token_ids=tuple(sorted(stop)), seed=_SEED.value), drafter=drafter)
   with tqdm(total=len(prompts) * _NUM_SAMPLES.value, unit="sample", file=sys.stderr) as bar:

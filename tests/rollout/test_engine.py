@@ -137,7 +137,7 @@ def test_persistent_compilation_cache(models, tmp_path):
 
 
 def with_sd(config, strategy, sd_max_batch=8):
-  return EngineConfig(**{**config.__dict__, "speculative": Strategy.parse(strategy), "sd_max_batch": sd_max_batch})
+  return EngineConfig(**{**config.__dict__, "strategies": (Strategy.parse(strategy),), "sd_max_batch": sd_max_batch})
 
 
 def test_speculative_greedy_is_identical_for_any_drafter(models):
@@ -153,7 +153,7 @@ def test_speculative_greedy_is_identical_for_any_drafter(models):
     expected = sample_set(plain.generate(ps, max_total_len=limits))
     for engine in engines:
       rollout = engine.generate(ps, max_total_len=limits)
-      assert sample_set(rollout) == expected, (rows, engine.config.speculative)
+      assert sample_set(rollout) == expected, (rows, engine.config.strategies)
       assert rollout.metrics.verify_passes > 0
 
 
@@ -179,7 +179,7 @@ def test_speculation_only_in_the_tail(models):
 
 
 def test_speculation_needs_a_drafter(models):
-  with pytest.raises(ValueError, match="needs a drafter"):
+  with pytest.raises(ValueError, match="need a drafter"):
     Engine(models["qwen3"], with_sd(CONFIG, "2_2_4"), SamplingParams(max_new_tokens=8))
 
 
@@ -232,3 +232,26 @@ def test_speculative_first_three_tokens_follow_plain_sampling(drafter_kind):
     assert two_sample(plain[:, j], spec[:, j], vocab) > 1e-3, f"token {j}"
   assert two_sample(plain[:, 0] * vocab + plain[:, 1], spec[:, 0] * vocab + spec[:, 1], vocab**2) > 1e-3
   assert len(np.unique(plain[:, 1])) > 2  # the distributions are not degenerate
+
+
+def test_bandit_picks_strategies_losslessly_without_compiling(models):
+  from tlt_jax.rollout.bandit import Bandit
+  model = models["qwen3"]
+  strategies = (Strategy.parse("2_1_3"), Strategy.parse("2_2_4"))
+  config = EngineConfig(**{**CONFIG.__dict__, "strategies": strategies, "sd_max_batch": 4})
+  params = SamplingParams(temperature=0, max_new_tokens=48, stop_token_ids=(STOP,))
+  bandit = Bandit(strategies, epsilon=0.1)
+  engine = Engine(model, config, params, drafter=Drafter(model.config, rngs=nnx.Rngs(5)), bandit=bandit)
+  ps = prompts(4, seed=12)
+  engine.prepare(len(ps), [len(p) for p in ps])
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+  rollout = engine.generate(ps)
+  assert not compiles, "the rollout compiled something"
+  assert sample_set(rollout) == sample_set(Engine(model, CONFIG, params).generate(ps))
+  plays = {arm: sum(b[arm]["plays"] for b in bandit.stats().values()) for arm in ("off", "2_1_3", "2_2_4")}
+  assert all(n > 0 for n in plays.values())  # every arm, SD off included, was tried
+  assert sum(plays.values()) == len(rollout.metrics.segments)
+  with pytest.raises(ValueError, match="need a bandit"):
+    Engine(model, config, params, drafter=Drafter(model.config, rngs=nnx.Rngs(5)))

@@ -36,6 +36,7 @@ from tlt_jax.models import transformer
 from tlt_jax.models.transformer import KVCache
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.rollout import speculative
+from tlt_jax.rollout.bandit import Bandit
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
@@ -54,7 +55,7 @@ class EngineConfig:
   compact: bool = True
   capture_hidden: bool = False  # keep the target's last hidden state of every generated token
   compilation_cache_dir: str | None = None  # persistent XLA cache: later processes skip compiling
-  speculative: Strategy | None = None  # draft strategy for the tail (needs a drafter)
+  strategies: tuple[Strategy, ...] = ()  # draft strategies for the tail (need a drafter; several: a bandit)
   sd_max_batch: int = 32  # speculate while at most this many rows are active (TLT: 32)
 
   def __post_init__(self):
@@ -65,7 +66,7 @@ class EngineConfig:
   @property
   def capacity(self) -> int:
     """Cache slots per row: prompt, response, and the tree slots a step writes past the length."""
-    window = self.speculative.window if self.speculative else 1
+    window = max([s.window for s in self.strategies] + [1])
     return -(-(self.max_prompt_len + self.max_new_tokens + window) // self.kv_block) * self.kv_block
 
   @property
@@ -165,18 +166,24 @@ def _where_rows(mask_B, new, old):
 class Engine:
   """Generates from a `CausalLM` with sampling params fixed per engine (they are compiled in).
 
-  With a `drafter` and `config.speculative`, rows of the tail (at most `config.sd_max_batch`
-  active) decode speculatively; the output distribution is the target's either way.
+  With a `drafter` and `config.strategies`, rows of the tail (at most `config.sd_max_batch`
+  active) decode speculatively, with the one strategy or the one a `bandit` picks per segment
+  (it may pick plain decoding); the output distribution is the target's either way.
   """
 
   def __init__(self, model: transformer.CausalLM, config: EngineConfig, params: SamplingParams,
-               mesh: jax.sharding.Mesh | None = None, drafter: Drafter | None = None):
+               mesh: jax.sharding.Mesh | None = None, drafter: Drafter | None = None, bandit: Bandit | None = None):
     if params.max_new_tokens > config.max_new_tokens:
       raise ValueError(f"max_new_tokens={params.max_new_tokens} exceeds the engine's capacity "
                        f"max_new_tokens={config.max_new_tokens}")
-    if config.speculative is not None and drafter is None:
-      raise ValueError(f"speculative strategy {config.speculative.name} needs a drafter")
-    self.config, self.sampling, self.mesh = config, params, mesh
+    names = [s.name for s in config.strategies]
+    if names and drafter is None:
+      raise ValueError(f"speculative strategies {names} need a drafter")
+    if len(names) > 1 and bandit is None:
+      raise ValueError(f"several strategies {names} need a bandit to choose between them")
+    if bandit is not None and bandit.arms != (None, *config.strategies):
+      raise ValueError(f"the bandit's arms must be SD off + the engine's strategies {names}")
+    self.config, self.sampling, self.mesh, self.bandit = config, params, mesh, bandit
     if config.compilation_cache_dir:
       jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -343,7 +350,13 @@ class Engine:
 
   def _uses_sd(self, bucket: int) -> bool:
     cfg = self.config
-    return cfg.speculative is not None and bucket <= cfg.bucket(min(cfg.sd_max_batch, cfg.batch_buckets[-1]))
+    return bool(cfg.strategies) and bucket <= cfg.bucket(min(cfg.sd_max_batch, cfg.batch_buckets[-1]))
+
+  def _pick(self, bucket: int, active: int) -> Strategy | None:
+    """Plain decoding outside the tail; in it the single strategy, or the bandit's choice."""
+    if not self._uses_sd(bucket) or active > self.config.sd_max_batch:
+      return None
+    return self.config.strategies[0] if self.bandit is None else self.bandit.choose(active)
 
   def prepare(self, rows: int, prompt_lens: Sequence[int] = ()) -> None:
     """Compiles everything a rollout of `rows` rows needs (no-op for what the pool holds)."""
@@ -359,7 +372,7 @@ class Engine:
     for b in cfg.batch_buckets:
       if b > b0 or (b < b0 and not cfg.compact):  # without compaction only b0 runs
         continue
-      strategies = [None] + ([cfg.speculative] if self._uses_sd(b) else [])
+      strategies = [None] + (list(cfg.strategies) if self._uses_sd(b) else [])
       for strategy in strategies:
         self._compile(("segment", b, strategy), functools.partial(self._segment, strategy=strategy),
                       [*params, self._abstract_state(b)], b, donate=(2,))
@@ -439,7 +452,7 @@ class Engine:
           b //= 2
         jax.block_until_ready(st)
         metrics.compact_s += time.perf_counter() - t0
-      strategy = cfg.speculative if self._uses_sd(b) and active <= cfg.sd_max_batch else None
+      strategy = self._pick(b, active)
       t0 = time.perf_counter()
       before = np.asarray(st.num_generated).sum(), np.asarray(st.passes).sum()
       st = pool[("segment", b, strategy)](self.params, self.drafter_params, st)
@@ -450,6 +463,8 @@ class Engine:
       metrics.tokens += produced
       metrics.segments.append(SegmentRecord(b, active, produced, seconds, strategy and strategy.name,
                                             int(np.asarray(st.passes).sum() - before[1])))
+      if self.bandit is not None and self._uses_sd(b) and active <= cfg.sd_max_batch:
+        self.bandit.update(active, strategy, produced, seconds)
       on_progress(active - int((~done).sum()), produced)
     return out + self._harvest(st, harvested)
 
