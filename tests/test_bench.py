@@ -14,18 +14,26 @@ from tlt_jax.rl import tokenizer as tokenizer_lib
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_bench_writes_the_grid(tmp_path):
+def tiny_model_dir(tmp_path):
   tok = tokenizer_lib.build_tokenizer()
   cfg = ModelConfig("Qwen3ForCausalLM", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2,
                     num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True, tie_word_embeddings=True,
                     eos_token_id=tok.eos_token_id)
   model_dir = str(tmp_path / "model")
   hf.save_pretrained(CausalLM(cfg, rngs=nnx.Rngs(0)), model_dir, tokenizer=tok)
-  out = tmp_path / "grid.json"
-  proc = subprocess.run([sys.executable, "-m", "tlt_jax.bench", f"--model={model_dir}", "--drafter=random",
-                         f"--output={out}", "--batch_sizes=1,2", "--strategies=2_1_3", "--max_new_tokens=12",
-                         "--verbosity=-1"], cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+  return model_dir
+
+
+def run_bench(*args):
+  proc = subprocess.run([sys.executable, "-m", "tlt_jax.bench", "--drafter=random", "--verbosity=-1", *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_bench_writes_the_grid(tmp_path):
+  out = tmp_path / "grid.json"
+  run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--batch_sizes=1,2", "--strategies=2_1_3",
+            "--max_new_tokens=12")
   records = json.loads(out.read_text())
   assert [(r["batch_size"], r["strategy"]) for r in records] == [(1, "2_1_3"), (2, "2_1_3")]
   for r in records:
@@ -34,3 +42,14 @@ def test_bench_writes_the_grid(tmp_path):
     assert abs(r["speedup"] - r["tokens_per_s"] / r["baseline_tokens_per_s"]) < 1e-2
   with open(tmp_path / "grid.csv", encoding="utf-8") as f:
     assert len(list(csv.DictReader(f))) == 2
+
+
+def test_adaptive_mode_compares_bandit_fixed_and_plain(tmp_path):
+  out = tmp_path / "adaptive.json"
+  run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--adaptive", "--rows=4", "--strategies=2_1_3",
+            "--max_new_tokens=12", "--sd_max_batch=4")
+  records = json.loads(out.read_text())
+  assert [r["mode"] for r in records] == ["plain", "2_1_3", "bandit"]
+  assert records[0]["speedup"] == 1.0 and all(r["tokens_per_s"] > 0 for r in records)
+  plays = sum(arm["plays"] for bucket in records[-1]["bandit"].values() for arm in bucket.values())
+  assert plays > 0

@@ -3,11 +3,20 @@
   python -m tlt_jax.bench --model=DIR --drafter=DIR --output=FILE.json \\
       [--batch_sizes=1,2,4,8,16,32 --strategies=4_2_8,6_4_16 --temperature=1.0 --max_new_tokens=128]
 
-Prompts are procedural problems with at least `--min_terms` terms, so responses are long (the
-tail's regime); rows stop at EOS or `--max_new_tokens`. Compaction is off, so every step runs at
+  python -m tlt_jax.bench --adaptive --model=DIR --drafter=DIR --output=FILE.json [--rows=64 ...]
+
+Grid mode: prompts are procedural problems with at least `--min_terms` terms, so responses are
+long (the tail's regime); rows stop at EOS or `--max_new_tokens`. Compaction is off, so every step runs at
 the cell's batch size. Each cell times one rollout after a warm-up rollout (compilation excluded). Writes a JSON list of
 {batch_size, strategy, tokens_per_s, baseline_tokens_per_s, speedup, accept_len} and the same
 table as CSV next to it. The counterpart of the reference's bench_sd.
+
+Adaptive mode (`--adaptive`): one long-tailed rollout of `--rows` problems (compaction on,
+speculation once at most `--sd_max_batch` rows are active), run with plain decoding, with each
+fixed strategy, and with the BEG-MAB bandit over all of them plus SD off; records
+{mode, tokens_per_s, speedup, accept_len, sd_share} (whole-rollout tokens/s, median of three
+rollouts after a warm-up one; the bandit keeps learning across them) and the bandit's plays
+and median rewards per bucket.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from tlt_jax.drafter import checkpoint
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
 from tlt_jax.rl import datasets, tasks
+from tlt_jax.rollout.bandit import Bandit
 from tlt_jax.rollout.engine import Engine, EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
@@ -41,14 +51,48 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens per row at most."
 _TASK = flags.DEFINE_string("task", "basic_arithmetic", "Procedural task for prompts (needs a tokenizer in --model).")
 _MIN_TERMS = flags.DEFINE_integer("min_terms", 16, "Fewest terms per problem (longer problems, longer responses).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of prompts and sampling.")
+_ADAPTIVE = flags.DEFINE_bool("adaptive", False, "Bandit vs every fixed strategy vs SD off on a long-tail rollout.")
+_ROWS = flags.DEFINE_integer("rows", 64, "Rows of the adaptive mode's rollout.", lower_bound=1)
+_SD_MAX_BATCH = flags.DEFINE_integer("sd_max_batch", 32, "Adaptive mode: speculate at most this many active rows.",
+                                     lower_bound=1)
 
 
-def _rollout_speed(engine: Engine, prompts, repeats: int = 3) -> tuple[float, float]:
-  """Median decode tokens/s over `repeats` rollouts after a warm-up one, and the acceptance length."""
-  engine.generate(prompts)  # warm-up: compiles
-  runs = [engine.generate(prompts).metrics for _ in range(repeats)]
-  speed = float(np.median([sum(s.tokens for s in m.segments) / m.decode_s for m in runs]))
-  return speed, runs[0].accept_len
+def _timed(engine: Engine, prompts, repeats: int = 3):
+  """Metrics of `repeats` rollouts after a warm-up one (which compiles)."""
+  engine.generate(prompts)
+  return [engine.generate(prompts).metrics for _ in range(repeats)]
+
+
+def _rollout_speed(engine: Engine, prompts) -> tuple[float, float]:
+  """Median decode tokens/s and the acceptance length."""
+  runs = _timed(engine, prompts)
+  return float(np.median([sum(s.tokens for s in m.segments) / m.decode_s for m in runs])), runs[0].accept_len
+
+
+def run_adaptive(model, drafter: Drafter, prompts, strategies, temperature, max_new_tokens, seed, stop_ids,
+                 sd_max_batch):
+  """Plain vs each fixed strategy vs the bandit on one long-tailed rollout."""
+  buckets = tuple(2**i for i in range(int(np.ceil(np.log2(len(prompts)))) + 1))
+  base = EngineConfig(batch_buckets=buckets, max_prompt_len=max(map(len, prompts)), max_new_tokens=max_new_tokens,
+                      sd_max_batch=sd_max_batch)
+  params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
+                          stop_token_ids=tuple(stop_ids))
+  bandit = Bandit(strategies, seed=seed)
+  modes = [("plain", Engine(model, base, params))]
+  modes += [(s.name, Engine(model, EngineConfig(**{**base.__dict__, "strategies": (s,)}), params, drafter=drafter))
+            for s in strategies]
+  modes.append(("bandit", Engine(model, EngineConfig(**{**base.__dict__, "strategies": tuple(strategies)}), params,
+                                 drafter=drafter, bandit=bandit)))
+  records = []
+  for name, engine in tqdm(modes, desc="bench --adaptive", file=sys.stderr):
+    runs = _timed(engine, prompts)
+    m = runs[int(np.argsort([r.tokens / r.wall_s for r in runs])[len(runs) // 2])]
+    records.append({"mode": name, "tokens_per_s": round(m.tokens / m.wall_s, 2), "accept_len": round(m.accept_len, 3),
+                    "sd_share": round(m.sd_s / m.wall_s, 3)})
+  for r in records:
+    r["speedup"] = round(r["tokens_per_s"] / records[0]["tokens_per_s"], 3)
+  records[-1]["bandit"] = bandit.stats()
+  return records
 
 
 def run(model, drafter: Drafter, prompts, batch_sizes, strategies, temperature, max_new_tokens, seed, stop_ids):
@@ -84,21 +128,28 @@ def main(argv):
   tokenizer = hf.load_tokenizer(_MODEL.value)
   if tokenizer is None:
     sys.exit(f"error: {_MODEL.value} has no tokenizer to build --task={_TASK.value} prompts with")
-  difficulty = tasks.Difficulty(min_terms=_MIN_TERMS.value, max_terms=max(_MIN_TERMS.value, 24))
-  prompts = [ex.prompt_ids for ex in datasets.from_tasks(_TASK.value, tokenizer, size=max(batch_sizes),
-                                                         seed=_SEED.value, difficulty=difficulty)]
+  if _ADAPTIVE.value:  # the task's own long-tailed difficulty
+    prompts = [ex.prompt_ids for ex in datasets.from_tasks(_TASK.value, tokenizer, size=_ROWS.value, seed=_SEED.value)]
+  else:
+    difficulty = tasks.Difficulty(min_terms=_MIN_TERMS.value, max_terms=max(_MIN_TERMS.value, 24))
+    prompts = [ex.prompt_ids for ex in datasets.from_tasks(_TASK.value, tokenizer, size=max(batch_sizes),
+                                                           seed=_SEED.value, difficulty=difficulty)]
   if _DRAFTER.value == "random":
     drafter = Drafter(model.config, rngs=nnx.Rngs(_SEED.value))
   else:
     drafter = checkpoint.load_drafter(_DRAFTER.value, model.config)
   stop = set(model.config.stop_token_ids) | {tokenizer.eos_token_id}
-  records = run(model, drafter, prompts, batch_sizes, strategies, _TEMPERATURE.value, _MAX_NEW.value, _SEED.value,
-                sorted(stop))
+  if _ADAPTIVE.value:
+    records = run_adaptive(model, drafter, prompts, strategies, _TEMPERATURE.value, _MAX_NEW.value, _SEED.value,
+                           sorted(stop), _SD_MAX_BATCH.value)
+  else:
+    records = run(model, drafter, prompts, batch_sizes, strategies, _TEMPERATURE.value, _MAX_NEW.value, _SEED.value,
+                  sorted(stop))
   os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)
   with open(_OUTPUT.value, "w", encoding="utf-8") as f:
     json.dump(records, f, indent=2)
   with open(os.path.splitext(_OUTPUT.value)[0] + ".csv", "w", encoding="utf-8", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=list(records[0]))
+    writer = csv.DictWriter(f, fieldnames=list(records[0]), extrasaction="ignore")
     writer.writeheader()
     writer.writerows(records)
   for r in records:
