@@ -1,1 +1,2 @@
-"""Kernels behind one signature each: a pure-jnp reference that always runs, and accelerator versions."""
+"""Kernels behind one signature each. Today only the pure-jnp references exist (Pallas / Triton
+versions are issue 9)."""
