@@ -26,6 +26,7 @@ setup(
         "reasoning-gym>=0.1.20,<1",
         "math-verify>=0.7,<1",
         "pyarrow>=15",
+        "tensorboardX>=2.6",
     ],
     extras_require={
         # torch is only used to build reference models with `transformers` in tests. Install the

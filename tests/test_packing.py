@@ -21,6 +21,15 @@ def test_pack_layout():
     packing.pack([([1, 2, 3], [4])], 3)
 
 
+def test_index_plane_names_each_slots_sequence():
+  rows = packing.pack([([5, 6], [7, 8, 9]), ([1, 2, 3], [4]), ([9] * 7, [8] * 5)], 10, index=True)
+  assert rows.shape == (5, 2, 10)
+  np.testing.assert_array_equal(rows[4, 0], [3] * 10)
+  np.testing.assert_array_equal(rows[4, 1], [1] * 5 + [2] * 4 + [0])
+  dropped = packing.pack([([4] * 6, [5] * 6), ([1, 2], [3])], 8, truncate=False, index=True)
+  np.testing.assert_array_equal(dropped[4, 0], [2, 2, 2, 0, 0, 0, 0, 0])  # numbers survive a drop
+
+
 def test_overlong_sequences_can_be_dropped():
   rows = packing.pack([([1, 2], [3]), ([4] * 6, [5] * 6)], 8, truncate=False)
   assert rows.shape == (4, 1, 8)

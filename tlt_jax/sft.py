@@ -140,22 +140,28 @@ def evaluate(config, model: CausalLM, tok, held_out: datasets.Dataset) -> dict:
   return report
 
 
-def run(config: ml_collections.ConfigDict) -> dict:
-  start = time.perf_counter()
-  tok = tokenizer_lib.build_tokenizer(config.model.max_position_embeddings)
+def warm_start(config, tok) -> tuple[CausalLM, list[float]]:
+  """A fresh tiny policy trained on worked solutions; returns it and its loss curve."""
   train_set = datasets.from_tasks(config.task.family, tok, size=config.sft.num_problems, seed=config.seed,
                                   difficulty=difficulty(config))
-  held_out = datasets.from_tasks(config.task.family, tok, size=config.sft.eval_size, seed=config.seed + 1,
-                                 difficulty=difficulty(config))
   rows = packing.pack(sequences(train_set, tok), config.sft.row_len, truncate=False)
   model = build_policy(config, tok)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   logging.info("tiny policy: %.2fM parameters; %d packed rows of %d tokens", n_params / 1e6, rows.shape[1],
                config.sft.row_len)
-  losses = train(config, model, rows)
+  return model, train(config, model, rows)
+
+
+def run(config: ml_collections.ConfigDict) -> dict:
+  start = time.perf_counter()
+  tok = tokenizer_lib.build_tokenizer(config.model.max_position_embeddings)
+  model, losses = warm_start(config, tok)
   train_s = time.perf_counter() - start
+  held_out = datasets.from_tasks(config.task.family, tok, size=config.sft.eval_size, seed=config.seed + 1,
+                                 difficulty=difficulty(config))
   policy_dir = os.path.join(config.workdir, "policy")
   hf.save_pretrained(model, policy_dir, tokenizer=tok)
+  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   report = {"parameters": int(n_params), "steps": config.sft.steps, "loss_first": losses[0], "loss_last": losses[-1],
             "train_s": round(train_s, 1), "policy": policy_dir, **evaluate(config, model, tok, held_out)}
   report["wall_s"] = round(time.perf_counter() - start, 1)

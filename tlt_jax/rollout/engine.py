@@ -386,10 +386,12 @@ class Engine:
 
   def generate(self, prompts: Sequence[Sequence[int]], num_samples: int = 1,
                max_total_len: Sequence[int] | int | None = None,
-               on_progress: Callable[[int, int], None] | None = None) -> Rollout:
+               on_progress: Callable[[int, int], None] | None = None, prompt_offset: int = 0) -> Rollout:
     """Samples `num_samples` continuations of each prompt (token ids).
 
     `on_progress(rows_finished_delta, tokens_delta)` is called at every segment boundary.
+    Row keys see prompt i as `prompt_offset + i`: an RL loop passes the number of prompts it
+    has sampled so far, so every step draws fresh samples and a resumed run draws the same ones.
     """
     cfg, sp = self.config, self.sampling
     budgets = []
@@ -408,17 +410,19 @@ class Engine:
     for start in range(0, len(rows), wave):
       chunk = rows[start:start + wave]
       self.prepare(len(chunk), [len(prompts[i]) for i, _ in chunk])
-      samples += self._wave(prompts, chunk, budgets, metrics, on_progress or (lambda rows, tokens: None))
-    samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
+      samples += self._wave(prompts, chunk, budgets, metrics, on_progress or (lambda rows, tokens: None),
+                            prompt_offset)
+    samples = sorted((dataclasses.replace(s, prompt_index=s.prompt_index - prompt_offset) for s in samples),
+                     key=lambda s: (s.prompt_index, s.sample_index))
     return Rollout(samples, metrics)
 
-  def _wave(self, prompts, rows, budgets, metrics, on_progress) -> list[Sample]:
+  def _wave(self, prompts, rows, budgets, metrics, on_progress, prompt_offset) -> list[Sample]:
     """One batch of (prompt index, sample index) rows, from prefill until every row is done."""
     cfg, pool = self.config, self.pool
     b = cfg.bucket(len(rows))
     pad = lambda xs, fill: np.asarray(list(xs) + [fill] * (b - len(xs)), np.int32)
     t0 = time.perf_counter()
-    st = pool[("init", b)](pad([i for i, _ in rows], 0), pad([j for _, j in rows], 0), pad(range(len(rows)), -1),
+    st = pool[("init", b)](pad([prompt_offset + i for i, _ in rows], 0), pad([j for _, j in rows], 0), pad(range(len(rows)), -1),
                            pad([budgets[i] for i, _ in rows], 1))
     unique = sorted({i for i, _ in rows})
     p = min(cfg.prefill_batch, b)

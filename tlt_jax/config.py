@@ -1,0 +1,173 @@
+"""Every key `python -m tlt_jax.main` understands, with defaults; experiment configs start from `base()`.
+
+A config file is `get_config()` returning `base()` with its values set. The returned ConfigDict is
+locked, so a mistyped key in a config file or in a `--config.key=value` override is an error that
+names the key, and `check` rejects values that would fail later (naming the key).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from tlt_jax.rl import grpo
+from tlt_jax.rl import rewards
+from tlt_jax.rollout.speculative import Strategy
+
+
+def base() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.workdir = "runs/tiny"
+  c.seed = 0
+  c.steps = 20  # RL steps
+  c.dry_run = False  # compile and size everything for the mesh, read no weights, run nothing
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.cpu_devices = 0  # > 0: simulate this many CPU devices (tests, laptops); 0: the real devices
+  c.mesh.data = -1  # trainer mesh axes (sharding.MESH_AXES); one may be -1 (the rest)
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+  c.mesh.device_memory_gb = 0.0  # dry run: fail if an executable needs more per device (0: no check)
+
+  c.distributed = ml_collections.ConfigDict()
+  c.distributed.enabled = False  # jax.distributed.initialize(); also when the environment says multi-host
+  c.distributed.coordinator_address = ""  # "" = from the environment (Slurm, Kubernetes, Cloud TPU)
+  c.distributed.num_processes = 0
+  c.distributed.process_id = -1
+
+  # The policy: a local Hugging Face directory. Empty: the tiny world's policy (model/sft below),
+  # trained by SFT into <workdir>/policy unless it is already there.
+  c.policy = ml_collections.ConfigDict()
+  c.policy.path = ""
+  c.policy.dtype = "float32"  # parameter dtype for training and rollout
+
+  # Architecture of the tiny policy (Qwen3, tied embeddings); also the shape a dry run uses when
+  # policy.path has no config.json (e.g. sizing a cluster run on a laptop).
+  c.model = ml_collections.ConfigDict()
+  c.model.architecture = "Qwen3ForCausalLM"
+  c.model.vocab_size = 0  # 0: the tokenizer's size
+  c.model.hidden_size = 96
+  c.model.num_layers = 6
+  c.model.num_heads = 3
+  c.model.num_kv_heads = 1
+  c.model.head_dim = 32
+  c.model.intermediate_size = 384
+  c.model.max_position_embeddings = 1024
+  c.model.rope_theta = 10000.0
+  c.model.tie_word_embeddings = True
+
+  # Prompts: procedural reasoning-gym tasks, or a local JSONL / Parquet file (data.path).
+  c.task = ml_collections.ConfigDict()
+  c.task.family = "basic_arithmetic"
+  c.task.min_terms = 2
+  c.task.max_terms = 24
+  c.task.tail_alpha = 1.0
+  c.data = ml_collections.ConfigDict()
+  c.data.path = ""  # "" = procedural tasks (task.*)
+  c.data.size = 4096  # procedural prompts
+  c.data.max_prompt_len = 128
+  c.data.reward = "reasoning_gym"  # rewards.REWARDS
+
+  c.sft = ml_collections.ConfigDict()  # the tiny policy's warm start (tlt_jax.sft)
+  c.sft.num_problems = 20000
+  c.sft.steps = 240
+  c.sft.batch_rows = 16
+  c.sft.row_len = 256
+  c.sft.learning_rate = 5e-3
+  c.sft.warmup_steps = 30
+  c.sft.weight_decay = 0.01
+  c.sft.eval_size = 256
+  c.sft.eval_max_new_tokens = 384
+
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.speculative = True  # False: the plain-rollout baseline, everything else equal
+  c.rollout.prompts_per_step = 16
+  c.rollout.num_samples = 8  # responses per prompt (the GRPO group)
+  c.rollout.temperature = 1.0
+  c.rollout.top_p = 1.0
+  c.rollout.top_k = 0
+  c.rollout.max_new_tokens = 384
+  c.rollout.batch_buckets = 128  # largest batch bucket per rollout group (powers of two below it)
+  c.rollout.segment_steps = 16
+  c.rollout.kv_block = 64
+  c.rollout.strategies = "3_1_4,4_2_6"  # draft depth_topk_verify, comma-separated (bandit arms beside SD off)
+  c.rollout.sd_max_batch = 32  # speculate only while at most this many rows are active
+  c.rollout.bandit_thresholds = "1,2,5,21"
+  c.rollout.bandit_epsilon = 0.1
+  c.rollout.bandit_window = 300
+  c.rollout.compilation_cache_dir = ""
+
+  c.drafter = ml_collections.ConfigDict()
+  c.drafter.path = ""  # a drafter checkpoint (tlt_jax.train_drafter); "" = <workdir>/drafter, warmed up if absent
+  c.drafter.feature_layers = ""  # EAGLE-3: comma-separated target layers; "" = EAGLE (final hidden state)
+  c.drafter.warmup_steps = 200  # offline distillation on the SFT data when no drafter exists
+  c.drafter.learning_rate = 3e-3
+  c.drafter.batch_rows = 16
+  c.drafter.row_len = 256
+
+  c.rl = ml_collections.ConfigDict()
+  c.rl.learning_rate = 1e-4
+  c.rl.warmup_steps = 0
+  c.rl.weight_decay = 0.0
+  c.rl.max_grad_norm = 1.0
+  c.rl.mini_batches = 2  # optimizer updates per step (later ones are off-policy: the ratio clips)
+  c.rl.micro_batch_rows = 8  # packed rows per forward/backward (gradient accumulation)
+  c.rl.row_len = 512  # packed row length; must hold the longest prompt + response
+  c.rl.clip_low = 0.2
+  c.rl.clip_high = 0.28  # DAPO clip-higher
+  c.rl.loss_aggregation = "token"  # grpo.AGGREGATIONS
+  c.rl.normalize_std = True
+  c.rl.kl_coef = 0.0  # > 0: low-variance KL to the frozen initial policy
+  c.rl.dynamic_sampling = True  # drop groups whose rewards are all equal
+  c.rl.overlong_filter = False  # truncated responses do not enter the loss
+  c.rl.overlong_buffer = 0  # DAPO soft overlong penalty over the last this-many tokens (0: off)
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 5  # steps
+  c.checkpoint.keep = 2
+  return c
+
+
+def ints(text: str) -> tuple[int, ...]:
+  return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def strategies(config) -> tuple[Strategy, ...]:
+  return tuple(Strategy.parse(s.strip()) for s in config.rollout.strategies.split(",") if s.strip())
+
+
+def check(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the first bad key."""
+  def need(ok: bool, key: str, why: str):
+    if not ok:
+      raise ValueError(f"config.{key}={config_value(config, key)!r}: {why}")
+  need(config.steps >= 0, "steps", "must be >= 0")
+  need(config.policy.dtype in ("float32", "bfloat16"), "policy.dtype", "must be float32 or bfloat16")
+  need(config.data.reward in rewards.REWARDS, "data.reward", f"must be one of {sorted(rewards.REWARDS)}")
+  need(config.rollout.num_samples >= 1, "rollout.num_samples", "must be >= 1")
+  need(config.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
+  need(config.rollout.temperature >= 0, "rollout.temperature", "must be >= 0")
+  b = config.rollout.batch_buckets
+  need(b >= 1 and b & (b - 1) == 0, "rollout.batch_buckets", "must be a power of two")
+  try:
+    strategies(config)
+  except ValueError as e:
+    raise ValueError(f"config.rollout.strategies={config.rollout.strategies!r}: {e}") from None
+  for key in ("rollout.bandit_thresholds", "drafter.feature_layers"):
+    try:
+      ints(config_value(config, key))
+    except ValueError:
+      raise ValueError(f"config.{key}={config_value(config, key)!r}: must be comma-separated integers") from None
+  need(config.rl.loss_aggregation in grpo.AGGREGATIONS, "rl.loss_aggregation", f"must be one of {grpo.AGGREGATIONS}")
+  need(config.rl.mini_batches >= 1, "rl.mini_batches", "must be >= 1")
+  need(config.rl.micro_batch_rows >= 1, "rl.micro_batch_rows", "must be >= 1")
+  need(config.rl.row_len >= config.data.max_prompt_len + config.rollout.max_new_tokens, "rl.row_len",
+       "must hold data.max_prompt_len + rollout.max_new_tokens")
+  need(0 <= config.rl.clip_low < 1 and config.rl.clip_high >= 0, "rl.clip_low", "need 0 <= clip_low < 1, clip_high >= 0")
+  need(config.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
+
+
+def config_value(config, key: str):
+  for part in key.split("."):
+    config = config[part]
+  return config
+

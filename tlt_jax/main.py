@@ -1,0 +1,80 @@
+"""RL training of a reasoning model with TLT rollouts.
+
+  python -m tlt_jax.main                                        # the tiny default on a CPU
+  python -m tlt_jax.main --config=configs/r1_7b.py [--config.key=value ...]
+  python -m tlt_jax.main --config=configs/r1_7b.py --config.dry_run=True   # size it, read no weights
+
+Every key is listed with its default in tlt_jax/config.py; an unknown or ill-typed key is
+rejected with its name. Resumes from <workdir>/checkpoints when there are any.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from tlt_jax import config as config_lib
+
+_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.py")
+_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Experiment config file (get_config()).")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Same as --config.dry_run=True.")
+
+
+def setup_devices(config) -> None:
+  """Simulated CPU devices and the multi-process runtime, before any computation."""
+  if config.mesh.cpu_devices:
+    jax.config.update("jax_num_cpu_devices", config.mesh.cpu_devices)
+  d = config.distributed
+  if d.enabled or _multi_host_environment():
+    kwargs = {}
+    if d.coordinator_address:  # else jax finds them in the Slurm / Kubernetes / Cloud TPU environment
+      kwargs = dict(coordinator_address=d.coordinator_address, num_processes=d.num_processes, process_id=d.process_id)
+    jax.distributed.initialize(**kwargs)
+    logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+
+
+def _multi_host_environment() -> bool:
+  return int(os.environ.get("SLURM_NTASKS", "1")) > 1 or "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
+
+
+class _QuietOrbax(logging.logging.Filter):
+  """orbax logs every save at INFO; keep its warnings only."""
+
+  def filter(self, record):
+    return record.levelno >= logging.logging.WARNING or "orbax" not in record.pathname
+
+
+def main(argv):
+  logging.get_absl_handler().addFilter(_QuietOrbax())
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  config = _CONFIG.value
+  if _DRY_RUN.value:
+    config.dry_run = True
+  try:
+    config_lib.check(config)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  setup_devices(config)
+  if config.dry_run:
+    from tlt_jax import dry_run  # pylint: disable=import-outside-toplevel
+    print(json.dumps(dry_run.run(config), indent=2))
+    return
+  from tlt_jax.rl.trainer import Trainer  # pylint: disable=import-outside-toplevel
+  trainer = Trainer(config)
+  try:
+    records = trainer.run()
+  finally:
+    trainer.close()
+  if records:
+    first, last = records[0], records[-1]
+    print(json.dumps({"steps": trainer.step, "reward_first": first["reward/mean"], "reward_last": last["reward/mean"],
+                      "metrics": trainer.metrics.path}, indent=2))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,123 @@
+"""The policy update: log-probs recomputed by the trainer, GRPO/DAPO loss, micro-batched gradients.
+
+Rows are packed (prompt, response) sequences (`packing.pack(..., index=True)`); each micro-batch
+is a fixed [micro_batch_rows, row_len] shape, so one executable serves every step. Gradients of
+the micro-batches of a mini-batch are summed (the token weights already sum to 1 over the
+mini-batch, so the sum is the mini-batch's loss gradient) and applied in one optimizer update.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from tlt_jax import packing
+from tlt_jax.models.transformer import CausalLM, KVCache
+from tlt_jax.rl import grpo
+
+# Planes of a training batch beyond the packed rows' tokens / positions / segments.
+FLOAT_PLANES = ("weights", "advantages", "old_logp", "ref_logp")
+
+
+def token_logprobs(model: CausalLM, tokens_BxT, positions_BxT, segments_BxT):
+  """(log p(token t | its sample's tokens before t), entropy of that distribution), [B, T] each.
+
+  Slot 0 (and every sample's first slot, a prompt token) has no prediction of its own sample:
+  its values are meaningless and always weigh 0.
+  """
+  b, t = tokens_BxT.shape
+  cache = KVCache.zeros(model.config, b, t, model.model.embed_tokens.embedding.dtype)
+  hidden, _, _ = model(tokens_BxT, positions_BxT, cache, packing.segment_mask(segments_BxT))
+  logp_all = jax.nn.log_softmax(model.logits(hidden[:, :-1]), axis=-1)
+  logp = jnp.take_along_axis(logp_all, tokens_BxT[:, 1:, None], axis=-1)[..., 0]
+  entropy = -(jnp.exp(logp_all) * logp_all).sum(-1)
+  pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
+  return pad(logp), pad(entropy)
+
+
+def make_optimizer(learning_rate: float, warmup_steps: int, weight_decay: float,
+                   max_grad_norm: float) -> optax.GradientTransformation:
+  schedule = optax.linear_schedule(0.0, learning_rate, warmup_steps) if warmup_steps else learning_rate
+  return optax.chain(optax.clip_by_global_norm(max_grad_norm),
+                     optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=weight_decay))
+
+
+class Actor:
+  """Holds the policy's params and optimizer state; updates them from packed, weighted rows."""
+
+  def __init__(self, model: CausalLM, optimizer: optax.GradientTransformation, *, micro_batch_rows: int,
+               clip_low: float, clip_high: float, kl_coef: float = 0.0):
+    self.graphdef, self.params = nnx.split(model)
+    self.optimizer = optimizer
+    self.opt_state = optimizer.init(self.params)
+    self.micro_batch_rows = micro_batch_rows
+    self._loss_args = dict(clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef)
+    self.uses_ref = kl_coef > 0
+    self._logprobs = jax.jit(self._logprobs_fn)
+    self._grads = jax.jit(self._grads_fn)
+    self._apply = jax.jit(self._apply_fn, donate_argnums=(0, 1))
+
+  # ---- pure functions ----
+
+  def _logprobs_fn(self, params, tokens, positions, segments):
+    return token_logprobs(nnx.merge(self.graphdef, params), tokens, positions, segments)[0]
+
+  def _grads_fn(self, params, batch):
+    def loss(p):
+      logp, entropy = token_logprobs(nnx.merge(self.graphdef, p), batch["tokens"], batch["positions"],
+                                     batch["segments"])
+      value, stats = grpo.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["weights"],
+                                      ref_logp_BxT=batch["ref_logp"] if self.uses_ref else None, **self._loss_args)
+      stats["entropy"] = (entropy * batch["weights"]).sum()
+      return value, stats
+    (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return grads, {"loss": value, **stats}
+
+  def _apply_fn(self, params, opt_state, grads):
+    updates, opt_state = self.optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+  # ---- host side ----
+
+  def _micro_batches(self, planes: dict[str, np.ndarray]):
+    """Splits [R, T] planes into [micro_batch_rows, T] pieces, padding rows weighing 0."""
+    rows = planes["tokens"].shape[0]
+    m = self.micro_batch_rows
+    padded = -(-rows // m) * m
+    planes = {k: np.pad(v, ((0, padded - rows), (0, 0))) for k, v in planes.items()}
+    return [{k: v[i:i + m] for k, v in planes.items()} for i in range(0, padded, m)]
+
+  def logprobs(self, params, rows_5xRxT: np.ndarray) -> np.ndarray:
+    """[R, T] log-probs of packed rows under `params` (the current policy's, or a reference's)."""
+    planes = dict(zip(("tokens", "positions", "segments"), rows_5xRxT[:3]))
+    out = [np.asarray(self._logprobs(params, mb["tokens"], mb["positions"], mb["segments"]))
+           for mb in self._micro_batches(planes)]
+    return np.concatenate(out)[:rows_5xRxT.shape[1]]
+
+  def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+    """One optimizer update from a mini-batch of [R, T] planes; returns its loss statistics."""
+    grads, sums = None, {}
+    for mb in self._micro_batches(batch):
+      g, stats = self._grads(self.params, mb)
+      grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+      for k, v in stats.items():
+        sums[k] = sums.get(k, 0.0) + float(v)
+    self.params, self.opt_state, grad_norm = self._apply(self.params, self.opt_state, grads)
+    return {**sums, "grad_norm": float(grad_norm)}
+
+  def model(self) -> CausalLM:
+    return nnx.merge(self.graphdef, self.params)
+
+
+def training_batch(rows_5xRxT: np.ndarray, advantages: np.ndarray, keep: np.ndarray, aggregation: str,
+                   old_logp: np.ndarray, ref_logp: np.ndarray | None) -> dict[str, np.ndarray]:
+  """The planes `Actor.update` takes, for packed rows whose index plane numbers the samples."""
+  tokens, positions, segments, loss_mask, index = rows_5xRxT
+  adv = np.where(index > 0, np.asarray(advantages, np.float32)[np.maximum(index - 1, 0)], 0.0)
+  return {"tokens": tokens, "positions": positions, "segments": segments,
+          "weights": grpo.token_weights(index, loss_mask, keep, aggregation), "advantages": adv.astype(np.float32),
+          "old_logp": old_logp, "ref_logp": old_logp if ref_logp is None else ref_logp}
+

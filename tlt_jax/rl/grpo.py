@@ -1,0 +1,86 @@
+"""GRPO / DAPO: group advantages, reward shaping and the clipped policy loss.
+
+Host side (numpy, per RL step): `advantages` (group-normalised rewards), `overlong_penalty`
+(DAPO's soft length penalty), `keep_groups` (DAPO's dynamic sampling: groups whose rewards are
+all equal carry no signal), `token_weights` (how each response token counts in the loss).
+
+Device side (jnp): `policy_loss` over per-token log-probs. Aggregation is decided by the weight
+plane, so micro-batches sum to the full batch's loss exactly:
+- "token" (DAPO): every response token of the batch weighs 1 / (response tokens in the batch);
+- "sequence" (GRPO): every sample weighs 1 / samples, spread over its tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+AGGREGATIONS = ("token", "sequence")
+
+
+def advantages(rewards_GxN: np.ndarray, normalize_std: bool = True, eps: float = 1e-6) -> np.ndarray:
+  """(r - group mean) / (group std + eps); without `normalize_std` only the mean is removed (Dr. GRPO)."""
+  r = np.asarray(rewards_GxN, np.float64)
+  centred = r - r.mean(axis=1, keepdims=True)
+  if normalize_std:
+    centred = centred / (r.std(axis=1, keepdims=True) + eps)
+  return centred.astype(np.float32)
+
+
+def keep_groups(rewards_GxN: np.ndarray) -> np.ndarray:
+  """[G] bool: groups whose rewards are not all equal (DAPO dynamic sampling keeps only these)."""
+  r = np.asarray(rewards_GxN)
+  return r.max(axis=1) > r.min(axis=1)
+
+
+def overlong_penalty(lengths: Sequence[int], max_len: int, buffer_len: int) -> np.ndarray:
+  """DAPO's soft overlong punishment: 0 up to max_len - buffer_len, then linear down to -1 at max_len."""
+  x = np.asarray(lengths, np.float64)
+  if buffer_len <= 0:
+    return np.zeros_like(x, np.float32)
+  return np.clip((max_len - buffer_len - x) / buffer_len, -1.0, 0.0).astype(np.float32)
+
+
+def token_weights(sample_B: np.ndarray, loss_mask_B: np.ndarray, keep: np.ndarray, aggregation: str) -> np.ndarray:
+  """Per-token loss weights for packed rows.
+
+  `sample_B` holds each slot's sample index + 1 (0 = padding), `loss_mask_B` 1 on response tokens,
+  `keep[i]` whether sample i enters the loss. Weights sum to 1 over the batch (0 if nothing is kept).
+  """
+  if aggregation not in AGGREGATIONS:
+    raise ValueError(f"loss aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+  keep_slot = np.where(sample_B > 0, np.asarray(keep, bool)[np.maximum(sample_B - 1, 0)], False)
+  mask = (loss_mask_B > 0) & keep_slot
+  if not mask.any():
+    return np.zeros(mask.shape, np.float32)
+  if aggregation == "token":
+    return (mask / mask.sum()).astype(np.float32)
+  tokens_per_sample = np.bincount(sample_B[mask], minlength=len(keep) + 1)
+  samples = np.count_nonzero(tokens_per_sample)
+  return np.where(mask, 1.0 / (np.maximum(tokens_per_sample[sample_B], 1) * samples), 0.0).astype(np.float32)
+
+
+def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: jax.Array, weights_BxT: jax.Array,
+                clip_low: float, clip_high: float, ref_logp_BxT: jax.Array | None = None, kl_coef: float = 0.0):
+  """Clipped-ratio policy-gradient loss (+ kl_coef * low-variance KL to the reference).
+
+  ratio = exp(logp - old); per token -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A);
+  the KL is the k3 estimator exp(ref - logp) - (ref - logp) - 1 (unbiased, always >= 0).
+  Returns (loss, stats) where stats are weighted means (clip fraction, KL, ratio).
+  """
+  ratio = jnp.exp(logp_BxT - old_logp_BxT)
+  unclipped = ratio * advantages_BxT
+  clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages_BxT
+  pg = -jnp.minimum(unclipped, clipped)
+  loss = (pg * weights_BxT).sum()
+  stats = {"pg_loss": loss, "clip_frac": ((clipped < unclipped) * weights_BxT).sum(),
+           "ratio": (ratio * weights_BxT).sum()}
+  if ref_logp_BxT is not None:
+    d = ref_logp_BxT - logp_BxT
+    kl = (jnp.exp(d) - d - 1.0) * weights_BxT
+    stats["kl"] = kl.sum()
+    loss = loss + kl_coef * kl.sum()
+  return loss, stats

@@ -1,0 +1,258 @@
+"""The RL loop: TLT rollouts -> rewards -> GRPO/DAPO update, with checkpoints and metrics.
+
+One step:
+  1. the next `prompts_per_step` prompts (a seeded permutation per epoch; the position is saved);
+  2. `num_samples` responses each from the rollout engine (speculative tail with the drafter and
+     the bandit, or plain with `rollout.speculative=False`); row keys depend on the running prompt
+     count, so a resumed run samples exactly what the uninterrupted one would have;
+  3. rewards (+ DAPO's overlong penalty), group advantages, dynamic sampling, overlong filtering;
+  4. log-probs of the responses recomputed by the trainer (`old_logp`; rollout numerics never
+     enter the loss), then `mini_batches` optimizer updates of micro-batched gradients;
+  5. the new policy into the engine (the drafter reads its embedding and lm_head live);
+  6. a metrics record; a checkpoint every `checkpoint.every` steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+from flax import nnx
+from tqdm import tqdm
+
+from tlt_jax import checkpoint as checkpoint_lib
+from tlt_jax import config as config_lib
+from tlt_jax import metrics as metrics_lib
+from tlt_jax import packing
+from tlt_jax import sft
+from tlt_jax.drafter import checkpoint as drafter_checkpoint
+from tlt_jax.drafter import train as drafter_train
+from tlt_jax.drafter.model import Drafter
+from tlt_jax.models import CausalLM, hf
+from tlt_jax.rl import actor as actor_lib
+from tlt_jax.rl import datasets, grpo, rewards, tokenizer as tokenizer_lib
+from tlt_jax.rollout.bandit import Bandit
+from tlt_jax.rollout.engine import Engine, EngineConfig, Rollout
+from tlt_jax.rollout.sampling import SamplingParams
+
+
+def load_policy(config) -> tuple[CausalLM, object]:
+  """The policy and its tokenizer: `policy.path`, else the tiny world's (SFT into the workdir if absent)."""
+  if config.policy.path:
+    return hf.from_pretrained(config.policy.path, dtype=config.policy.dtype), hf.load_tokenizer(config.policy.path)
+  policy_dir = os.path.join(config.workdir, "policy")
+  if os.path.exists(os.path.join(policy_dir, "config.json")):
+    return hf.from_pretrained(policy_dir, dtype=config.policy.dtype), hf.load_tokenizer(policy_dir)
+  logging.info("no policy in %s: SFT warm start of the tiny policy", policy_dir)
+  tok = tokenizer_lib.build_tokenizer(config.model.max_position_embeddings)
+  model, losses = sft.warm_start(config, tok)
+  logging.info("SFT loss %.3f -> %.3f", losses[0], losses[-1])
+  hf.save_pretrained(model, policy_dir, tokenizer=tok)
+  return model, tok
+
+
+def load_drafter(config, policy: CausalLM, tok) -> Drafter:
+  """`drafter.path` or <workdir>/drafter; else a new drafter distilled on the SFT data (warm-up), saved there."""
+  path = config.drafter.path or os.path.join(config.workdir, "drafter")
+  if os.path.exists(path):
+    return drafter_checkpoint.load_drafter(path, policy.config)
+  layers = config_lib.ints(config.drafter.feature_layers)
+  drafter = Drafter(policy.config, feature_layers=layers, rngs=nnx.Rngs(config.seed))
+  examples = datasets.from_tasks(config.task.family, tok, size=2048, seed=config.seed + 3,
+                                 difficulty=sft.difficulty(config))
+  result = drafter_train.distill(policy, drafter, sft.sequences(examples, tok), steps=config.drafter.warmup_steps,
+                                 batch_rows=config.drafter.batch_rows, row_len=config.drafter.row_len,
+                                 lr=config.drafter.learning_rate, seed=config.seed)
+  logging.info("drafter warm-up: loss %.3f -> %.3f, top-1 %.2f", result.losses[0], result.losses[-1],
+               result.metrics[-1]["top1"])
+  drafter_checkpoint.save_drafter(drafter, path)
+  return drafter
+
+
+def load_prompts(config, tok) -> datasets.Dataset:
+  if config.data.path:
+    return datasets.from_file(config.data.path, tok, max_prompt_len=config.data.max_prompt_len,
+                              reward=config.data.reward)
+  return datasets.from_tasks(config.task.family, tok, size=config.data.size, seed=config.seed + 2,
+                             difficulty=sft.difficulty(config), max_prompt_len=config.data.max_prompt_len,
+                             reward=config.data.reward)
+
+
+def engine_config(config, strategies=()) -> EngineConfig:
+  r = config.rollout
+  buckets = tuple(2**i for i in range(r.batch_buckets.bit_length()))
+  return EngineConfig(batch_buckets=buckets, max_prompt_len=config.data.max_prompt_len, max_new_tokens=r.max_new_tokens,
+                      segment_steps=r.segment_steps, kv_block=r.kv_block, strategies=tuple(strategies),
+                      sd_max_batch=r.sd_max_batch, compilation_cache_dir=r.compilation_cache_dir or None)
+
+
+def sampling_params(config, tok) -> SamplingParams:
+  r = config.rollout
+  return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                        stop_token_ids=(tok.eos_token_id,), seed=config.seed)
+
+
+def rollout_summary(rollout: Rollout, sd_max_batch: int) -> dict[str, float]:
+  """Speed and tail figures of one rollout."""
+  m = rollout.metrics
+  tail_s = sum(s.seconds for s in m.segments if s.active_rows <= sd_max_batch)
+  out = {"rollout/tokens_per_s": m.tokens_per_s, "rollout/tail_share": tail_s / max(m.decode_s, 1e-9),
+         "rollout/sd_s": m.sd_s, "rollout/accept_len": m.accept_len}
+  for arm in sorted({s.strategy or "off" for s in m.segments}):
+    out[f"bandit/{arm}"] = sum((s.strategy or "off") == arm for s in m.segments)
+  return out
+
+
+class Trainer:
+  """Builds everything from a config (see tlt_jax.config) and runs RL steps."""
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    config_lib.check(config)
+    self.config = c = config
+    self.policy, self.tok = load_policy(c)
+    self.prompts = load_prompts(c, self.tok)
+    if len(self.prompts) < c.rollout.prompts_per_step:
+      raise ValueError(f"{len(self.prompts)} prompts, fewer than config.rollout.prompts_per_step="
+                       f"{c.rollout.prompts_per_step}")
+    strategies = config_lib.strategies(c) if c.rollout.speculative else ()
+    drafter = load_drafter(c, self.policy, self.tok) if strategies else None
+    self.bandit = Bandit(strategies, thresholds=config_lib.ints(c.rollout.bandit_thresholds),
+                         epsilon=c.rollout.bandit_epsilon, window=c.rollout.bandit_window,
+                         seed=c.seed) if strategies else None
+    self.engine = Engine(self.policy, engine_config(c, strategies), sampling_params(c, self.tok), drafter=drafter,
+                         bandit=self.bandit)
+    optimizer = actor_lib.make_optimizer(c.rl.learning_rate, c.rl.warmup_steps, c.rl.weight_decay,
+                                         c.rl.max_grad_norm)
+    self.actor = actor_lib.Actor(self.policy, optimizer, micro_batch_rows=c.rl.micro_batch_rows,
+                                 clip_low=c.rl.clip_low, clip_high=c.rl.clip_high, kl_coef=c.rl.kl_coef)
+    self.ref_params = jax.tree.map(jnp.copy, self.actor.params) if self.actor.uses_ref else None
+    self.step = 0
+    self.checkpoints = checkpoint_lib.Checkpoints(os.path.join(c.workdir, "checkpoints"), c.checkpoint.every,
+                                                  c.checkpoint.keep)
+    self.saved_step = latest = self.checkpoints.latest_step()
+    if latest is not None:
+      self._restore(latest)
+    self.metrics = metrics_lib.Writer(c.workdir, resume_step=self.step)
+
+  # ---- checkpoints ----
+
+  def _arrays(self):
+    arrays = {"policy": self.actor.params, "opt_state": self.actor.opt_state}
+    if self.ref_params is not None:
+      arrays["ref"] = self.ref_params
+    return arrays
+
+  def _meta(self) -> dict:
+    return {"step": self.step, "bandit": None if self.bandit is None else self.bandit.state_dict()}
+
+  def _restore(self, step: int) -> None:
+    arrays, meta = self.checkpoints.restore(step, self._arrays())
+    self.actor.params, self.actor.opt_state = arrays["policy"], arrays["opt_state"]
+    self.ref_params = arrays.get("ref")
+    self.engine.set_params(self.actor.params)
+    if self.bandit is not None and meta["bandit"] is not None:
+      self.bandit.load_state_dict(meta["bandit"])
+    self.step = meta["step"]
+    logging.info("resumed from %s at step %d", self.checkpoints.directory, self.step)
+
+  # ---- one step ----
+
+  def _batch_prompts(self, step: int) -> tuple[list[int], int]:
+    """Dataset indices of step `step`'s prompts and the running count of prompts before them."""
+    n, p = len(self.prompts), self.config.rollout.prompts_per_step
+    first = step * p
+    indices = []
+    for k in range(first, first + p):
+      epoch, at = divmod(k, n)
+      indices.append(int(np.random.default_rng([self.config.seed, epoch]).permutation(n)[at]))
+    return indices, first
+
+  def run_step(self) -> dict[str, float]:
+    c, start = self.config, time.perf_counter()
+    indices, offset = self._batch_prompts(self.step)
+    examples = [self.prompts[i] for i in indices]
+    g = c.rollout.num_samples
+    rollout = self.engine.generate([ex.prompt_ids for ex in examples], num_samples=g, prompt_offset=offset)
+    rollout_s = time.perf_counter() - start
+
+    samples = rollout.samples
+    texts = [self.tok.decode(s.tokens, skip_special_tokens=True) for s in samples]
+    scores, reward_stats = rewards.score_batch(
+        examples[0].reward, texts, [examples[s.prompt_index].ground_truth for s in samples],
+        [examples[s.prompt_index].metadata for s in samples])
+    lengths = np.asarray([len(s.tokens) for s in samples])
+    shaped = scores + grpo.overlong_penalty(lengths, c.rollout.max_new_tokens, c.rl.overlong_buffer)
+    adv = grpo.advantages(shaped.reshape(-1, g), normalize_std=c.rl.normalize_std).reshape(-1)
+    groups_kept = grpo.keep_groups(shaped.reshape(-1, g)) if c.rl.dynamic_sampling else np.ones(len(examples), bool)
+    keep = np.repeat(groups_kept, g)
+    if c.rl.overlong_filter:
+      keep &= np.asarray([s.finish_reason != "length" for s in samples])
+
+    t_train = time.perf_counter()
+    train_stats = self._update(examples, samples, adv, keep)
+    self.engine.set_params(self.actor.params)
+    train_s = time.perf_counter() - t_train
+
+    self.step += 1
+    record = {"reward/mean": float(scores.mean()), "reward/accuracy": float((scores >= 1.0).mean()),
+              "reward/failures": reward_stats["failures"],
+              "response_length/median": float(np.median(lengths)),
+              "response_length/p90": float(np.percentile(lengths, 90)), "response_length/max": int(lengths.max()),
+              "response_length/truncated": int(sum(s.finish_reason == "length" for s in samples)),
+              "groups_kept": int(groups_kept.sum()), "samples_trained": int(keep.sum()),
+              **train_stats, **rollout_summary(rollout, c.rollout.sd_max_batch),
+              "time/rollout_s": rollout_s, "time/train_s": train_s, "time/step_s": time.perf_counter() - start}
+    if self.checkpoints.save(self.step, self._arrays(), self._meta()):
+      self.saved_step = self.step
+    self.metrics.write(self.step, record)
+    return record
+
+  def _update(self, examples, samples, adv, keep) -> dict[str, float]:
+    """Mini-batch updates over the kept samples (old log-probs of all of them first)."""
+    c = self.config
+    kept = np.flatnonzero(keep)
+    if not len(kept):
+      return {"train/updates": 0}
+    order = np.random.default_rng([c.seed, self.step]).permutation(kept)
+    sequences = [(examples[s.prompt_index].prompt_ids, s.tokens.tolist()) for s in samples]
+    batches = []
+    for part in np.array_split(order, min(c.rl.mini_batches, len(order))):
+      rows = packing.pack([sequences[i] for i in part], c.rl.row_len, index=True)
+      old = self.actor.logprobs(self.actor.params, rows)
+      ref = self.actor.logprobs(self.ref_params, rows) if self.ref_params is not None else None
+      batches.append(actor_lib.training_batch(rows, adv[part], np.ones(len(part), bool), c.rl.loss_aggregation,
+                                              old, ref))
+    sums = {}
+    for batch in batches:
+      for k, v in self.actor.update(batch).items():
+        sums[k] = sums.get(k, 0.0) + v / len(batches)
+    return {**{f"train/{k}": v for k, v in sums.items()}, "train/updates": len(batches)}
+
+  # ---- the loop ----
+
+  def run(self, steps: int | None = None) -> list[dict]:
+    """Runs until `steps` (default config.steps) steps are done in total; returns this run's records."""
+    total = self.config.steps if steps is None else steps
+    records = []
+    with tqdm(total=total, initial=self.step, desc="rl", unit="step") as bar:
+      while self.step < total:
+        record = self.run_step()
+        records.append(record)
+        bar.set_postfix(reward=f"{record['reward/mean']:.3f}", len=f"{record['response_length/median']:.0f}",
+                        step_s=f"{record['time/step_s']:.1f}", refresh=False)
+        bar.update(1)
+    if self.saved_step != self.step:
+      self.checkpoints.save(self.step, self._arrays(), self._meta(), force=True)
+      self.saved_step = self.step
+    self.checkpoints.wait()
+    return records
+
+  def close(self) -> None:
+    self.checkpoints.close()
+    self.metrics.close()
