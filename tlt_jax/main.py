@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import jax
 from absl import app, flags, logging
@@ -20,7 +21,22 @@ from ml_collections import config_flags
 from tlt_jax import config as config_lib
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.py")
-_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Experiment config file (get_config()).")
+
+
+def _unknown_key(e: Exception, argv) -> SystemExit:
+  """ml_collections reports an unknown --config.* key as a bare KeyError; name the flag instead."""
+  key = str(e).strip("'\"")
+  bad = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.") and key in a.split("=")[0].split(".")]
+  return SystemExit(f"FATAL unknown config key {key!r} in {', '.join(bad) or 'the --config overrides'}; "
+                    "every key and its default is listed in tlt_jax/config.py")
+
+
+try:  # the default config is loaded, and command-line overrides applied, right here
+  _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Experiment config file (get_config()).")
+except (KeyError, AttributeError) as error:
+  raise _unknown_key(error, sys.argv) from None
+except flags.Error as error:  # an ill-typed override of the default config
+  raise SystemExit(f"FATAL {error}") from None
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Same as --config.dry_run=True.")
 
 
@@ -76,5 +92,14 @@ def main(argv):
                       "metrics": trainer.metrics.path}, indent=2))
 
 
+def _parse_flags(argv):
+  try:
+    return flags.FLAGS(argv)
+  except (KeyError, AttributeError) as e:  # overrides of a --config=FILE are applied here
+    raise _unknown_key(e, argv) from None
+  except flags.Error as e:
+    raise SystemExit(f"FATAL {e}") from None
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
