@@ -112,6 +112,8 @@ def base() -> ml_collections.ConfigDict:
   c.rl.mini_batches = 2  # optimizer updates per step (later ones are off-policy: the ratio clips)
   c.rl.micro_batch_rows = 8  # packed rows per forward/backward (gradient accumulation)
   c.rl.row_len = 512  # packed row length; must hold the longest prompt + response
+  c.rl.remat = False  # recompute each layer in the backward pass (long rows)
+  c.rl.logits_chunk = 1024  # LM-head positions at a time in the loss (bounds the [T, vocab] logits)
   c.rl.clip_low = 0.2
   c.rl.clip_high = 0.28  # DAPO clip-higher
   c.rl.loss_aggregation = "token"  # grpo.AGGREGATIONS

@@ -188,18 +188,22 @@ class CausalLM(nnx.Module):
     return out.astype(jnp.float32)
 
   def __call__(self, tokens_BxT, positions_BxT, cache: KVCache, mask_BxTxW, *,
-               kv_block: int | None = None, hidden_layers: Sequence[int] = ()):
+               kv_block: int | None = None, hidden_layers: Sequence[int] = (), remat: bool = False):
     """Runs T new tokens per row; returns (final hidden [B,T,H], aux hidden, cache with them written).
 
     `hidden_layers` are 0-based decoder-layer indices whose outputs are returned (EAGLE-3 input;
-    layer i is Hugging Face's `hidden_states[i + 1]`).
+    layer i is Hugging Face's `hidden_states[i + 1]`). `remat` recomputes each layer in the
+    backward pass instead of keeping its activations (training long sequences).
     """
     cfg = self.config
     x = sharding.constrain(self.model.embed_tokens(tokens_BxT), sharding.ACTIVATION_AXES)
     cos, sin = rope_tables(cfg, positions_BxT, x.dtype)
     k, v, aux = cache.k, cache.v, []
+    run = (lambda layer, *args: layer(*args))
+    if remat:
+      run = nnx.remat(run, static_argnums=(4, 9))
     for i, layer in enumerate(self.model.layers):
-      x, k, v = layer(x, cos, sin, i, k, v, cache.lengths, mask_BxTxW, kv_block)
+      x, k, v = run(layer, x, cos, sin, i, k, v, cache.lengths, mask_BxTxW, kv_block)
       if i in hidden_layers:
         aux.append(x)
     cache = dataclasses.replace(cache, k=k, v=v)

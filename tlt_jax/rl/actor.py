@@ -22,20 +22,33 @@ from tlt_jax.rl import grpo
 FLOAT_PLANES = ("weights", "advantages", "old_logp", "ref_logp")
 
 
-def token_logprobs(model: CausalLM, tokens_BxT, positions_BxT, segments_BxT):
+def token_logprobs(model: CausalLM, tokens_BxT, positions_BxT, segments_BxT, *, remat: bool = False,
+                   chunk: int = 1024):
   """(log p(token t | its sample's tokens before t), entropy of that distribution), [B, T] each.
 
   Slot 0 (and every sample's first slot, a prompt token) has no prediction of its own sample:
-  its values are meaningless and always weigh 0.
+  its values are meaningless and always weigh 0. The LM head runs over `chunk` positions at a
+  time, recomputed in the backward pass, so [B, T, vocab] logits never exist at once (a 32k-token
+  row of a 152k vocabulary would be 20 GB).
   """
   b, t = tokens_BxT.shape
   cache = KVCache.zeros(model.config, b, t, model.model.embed_tokens.embedding.dtype)
-  hidden, _, _ = model(tokens_BxT, positions_BxT, cache, packing.segment_mask(segments_BxT))
-  logp_all = jax.nn.log_softmax(model.logits(hidden[:, :-1]), axis=-1)
-  logp = jnp.take_along_axis(logp_all, tokens_BxT[:, 1:, None], axis=-1)[..., 0]
-  entropy = -(jnp.exp(logp_all) * logp_all).sum(-1)
-  pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
-  return pad(logp), pad(entropy)
+  hidden, _, _ = model(tokens_BxT, positions_BxT, cache, packing.segment_mask(segments_BxT), remat=remat)
+  c = min(chunk, t)
+  n = -(-t // c)
+  targets = jnp.pad(tokens_BxT[:, 1:], ((0, 0), (0, n * c - t + 1)))  # slot s predicts token s + 1
+  hidden = jnp.pad(hidden, ((0, 0), (0, n * c - t), (0, 0)))
+
+  @jax.checkpoint
+  def head(h_BxCxH, y_BxC):
+    logp_all = jax.nn.log_softmax(model.logits(h_BxCxH), axis=-1)
+    return (jnp.take_along_axis(logp_all, y_BxC[..., None], axis=-1)[..., 0],
+            -(jnp.exp(logp_all) * logp_all).sum(-1))
+
+  split = lambda x: jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 1, 0)
+  logp, entropy = jax.lax.map(lambda args: head(*args), (split(hidden), split(targets)))
+  merge = lambda x: jnp.pad(jnp.moveaxis(x, 0, 1).reshape(b, n * c)[:, :t - 1], ((0, 0), (1, 0)))
+  return merge(logp), merge(entropy)
 
 
 def make_optimizer(learning_rate: float, warmup_steps: int, weight_decay: float,
@@ -49,13 +62,14 @@ class Actor:
   """Holds the policy's params and optimizer state; updates them from packed, weighted rows."""
 
   def __init__(self, model: CausalLM, optimizer: optax.GradientTransformation, *, micro_batch_rows: int,
-               clip_low: float, clip_high: float, kl_coef: float = 0.0):
+               clip_low: float, clip_high: float, kl_coef: float = 0.0, remat: bool = False, logits_chunk: int = 1024):
     self.graphdef, self.params = nnx.split(model)
     self.optimizer = optimizer
     self.opt_state = optimizer.init(self.params)
     self.micro_batch_rows = micro_batch_rows
     self._loss_args = dict(clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef)
     self.uses_ref = kl_coef > 0
+    self._forward = dict(remat=remat, chunk=logits_chunk)
     self._logprobs = jax.jit(self._logprobs_fn)
     self._grads = jax.jit(self._grads_fn)
     self._apply = jax.jit(self._apply_fn, donate_argnums=(0, 1))
@@ -63,12 +77,12 @@ class Actor:
   # ---- pure functions ----
 
   def _logprobs_fn(self, params, tokens, positions, segments):
-    return token_logprobs(nnx.merge(self.graphdef, params), tokens, positions, segments)[0]
+    return token_logprobs(nnx.merge(self.graphdef, params), tokens, positions, segments, chunk=self._forward["chunk"])[0]
 
   def _grads_fn(self, params, batch):
     def loss(p):
       logp, entropy = token_logprobs(nnx.merge(self.graphdef, p), batch["tokens"], batch["positions"],
-                                     batch["segments"])
+                                     batch["segments"], **self._forward)
       value, stats = grpo.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["weights"],
                                       ref_logp_BxT=batch["ref_logp"] if self.uses_ref else None, **self._loss_args)
       stats["entropy"] = (entropy * batch["weights"]).sum()

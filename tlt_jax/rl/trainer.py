@@ -130,7 +130,8 @@ class Trainer:
     optimizer = actor_lib.make_optimizer(c.rl.learning_rate, c.rl.warmup_steps, c.rl.weight_decay,
                                          c.rl.max_grad_norm)
     self.actor = actor_lib.Actor(self.policy, optimizer, micro_batch_rows=c.rl.micro_batch_rows,
-                                 clip_low=c.rl.clip_low, clip_high=c.rl.clip_high, kl_coef=c.rl.kl_coef)
+                                 clip_low=c.rl.clip_low, clip_high=c.rl.clip_high, kl_coef=c.rl.kl_coef,
+                                 remat=c.rl.remat, logits_chunk=c.rl.logits_chunk)
     self.ref_params = jax.tree.map(jnp.copy, self.actor.params) if self.actor.uses_ref else None
     self.step = 0
     self.checkpoints = checkpoint_lib.Checkpoints(os.path.join(c.workdir, "checkpoints"), c.checkpoint.every,
