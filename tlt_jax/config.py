@@ -27,6 +27,7 @@ def base() -> ml_collections.ConfigDict:
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
   c.mesh.device_memory_gb = 0.0  # dry run: fail if an executable needs more per device (0: no check)
+  c.mesh.dry_run_devices = 8  # a dry run on a CPU-only machine simulates this many devices
 
   c.distributed = ml_collections.ConfigDict()
   c.distributed.enabled = False  # jax.distributed.initialize(); also when the environment says multi-host
@@ -86,6 +87,7 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.top_p = 1.0
   c.rollout.top_k = 0
   c.rollout.max_new_tokens = 384
+  c.rollout.groups = 1  # data-parallel rollout groups (each its devices' share of the prompts)
   c.rollout.batch_buckets = 128  # largest batch bucket per rollout group (powers of two below it)
   c.rollout.segment_steps = 16
   c.rollout.kv_block = 64
@@ -114,6 +116,7 @@ def base() -> ml_collections.ConfigDict:
   c.rl.row_len = 512  # packed row length; must hold the longest prompt + response
   c.rl.remat = False  # recompute each layer in the backward pass (long rows)
   c.rl.logits_chunk = 1024  # LM-head positions at a time in the loss (bounds the [T, vocab] logits)
+  c.rl.attention_block = 0  # > 0: attention over this many queries at a time (bounds [T, T] scores)
   c.rl.clip_low = 0.2
   c.rl.clip_high = 0.28  # DAPO clip-higher
   c.rl.loss_aggregation = "token"  # grpo.AGGREGATIONS
@@ -165,6 +168,8 @@ def check(config: ml_collections.ConfigDict) -> None:
   need(config.rl.row_len >= config.data.max_prompt_len + config.rollout.max_new_tokens, "rl.row_len",
        "must hold data.max_prompt_len + rollout.max_new_tokens")
   need(0 <= config.rl.clip_low < 1 and config.rl.clip_high >= 0, "rl.clip_low", "need 0 <= clip_low < 1, clip_high >= 0")
+  need(not config.rl.attention_block or config.rl.row_len % config.rl.attention_block == 0, "rl.attention_block",
+       "must divide rl.row_len")
   need(config.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
 
 

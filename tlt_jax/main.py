@@ -42,8 +42,9 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Same as --config.dry_run=True.")
 
 def setup_devices(config) -> None:
   """Simulated CPU devices and the multi-process runtime, before any computation."""
-  if config.mesh.cpu_devices:
-    jax.config.update("jax_num_cpu_devices", config.mesh.cpu_devices)
+  cpu_devices = config.mesh.dry_run_devices if config.dry_run else config.mesh.cpu_devices
+  if cpu_devices:  # only the CPU backend's device count: on an accelerator host this changes nothing
+    jax.config.update("jax_num_cpu_devices", cpu_devices)
   d = config.distributed
   if d.enabled or _multi_host_environment():
     kwargs = {}

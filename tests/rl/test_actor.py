@@ -33,18 +33,19 @@ def test_packed_logprobs_match_transformers_per_sample(hf_dirs):
     assert np.all(np.asarray(entropy)[rows[3] > 0] > 0)
 
 
-def _actor(model, micro_batch_rows, remat=False):
+def _actor(model, micro_batch_rows, long_rows=False):
+  """`long_rows`: the memory savers of long-sequence training (remat, attention by query blocks)."""
   return actor_lib.Actor(model, optax.sgd(0.1), micro_batch_rows=micro_batch_rows, clip_low=0.2, clip_high=0.28,
-                         remat=remat, logits_chunk=4)
+                         remat=long_rows, logits_chunk=4, attention_block=4 if long_rows else None)
 
 
-def test_micro_batching_and_remat_do_not_change_the_update(hf_dirs):
+def test_micro_batching_remat_and_query_blocks_do_not_change_the_update(hf_dirs):
   path, _ = hf_dirs["qwen3"]
   rows = packing.pack(SEQS, 8, index=True)  # 4 rows of 8 tokens
   adv = np.array([1.0, -0.5, 0.25, -1.0], np.float32)
   results = []
-  for micro, remat in ((4, False), (1, True)):
-    actor = _actor(hf.from_pretrained(path), micro, remat)
+  for micro, long_rows in ((4, False), (1, True)):
+    actor = _actor(hf.from_pretrained(path), micro, long_rows)
     old = actor.logprobs(actor.params, rows) - 0.5  # ratio 1.65: positive advantages clip
     batch = actor_lib.training_batch(rows, adv, np.ones(4, bool), "sequence", old, None)
     stats = actor.update(batch)

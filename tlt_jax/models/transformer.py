@@ -95,6 +95,17 @@ def _write(cache_LxBxSxKxD, layer, new_BxTxKxD, start_B):
   return cache_LxBxSxKxD.at[layer, rows, slots].set(new_BxTxKxD.astype(cache_LxBxSxKxD.dtype), mode="drop")
 
 
+def _by_query_blocks(attend, q_BxTxHxD, mask_BxTxW, size):
+  """`attend` over `size` queries at a time, recomputed in the backward pass: training a long row
+  never holds more than [size, cache] attention scores (a dense 32k x 32k would not fit)."""
+  b, t, h, d = q_BxTxHxD.shape
+  if t % size:
+    raise ValueError(f"{t} query tokens are not a multiple of the query block {size}")
+  split = lambda x: jnp.moveaxis(x.reshape(b, t // size, size, *x.shape[2:]), 1, 0)
+  out = jax.lax.map(jax.checkpoint(lambda args: attend(*args)), (split(q_BxTxHxD), split(mask_BxTxW)))
+  return jnp.moveaxis(out, 0, 1).reshape(b, t, h, d)
+
+
 class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
@@ -108,7 +119,8 @@ class Attention(nnx.Module):
       self.q_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim")
       self.k_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim")
 
-  def __call__(self, x_BxTxH, cos, sin, layer, k_LxBxSxKxD, v_LxBxSxKxD, lengths_B, mask_BxTxW, kv_block):
+  def __call__(self, x_BxTxH, cos, sin, layer, k_LxBxSxKxD, v_LxBxSxKxD, lengths_B, mask_BxTxW, kv_block,
+               query_block=None):
     cfg = self.cfg
     b, t, _ = x_BxTxH.shape
     q = self.q_proj(x_BxTxH).reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -120,7 +132,9 @@ class Attention(nnx.Module):
     start = lengths_B + mask_BxTxW.shape[2] - t
     k_LxBxSxKxD = sharding.constrain(_write(k_LxBxSxKxD, layer, k, start), (None, *sharding.CACHE_AXES))
     v_LxBxSxKxD = sharding.constrain(_write(v_LxBxSxKxD, layer, v, start), (None, *sharding.CACHE_AXES))
-    out = tree_attention.reference(q, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW, block=kv_block)
+    attend = lambda q_, mask_: tree_attention.reference(q_, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_,
+                                                         block=kv_block)
+    out = attend(q, mask_BxTxW) if query_block is None else _by_query_blocks(attend, q, mask_BxTxW, query_block)
     return self.o_proj(out.reshape(b, t, cfg.num_heads * cfg.head_dim)), k_LxBxSxKxD, v_LxBxSxKxD
 
 
@@ -152,9 +166,9 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = _norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
     self.mlp = MLP(cfg, dtype, rngs)
 
-  def __call__(self, x, cos, sin, layer, k, v, lengths, mask, kv_block):
+  def __call__(self, x, cos, sin, layer, k, v, lengths, mask, kv_block, query_block=None):
     h = x if self.input_layernorm is None else self.input_layernorm(x)
-    attn, k, v = self.self_attn(h, cos, sin, layer, k, v, lengths, mask, kv_block)
+    attn, k, v = self.self_attn(h, cos, sin, layer, k, v, lengths, mask, kv_block, query_block)
     x = x + attn
     x = x + self.mlp(self.post_attention_layernorm(x))
     return sharding.constrain(x, sharding.ACTIVATION_AXES), k, v
@@ -188,12 +202,14 @@ class CausalLM(nnx.Module):
     return out.astype(jnp.float32)
 
   def __call__(self, tokens_BxT, positions_BxT, cache: KVCache, mask_BxTxW, *,
-               kv_block: int | None = None, hidden_layers: Sequence[int] = (), remat: bool = False):
+               kv_block: int | None = None, hidden_layers: Sequence[int] = (), remat: bool = False,
+               query_block: int | None = None):
     """Runs T new tokens per row; returns (final hidden [B,T,H], aux hidden, cache with them written).
 
     `hidden_layers` are 0-based decoder-layer indices whose outputs are returned (EAGLE-3 input;
-    layer i is Hugging Face's `hidden_states[i + 1]`). `remat` recomputes each layer in the
-    backward pass instead of keeping its activations (training long sequences).
+    layer i is Hugging Face's `hidden_states[i + 1]`). For training long sequences, `remat`
+    recomputes each layer in the backward pass instead of keeping its activations, and
+    `query_block` computes attention that many queries at a time.
     """
     cfg = self.config
     x = sharding.constrain(self.model.embed_tokens(tokens_BxT), sharding.ACTIVATION_AXES)
@@ -201,9 +217,9 @@ class CausalLM(nnx.Module):
     k, v, aux = cache.k, cache.v, []
     run = (lambda layer, *args: layer(*args))
     if remat:
-      run = nnx.remat(run, static_argnums=(4, 9))
+      run = nnx.remat(run, static_argnums=(4, 9, 10))
     for i, layer in enumerate(self.model.layers):
-      x, k, v = run(layer, x, cos, sin, i, k, v, cache.lengths, mask_BxTxW, kv_block)
+      x, k, v = run(layer, x, cos, sin, i, k, v, cache.lengths, mask_BxTxW, kv_block, query_block)
       if i in hidden_layers:
         aux.append(x)
     cache = dataclasses.replace(cache, k=k, v=v)

@@ -23,7 +23,7 @@ FLOAT_PLANES = ("weights", "advantages", "old_logp", "ref_logp")
 
 
 def token_logprobs(model: CausalLM, tokens_BxT, positions_BxT, segments_BxT, *, remat: bool = False,
-                   chunk: int = 1024):
+                   chunk: int = 1024, query_block: int | None = None):
   """(log p(token t | its sample's tokens before t), entropy of that distribution), [B, T] each.
 
   Slot 0 (and every sample's first slot, a prompt token) has no prediction of its own sample:
@@ -33,7 +33,8 @@ def token_logprobs(model: CausalLM, tokens_BxT, positions_BxT, segments_BxT, *, 
   """
   b, t = tokens_BxT.shape
   cache = KVCache.zeros(model.config, b, t, model.model.embed_tokens.embedding.dtype)
-  hidden, _, _ = model(tokens_BxT, positions_BxT, cache, packing.segment_mask(segments_BxT), remat=remat)
+  hidden, _, _ = model(tokens_BxT, positions_BxT, cache, packing.segment_mask(segments_BxT), remat=remat,
+                       query_block=query_block)
   c = min(chunk, t)
   n = -(-t // c)
   targets = jnp.pad(tokens_BxT[:, 1:], ((0, 0), (0, n * c - t + 1)))  # slot s predicts token s + 1
@@ -62,14 +63,21 @@ class Actor:
   """Holds the policy's params and optimizer state; updates them from packed, weighted rows."""
 
   def __init__(self, model: CausalLM, optimizer: optax.GradientTransformation, *, micro_batch_rows: int,
-               clip_low: float, clip_high: float, kl_coef: float = 0.0, remat: bool = False, logits_chunk: int = 1024):
+               clip_low: float, clip_high: float, kl_coef: float = 0.0, remat: bool = False, logits_chunk: int = 1024,
+               attention_block: int | None = None):
     self.graphdef, self.params = nnx.split(model)
     self.optimizer = optimizer
-    self.opt_state = optimizer.init(self.params)
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(self.params)):  # a dry run's model
+      # Shaped and sharded like the state `optimizer.init` would make (moments follow their params).
+      shardings = jax.jit(optimizer.init).lower(self.params).compile().output_shardings
+      self.opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                    jax.eval_shape(optimizer.init, self.params), shardings)
+    else:
+      self.opt_state = optimizer.init(self.params)
     self.micro_batch_rows = micro_batch_rows
     self._loss_args = dict(clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef)
     self.uses_ref = kl_coef > 0
-    self._forward = dict(remat=remat, chunk=logits_chunk)
+    self._forward = dict(remat=remat, chunk=logits_chunk, query_block=attention_block)
     self._logprobs = jax.jit(self._logprobs_fn)
     self._grads = jax.jit(self._grads_fn)
     self._apply = jax.jit(self._apply_fn, donate_argnums=(0, 1))
@@ -77,7 +85,8 @@ class Actor:
   # ---- pure functions ----
 
   def _logprobs_fn(self, params, tokens, positions, segments):
-    return token_logprobs(nnx.merge(self.graphdef, params), tokens, positions, segments, chunk=self._forward["chunk"])[0]
+    return token_logprobs(nnx.merge(self.graphdef, params), tokens, positions, segments,
+                          chunk=self._forward["chunk"], query_block=self._forward["query_block"])[0]
 
   def _grads_fn(self, params, batch):
     def loss(p):
@@ -124,6 +133,19 @@ class Actor:
 
   def model(self) -> CausalLM:
     return nnx.merge(self.graphdef, self.params)
+
+  def compile_update(self, row_len: int, batch_sharding=None) -> dict[str, jax.stages.Compiled]:
+    """Ahead-of-time executables of a micro-batch gradient and of the optimizer update, for the
+    actor's (possibly abstract, sharded) params: what a dry run sizes."""
+    shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    params, opt_state = jax.tree.map(shape, self.params), jax.tree.map(shape, self.opt_state)
+    batch = {k: jax.ShapeDtypeStruct((self.micro_batch_rows, row_len), jnp.int32, sharding=batch_sharding)
+             for k in ("tokens", "positions", "segments")}
+    batch.update({k: jax.ShapeDtypeStruct((self.micro_batch_rows, row_len), jnp.float32, sharding=batch_sharding)
+                  for k in FLOAT_PLANES})
+    grads = self._grads.lower(params, batch).compile()
+    grads_abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding), params)
+    return {"gradient": grads, "update": self._apply.lower(params, opt_state, grads_abstract).compile()}
 
 
 def training_batch(rows_5xRxT: np.ndarray, advantages: np.ndarray, keep: np.ndarray, aggregation: str,

@@ -62,6 +62,9 @@ def load_drafter(config, policy: CausalLM, tok) -> Drafter:
   path = config.drafter.path or os.path.join(config.workdir, "drafter")
   if os.path.exists(path):
     return drafter_checkpoint.load_drafter(path, policy.config)
+  if config.policy.path:
+    raise FileNotFoundError(f"config.drafter.path: no drafter at {path}; warm one up on the policy's own samples "
+                            f"with python -m tlt_jax.train_drafter --model={config.policy.path} --output={path}")
   layers = config_lib.ints(config.drafter.feature_layers)
   drafter = Drafter(policy.config, feature_layers=layers, rngs=nnx.Rngs(config.seed))
   examples = datasets.from_tasks(config.task.family, tok, size=2048, seed=config.seed + 3,
@@ -84,12 +87,13 @@ def load_prompts(config, tok) -> datasets.Dataset:
                              reward=config.data.reward)
 
 
-def engine_config(config, strategies=()) -> EngineConfig:
+def engine_config(config, strategies=(), largest_bucket: int | None = None, compact: bool = True) -> EngineConfig:
   r = config.rollout
-  buckets = tuple(2**i for i in range(r.batch_buckets.bit_length()))
+  buckets = tuple(2**i for i in range((largest_bucket or r.batch_buckets).bit_length()))
   return EngineConfig(batch_buckets=buckets, max_prompt_len=config.data.max_prompt_len, max_new_tokens=r.max_new_tokens,
                       segment_steps=r.segment_steps, kv_block=r.kv_block, strategies=tuple(strategies),
-                      sd_max_batch=r.sd_max_batch, compilation_cache_dir=r.compilation_cache_dir or None)
+                      sd_max_batch=r.sd_max_batch, compilation_cache_dir=r.compilation_cache_dir or None,
+                      compact=compact)
 
 
 def sampling_params(config, tok) -> SamplingParams:
@@ -131,7 +135,8 @@ class Trainer:
                                          c.rl.max_grad_norm)
     self.actor = actor_lib.Actor(self.policy, optimizer, micro_batch_rows=c.rl.micro_batch_rows,
                                  clip_low=c.rl.clip_low, clip_high=c.rl.clip_high, kl_coef=c.rl.kl_coef,
-                                 remat=c.rl.remat, logits_chunk=c.rl.logits_chunk)
+                                 remat=c.rl.remat, logits_chunk=c.rl.logits_chunk,
+                                 attention_block=c.rl.attention_block or None)
     self.ref_params = jax.tree.map(jnp.copy, self.actor.params) if self.actor.uses_ref else None
     self.step = 0
     self.checkpoints = checkpoint_lib.Checkpoints(os.path.join(c.workdir, "checkpoints"), c.checkpoint.every,

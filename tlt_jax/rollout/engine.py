@@ -328,8 +328,13 @@ class Engine:
   # ---- the executable pool ----
 
   def _abstract_state(self, b: int) -> RowState:
+    """The state of bucket `b`, shaped and (on a mesh) sharded as `init` makes it."""
     i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
-    return jax.eval_shape(self._init, i32, i32, i32, i32)
+    state = jax.eval_shape(self._init, i32, i32, i32, i32)
+    shardings = self._state_shardings(state)
+    if shardings is None:
+      return state
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
 
   def _state_shardings(self, state: RowState):
     if self.mesh is None:

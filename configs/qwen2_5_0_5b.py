@@ -1,0 +1,39 @@
+"""Qwen2.5-0.5B-Instruct on one Colab GPU/TPU: a few RL steps with TLT on GSM8K-style data.
+
+  python -m tlt_jax.main --config=configs/qwen2_5_0_5b.py \
+      --config.policy.path=/content/Qwen2.5-0.5B-Instruct --config.data.path=/content/gsm8k_train.jsonl \
+      --config.drafter.path=/content/qwen_0_5b_drafter
+  python -m tlt_jax.train_drafter --model=/content/Qwen2.5-0.5B-Instruct --output=/content/qwen_0_5b_drafter
+
+colab/tlt_qwen2_5_0_5b.ipynb downloads the model and data and runs exactly these commands.
+"""
+
+from tlt_jax import config as config_lib
+
+
+def get_config():
+  c = config_lib.base()
+  c.workdir = "runs/qwen2_5_0_5b"
+  c.steps = 10
+  c.mesh.device_memory_gb = 15.0  # a Colab T4 / L4 has 15-22 GB; a v5e TPU core 16 GB
+  c.mesh.dry_run_devices = 1
+  c.policy.path = "/content/Qwen2.5-0.5B-Instruct"
+  c.policy.dtype = "bfloat16"
+  m = c.model  # Qwen2.5-0.5B's shape, for a dry run without the checkpoint
+  m.architecture, m.vocab_size, m.hidden_size, m.intermediate_size = "Qwen2ForCausalLM", 151936, 896, 4864
+  m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim = 24, 14, 2, 64
+  m.rope_theta, m.max_position_embeddings, m.tie_word_embeddings = 1e6, 32768, True
+  c.data.path = "/content/gsm8k_train.jsonl"
+  c.data.reward = "math_verify"
+  c.data.max_prompt_len = 256
+  r = c.rollout
+  r.prompts_per_step, r.num_samples, r.temperature, r.max_new_tokens = 16, 8, 1.0, 1024
+  r.batch_buckets, r.kv_block, r.strategies, r.sd_max_batch = 128, 128, "6_4_16,6_4_8", 16
+  c.drafter.path = "/content/qwen_0_5b_drafter"
+  c.rl.learning_rate = 1e-6
+  c.rl.micro_batch_rows = 4
+  c.rl.row_len = 256 + 1024
+  c.rl.remat = True
+  c.rl.kl_coef = 0.001
+  c.lock()
+  return c

@@ -1,0 +1,71 @@
+"""DeepSeek-R1-Distill-Qwen-7B: GRPO with TLT rollouts on one 8-GPU host (the paper's setting).
+
+  python -m tlt_jax.main --config=configs/r1_7b.py \
+      --config.policy.path=/data/DeepSeek-R1-Distill-Qwen-7B \
+      --config.drafter.path=/data/r1_7b_drafter --config.data.path=/data/eurus2_rl/train.parquet
+  python -m tlt_jax.main --config=configs/r1_7b.py --config.dry_run=True   # size it anywhere, no weights
+
+The policy is a local Hugging Face directory; the drafter a checkpoint from
+`python -m tlt_jax.train_drafter --model=<policy dir>` (warm-up); prompts a local Eurus-2-RL /
+DAPO-style JSONL or Parquet file. config.model below is only used by a dry run when the policy
+directory is absent (it is the checkpoint's config.json shape).
+"""
+
+from tlt_jax import config as config_lib
+
+
+def get_config():
+  c = config_lib.base()
+  c.workdir = "runs/r1_7b"
+  c.steps = 200
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 8, 1  # trainer: FSDP over the 8 GPUs
+  c.mesh.device_memory_gb = 80.0  # H100 / A100-80GB
+  c.mesh.dry_run_devices = 8
+
+  c.policy.path = "/data/DeepSeek-R1-Distill-Qwen-7B"
+  c.policy.dtype = "bfloat16"
+  c.model.architecture = "Qwen2ForCausalLM"
+  c.model.vocab_size = 152064
+  c.model.hidden_size = 3584
+  c.model.intermediate_size = 18944
+  c.model.num_layers = 28
+  c.model.num_heads = 28
+  c.model.num_kv_heads = 4
+  c.model.head_dim = 128
+  c.model.max_position_embeddings = 131072
+  c.model.rope_theta = 10000.0
+  c.model.tie_word_embeddings = False
+
+  c.data.path = "/data/eurus2_rl/train.parquet"
+  c.data.reward = "math_verify"
+  c.data.max_prompt_len = 1024
+
+  r = c.rollout
+  r.prompts_per_step = 64  # x 8 responses = 512 rollouts per step (the paper's batch)
+  r.num_samples = 8
+  r.temperature = 0.9
+  r.max_new_tokens = 32768
+  r.groups = 8  # one rollout group per GPU; finished groups train the drafter
+  r.batch_buckets = 16  # rows per group at once: each row's 33k-token KV cache takes 1.9 GB
+  r.segment_steps = 32
+  r.kv_block = 512
+  r.strategies = "8_4_48,8_4_32,8_4_16,8_4_8"  # TLT's arms: depth 8, top-k 4, verify 48/32/16/8
+  r.sd_max_batch = 32
+  r.bandit_thresholds = "1,2,5,21"
+
+  c.drafter.path = "/data/r1_7b_drafter"
+  c.drafter.warmup_steps = 0
+
+  rl = c.rl
+  rl.learning_rate = 1e-6
+  rl.mini_batches = 4
+  rl.micro_batch_rows = 8  # one 33k-token row per GPU per micro-batch
+  rl.row_len = 1024 + 32768
+  rl.remat = True
+  rl.logits_chunk = 1024
+  rl.attention_block = 1024
+  rl.kl_coef = 0.001  # low-variance KL to the initial policy
+  rl.loss_aggregation = "token"
+  c.checkpoint.every = 10
+  c.lock()
+  return c

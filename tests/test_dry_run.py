@@ -1,0 +1,43 @@
+"""Dry run: abstract model, AOT compilation for the meshes, per-device memory and a fit check."""
+
+import pytest
+
+from configs import tiny
+from tlt_jax import dry_run
+
+
+def _config(limit_gb):
+  c = tiny.get_config()
+  c.model.vocab_size = 103  # no policy directory: the shape comes from config.model
+  c.mesh.data, c.mesh.fsdp = 2, 4  # the trainer over the 8 simulated devices
+  c.mesh.device_memory_gb = limit_gb
+  c.rollout.groups = 4  # a rollout group = 2 devices
+  c.rollout.batch_buckets = 8
+  c.rollout.sd_max_batch = 2
+  c.rollout.strategies = "3_1_4"
+  c.rollout.max_new_tokens = 64
+  c.data.max_prompt_len = 64
+  c.rl.row_len = 128
+  c.rl.attention_block = 64
+  c.rl.remat = True
+  return c
+
+
+def test_dry_run_compiles_and_sizes_every_part():
+  report = dry_run.run(_config(limit_gb=1.0))
+  assert report["model"] == "config.model" and report["fits"]
+  assert report["trainer_mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+  assert report["rollout_group_mesh"]["tensor"] == 2
+  names = set(report["executables"])
+  assert {"train/gradient", "train/update"} <= names
+  assert any(n.startswith("rollout/segment/8") for n in names)  # the largest bucket, plain
+  assert any(n.startswith("rollout_tail/") for n in names)  # the speculative tail's bucket
+  gradient = report["executables"]["train/gradient"]
+  assert gradient["tflops"] > 0 and gradient["resident_gb"] > 0
+  # Params are split over fsdp: the update's resident memory is well under the whole state's.
+  assert report["executables"]["train/update"]["resident_gb"] < 3 * report["policy_gb"]
+
+
+def test_dry_run_fails_naming_what_does_not_fit():
+  with pytest.raises(ValueError, match=r"needs .* GB per device > config.mesh.device_memory_gb=1e-05"):
+    dry_run.run(_config(limit_gb=1e-5))

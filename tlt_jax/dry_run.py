@@ -1,0 +1,152 @@
+"""Sizing a run without weights: abstract params, AOT compilation for the configured mesh, memory.
+
+`python -m tlt_jax.main --config=... --config.dry_run=True` builds the policy and drafter with
+`jax.eval_shape` (no weights read; the architecture comes from <policy.path>/config.json, or from
+config.model when that directory is absent), places them on the run's meshes (on a CPU-only machine
+`mesh.dry_run_devices` simulated devices stand in for the accelerators), compiles the rollout
+executables (largest batch bucket, and the speculative tail's bucket with every strategy) for one
+rollout group and the trainer's micro-batch gradient and optimizer update, and reports per-device
+memory (XLA's memory analysis of each executable) and FLOPs. It fails, naming the executable and
+the config keys to change, when one needs more than `mesh.device_memory_gb`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+from flax import nnx
+
+from tlt_jax import config as config_lib
+from tlt_jax import sharding
+from tlt_jax.drafter.model import Drafter
+from tlt_jax.models import CausalLM, ModelConfig
+from tlt_jax.rl import actor as actor_lib
+from tlt_jax.rl import trainer as trainer_lib
+from tlt_jax.rollout.bandit import Bandit
+from tlt_jax.rollout.engine import Engine
+from tlt_jax.rollout.sampling import SamplingParams
+
+GB = 1 << 30
+
+
+def model_config(config) -> tuple[ModelConfig, str]:
+  """The policy's architecture and where it came from."""
+  path = os.path.join(config.policy.path, "config.json") if config.policy.path else ""
+  if path and os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      return ModelConfig.from_hf(json.load(f), source=path), path
+  m = config.model
+  if not m.vocab_size:
+    raise ValueError("config.model.vocab_size: a dry run without a policy directory needs the vocabulary size")
+  hf = {"architectures": [m.architecture], "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
+        "intermediate_size": m.intermediate_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
+        "max_position_embeddings": m.max_position_embeddings, "rope_theta": m.rope_theta,
+        "tie_word_embeddings": m.tie_word_embeddings}
+  return ModelConfig.from_hf(hf, source="config.model"), "config.model"
+
+
+def _abstract(build, mesh):
+  """An NNX module built with eval_shape whose variables carry their shardings over `mesh`."""
+  model = nnx.eval_shape(build)
+  graphdef, state = nnx.split(model)
+  shardings = sharding.param_shardings(state, mesh)
+  state = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), state, shardings,
+                       is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.merge(graphdef, state)
+
+
+def _bytes(state) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+
+def _sizes(compiled) -> dict[str, float]:
+  """Per-device memory of one executable: `resident` (its inputs and outputs, donated ones counted
+  once: params, caches, optimizer state; exact on every backend) and `temp` (XLA's scratch on
+  this backend), and its FLOPs."""
+  m = compiled.memory_analysis()
+  cost = compiled.cost_analysis() or {}
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  resident = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+  return {"resident_gb": round(resident / GB, 3), "temp_gb": round(m.temp_size_in_bytes / GB, 3),
+          "tflops": round(float(cost.get("flops", 0.0)) / 1e12, 3)}
+
+
+def run(config) -> dict:
+  start = time.perf_counter()
+  config_lib.check(config)
+  cfg, source = model_config(config)
+  dtype = jnp.dtype(config.policy.dtype)
+  devices = jax.devices()
+  report = {"model": source, "parameters_b": None, "devices": f"{len(devices)} x {devices[0].device_kind}"}
+  build_policy = lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+  executables = {}
+
+  # Trainer: FSDP / tensor / data mesh over every device.
+  mesh = sharding.make_mesh({k: config.mesh[k] for k in sharding.MESH_AXES})
+  policy = _abstract(build_policy, mesh)
+  report["parameters_b"] = round(sum(x.size for x in jax.tree.leaves(nnx.state(policy))) / 1e9, 3)
+  report["trainer_mesh"] = dict(mesh.shape)
+  r = config.rl
+  with jax.set_mesh(mesh):
+    actor = actor_lib.Actor(policy, actor_lib.make_optimizer(r.learning_rate, r.warmup_steps, r.weight_decay,
+                                                             r.max_grad_norm),
+                            micro_batch_rows=r.micro_batch_rows, clip_low=r.clip_low, clip_high=r.clip_high,
+                            kl_coef=r.kl_coef, remat=r.remat, logits_chunk=r.logits_chunk,
+                            attention_block=r.attention_block or None)
+    batch_sharding = sharding.array_sharding((r.micro_batch_rows, r.row_len), ("batch", None), mesh)
+    logging.info("dry run: compiling the train step (%d rows x %d tokens)", r.micro_batch_rows, r.row_len)
+    for name, exe in actor.compile_update(r.row_len, batch_sharding).items():
+      executables[f"train/{name}"] = _sizes(exe)
+
+  # Rollout: one group's engine on its share of the devices (tensor-parallel inside the group).
+  groups = config.rollout.groups
+  if len(devices) % groups:
+    raise ValueError(f"config.rollout.groups={groups} does not divide {len(devices)} devices")
+  group_mesh = sharding.make_mesh({"tensor": len(devices) // groups}, devices=devices[:len(devices) // groups])
+  report["rollout_group_mesh"] = dict(group_mesh.shape)
+  group_policy = _abstract(build_policy, group_mesh)
+  strategies = config_lib.strategies(config) if config.rollout.speculative else ()
+  drafter = _abstract(lambda: Drafter(cfg, feature_layers=config_lib.ints(config.drafter.feature_layers), dtype=dtype,
+                                      rngs=nnx.Rngs(0)), group_mesh) if strategies else None
+  sampling = SamplingParams(temperature=config.rollout.temperature, top_k=config.rollout.top_k,
+                            top_p=config.rollout.top_p, max_new_tokens=config.rollout.max_new_tokens, seed=config.seed)
+  base = trainer_lib.engine_config(config, strategies)
+  sd_bucket = base.bucket(min(base.sd_max_batch, base.batch_buckets[-1]))
+  for label, largest in (("rollout", base.batch_buckets[-1]), ("rollout_tail", sd_bucket)):
+    engine_cfg = trainer_lib.engine_config(config, strategies, largest_bucket=largest, compact=False)
+    bandit = Bandit(strategies) if strategies else None
+    engine = Engine(group_policy, engine_cfg, sampling, mesh=group_mesh, drafter=drafter, bandit=bandit)
+    logging.info("dry run: compiling %s executables (bucket %d)", label, largest)
+    with jax.set_mesh(group_mesh):
+      engine.prepare(largest, [config.data.max_prompt_len])
+    for key in engine.pool.keys():
+      executables[f"{label}/{'/'.join(map(str, key))}"] = _sizes(engine.pool[key])
+    if largest == sd_bucket:
+      break
+
+  report["executables"] = executables
+  report["policy_gb"] = round(_bytes(nnx.state(policy)) / GB, 2)
+  # XLA:CPU runs bfloat16 matmuls in float32 through converted copies of their operands (weights,
+  # cache blocks), so on a CPU stand-in the scratch figure overstates an accelerator's many times;
+  # there only the resident memory is checked. On GPU/TPU both are.
+  on_cpu = devices[0].platform == "cpu"
+  need = lambda e: e["resident_gb"] + (0.0 if on_cpu else e["temp_gb"])
+  worst = max(executables, key=lambda k: need(executables[k]))
+  report["checked"] = "resident memory (temp not checked: XLA:CPU stand-in)" if on_cpu else "resident + temp memory"
+  report["max_per_device_gb"] = round(need(executables[worst]), 3)
+  report["max_per_device_executable"] = worst
+  report["seconds"] = round(time.perf_counter() - start, 1)
+  limit = config.mesh.device_memory_gb
+  report["fits"] = not limit or report["max_per_device_gb"] <= limit
+  if not report["fits"]:
+    raise ValueError(
+        f"{worst} needs {report['max_per_device_gb']} GB per device > config.mesh.device_memory_gb={limit}: "
+        "lower config.rollout.batch_buckets or config.rl.micro_batch_rows, set config.rl.remat=True and "
+        "config.rl.attention_block, or use more devices (config.mesh.*, config.rollout.groups)")
+  return report
