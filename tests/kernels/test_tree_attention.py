@@ -1,22 +1,26 @@
-"""The tree-attention reference against a brute-force NumPy attention, dense and blockwise."""
+"""Tree attention: the reference against brute-force NumPy, every implementation (the Pallas kernels
+in interpret mode) against the reference, selection, and lowering of the kernels for TPU and CUDA."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tlt_jax.kernels import tree_attention
+from tlt_jax.kernels import pallas_gpu, pallas_tpu, tree_attention
 
 
 def brute_force(q, k, v, lengths, mask):
+  """Attention by its definition, query by query, in float64: q [B,T,H,D], k/v [B,S,K,D]."""
   b, t, h, d = q.shape
   groups = h // k.shape[2]
-  out = np.zeros_like(q)
+  out = np.zeros(q.shape)
   for r in range(b):
     for i in range(t):
       keys = list(range(lengths[r])) + [lengths[r] + j for j in range(mask.shape[2]) if mask[r, i, j]]
-      for head in range(h):
-        s = np.asarray([q[r, i, head] @ k[r, j, head // groups] for j in keys]) / np.sqrt(d)
-        p = np.exp(s - s.max())
-        out[r, i, head] = (p / p.sum()) @ v[r, keys, head // groups]
+      k_NxHxD, v_NxHxD = (np.repeat(np.float64(x[r, keys]), groups, axis=1) for x in (k, v))
+      s = np.einsum("hd,nhd->hn", np.float64(q[r, i]), k_NxHxD) / np.sqrt(d)
+      p = np.exp(s - s.max(axis=1, keepdims=True))
+      out[r, i] = np.einsum("hn,nhd->hd", p / p.sum(axis=1, keepdims=True), v_NxHxD)
   return out
 
 
@@ -41,3 +45,89 @@ def test_capacity_must_be_a_multiple_of_the_block():
   with pytest.raises(ValueError, match="capacity 6 is not a multiple of the attention block 4"):
     tree_attention.reference(x, np.zeros((1, 1, 6, 1, 4), np.float32), np.zeros((1, 1, 6, 1, 4), np.float32), 0,
                              np.zeros(1, np.int32), np.ones((1, 1, 1), bool), block=4)
+
+
+# ---- every implementation against the reference: one shared test base ----
+# The grid's axes (GQA ratio, head dim, tree size V, earlier window slots, dtype) are covered
+# case by case rather than crossed: interpret mode is slow. Every case has ragged rows, one of
+# length 0 and one filled to the cache's end.
+CASES = [  # (groups, head_dim, V, earlier, dtype)
+    (1, 64, 1, 0, "float32"),  # decode
+    (4, 128, 5, 3, "float32"),  # a drafter level after 3 earlier tree tokens
+    (8, 64, 64, 0, "bfloat16"),
+    (1, 128, 7, 0, "bfloat16"),
+    (8, 128, 1, 2, "bfloat16"),
+]
+KV_HEADS, BLOCK, CAPACITY = 2, 16, 112
+
+
+def case_inputs(groups, d, t, earlier, dtype):
+  rng = np.random.RandomState(groups * d + t)
+  w = earlier + t
+  lengths = np.asarray([0, 5, 37, CAPACITY - w], np.int32)
+  b = len(lengths)
+  mask = rng.rand(b, t, w) < 0.5
+  mask[:, :, earlier:] |= np.eye(t, dtype=bool)
+  mask[:, :, earlier:] &= np.tril(np.ones((t, t), bool))  # a tree: nothing after itself
+  cast = lambda x: jnp.asarray(x, dtype)
+  q = cast(rng.randn(b, t, KV_HEADS * groups, d))
+  k, v = (cast(rng.randn(2, b, CAPACITY, KV_HEADS, d)) for _ in range(2))
+  return q, k, v, lengths, mask
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_tpu", "pallas_gpu"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "g{}_d{}_v{}_e{}_{}".format(*c))
+def test_implementations_match_the_reference(impl, case):
+  q, k, v, lengths, mask = case_inputs(*case)
+  run = jax.jit(lambda q, k, v, lengths, mask: tree_attention.attention(q, k, v, 1, lengths, mask, impl=impl,
+                                                                         block=BLOCK))
+  got = np.asarray(run(q, k, v, lengths, mask), np.float32)
+  f32 = lambda x: np.asarray(x, np.float32)  # the exact answer for the (possibly bf16-rounded) inputs
+  want = brute_force(f32(q), f32(k[1]), f32(v[1]), lengths, mask)
+  np.testing.assert_allclose(got, want, atol=1e-5 if case[-1] == "float32" else 2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("impl,backend,expected", [
+    ("auto", "cpu", ("xla", False)), ("auto", "tpu", ("pallas_tpu", False)), ("auto", "gpu", ("pallas_gpu", False)),
+    ("pallas", "cpu", ("xla", False)), ("pallas", "gpu", ("pallas_gpu", False)), ("xla", "tpu", ("xla", False)),
+    ("pallas_tpu", "cpu", ("pallas_tpu", True)), ("pallas_tpu", "tpu", ("pallas_tpu", False)),
+    ("pallas_gpu", "cpu", ("pallas_gpu", True)), ("pallas_gpu", "gpu", ("pallas_gpu", False)),
+])
+def test_selection_by_backend(impl, backend, expected):
+  assert tree_attention.select(impl, backend) == expected
+
+
+def test_bad_implementation_and_shapes_are_named():
+  q, k, v, lengths, mask = case_inputs(1, 64, 1, 0, "float32")
+  with pytest.raises(ValueError, match="'triton' is not one of"):
+    tree_attention.attention(q, k, v, 0, lengths, mask, impl="triton", block=BLOCK)
+  with pytest.raises(ValueError, match="pallas_gpu needs a power-of-two head dim >= 16, got 8"):
+    tree_attention.attention(q[..., :8], k[..., :8], v[..., :8], 0, lengths, mask, impl="pallas_gpu", block=BLOCK)
+
+
+# ---- lowering for the hardware we do not have ----
+def export(impl, platform, dtype, block=128):
+  """jax.export of the kernel at a Qwen2.5-7B-like shape (28 heads over 4 KV heads, head dim 128)."""
+  kernel = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}[impl].tree_attention
+  f = jax.jit(lambda q, k, v, lengths, mask: kernel(q, k, v, 3, lengths, mask, block=block, scale=0.1))
+  b, t, w, s = 8, 16, 16, 1024
+  shapes = [jax.ShapeDtypeStruct(x, y) for x, y in [((b, t, 28, 128), dtype), ((4, b, s, 4, 128), dtype),
+                                                     ((4, b, s, 4, 128), dtype), ((b,), jnp.int32),
+                                                     ((b, t, w), jnp.bool_)]]
+  # The Triton custom call carries no cross-version stability guarantee; we only check it lowers.
+  checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  return jax.export.export(f, platforms=[platform], disabled_checks=checks)(*shapes)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("impl,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
+def test_kernels_lower_for_their_hardware(impl, platform, dtype):
+  exported = export(impl, platform, jnp.dtype(dtype))
+  assert exported.platforms == (platform,)
+  target = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}[platform]
+  assert target in exported.mlir_module()
+
+
+def test_lowering_catches_a_kernel_the_hardware_cannot_run():
+  with pytest.raises(ValueError, match="divisible by 8 and 128"):  # Mosaic tiles blocks by 8 rows; 4 does not lower
+    export("pallas_tpu", "tpu", jnp.float32, block=4)
