@@ -46,9 +46,10 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, kw_ref, vw_ref, mask_ref, o_ref, m
 
   @pl.when(i == pl.num_programs(1) - 1)
   def _window_and_write():
+    f32 = lambda x: x.astype(jnp.float32)  # a few slots; Mosaic rejects bf16 matmuls with one (decode)
     for h in range(kv_heads):
-      s = layout.scores(q_ref[h], kw_ref[h], scale)
-      fold(h, jnp.where(mask_ref[...] != 0, s, -jnp.inf), vw_ref[h])
+      s = layout.scores(f32(q_ref[h]), f32(kw_ref[h]), scale)
+      fold(h, jnp.where(mask_ref[...] != 0, s, -jnp.inf), f32(vw_ref[h]))
       o_ref[h] = (acc_ref[h] / l_ref[h]).astype(o_ref.dtype)
 
 
