@@ -27,6 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tlt_jax import sharding
 from tlt_jax.kernels import layout, pallas_gpu, pallas_tpu
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
@@ -118,11 +119,32 @@ def attention(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW,
   """[B, T, H, D] tree attention by implementation `impl` (see `select`) for the default backend.
 
   `block=None` always takes the dense, differentiable reference: the kernels have no gradient.
+  Under a multi-device mesh the kernels need it set while tracing (`jax.set_mesh`); see
+  `per_device`.
   """
   kernel, interpret = select(impl, jax.default_backend())
   if block is None or kernel == "xla":
     return reference(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW, block=block, scale=scale)
   _check_block(k_LxBxSxKxD.shape[2], block)
   scale = q_BxTxHxD.shape[-1]**-0.5 if scale is None else scale
-  return _KERNELS[kernel](q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW, block=block,
-                          scale=scale, interpret=interpret)
+  run = lambda q, k, v, lengths, mask: _KERNELS[kernel](q, k, v, layer, lengths, mask, block=block, scale=scale,
+                                                        interpret=interpret)
+  return per_device(run, q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, lengths_B, mask_BxTxW)
+
+
+def per_device(kernel, q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, lengths_B, mask_BxTxW):
+  """`kernel(q, k, v, lengths, mask)`, run by each device on its own rows and KV heads under the
+  mesh set while tracing (`jax.set_mesh`), if it has several devices.
+
+  XLA cannot partition a Pallas call (Mosaic refuses to lower one over sharded operands); the
+  op is independent per row and per KV head, so the split follows the cache's (`CACHE_AXES`).
+  """
+  args = (q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, lengths_B, mask_BxTxW)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return kernel(*args)
+  cache = sharding.logical_spec(k_LxBxSxKxD.shape, (None, *sharding.CACHE_AXES), dict(mesh.shape))
+  rows, heads = cache[1], cache[3]
+  q = jax.P(rows, None, heads, None)
+  specs = (q, cache, cache, jax.P(rows), jax.P(rows, None, None))
+  return jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=q, check_vma=False)(*args)
