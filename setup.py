@@ -33,7 +33,7 @@ setup(
         # CPU wheel first (`pip install torch==2.13.0`); this range is then already satisfied and
         # pip never pulls a CUDA build.
         "test": ["pytest>=8", "scipy>=1.11", "torch>=2.4,<3"],
-        "gpu": ["jax[cuda12]", "jax-triton>=0.3"],
+        "gpu": ["jax[cuda12]"],
         "notebooks": ["jupyter", "nbclient>=0.10", "matplotlib>=3.8"],
     },
 )

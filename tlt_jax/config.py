@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from tlt_jax.kernels import tree_attention
 from tlt_jax.rl import grpo
 from tlt_jax.rl import rewards
 from tlt_jax.rollout.speculative import Strategy
@@ -98,6 +99,9 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.bandit_window = 300
   c.rollout.compilation_cache_dir = ""
 
+  c.kernels = ml_collections.ConfigDict()
+  c.kernels.attention = "auto"  # tree attention of rollouts: auto (by backend) | xla | pallas | pallas_tpu | pallas_gpu
+
   c.drafter = ml_collections.ConfigDict()
   c.drafter.path = ""  # a drafter checkpoint (tlt_jax.train_drafter); "" = <workdir>/drafter, warmed up if absent
   c.drafter.feature_layers = ""  # EAGLE-3: comma-separated target layers; "" = EAGLE (final hidden state)
@@ -162,6 +166,8 @@ def check(config: ml_collections.ConfigDict) -> None:
       ints(config_value(config, key))
     except ValueError:
       raise ValueError(f"config.{key}={config_value(config, key)!r}: must be comma-separated integers") from None
+  need(config.kernels.attention in tree_attention.IMPLEMENTATIONS, "kernels.attention",
+       f"must be one of {tree_attention.IMPLEMENTATIONS}")
   need(config.rl.loss_aggregation in grpo.AGGREGATIONS, "rl.loss_aggregation", f"must be one of {grpo.AGGREGATIONS}")
   need(config.rl.mini_batches >= 1, "rl.mini_batches", "must be >= 1")
   need(config.rl.micro_batch_rows >= 1, "rl.micro_batch_rows", "must be >= 1")

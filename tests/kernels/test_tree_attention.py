@@ -1,22 +1,27 @@
-"""The tree-attention reference against a brute-force NumPy attention, dense and blockwise."""
+"""Tree attention: the reference against brute-force NumPy, every implementation (the Pallas kernels
+in interpret mode) against the reference, selection, and lowering of the kernels for TPU and CUDA."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tlt_jax.kernels import tree_attention
+from tlt_jax import sharding
+from tlt_jax.kernels import pallas_gpu, pallas_tpu, tree_attention
 
 
 def brute_force(q, k, v, lengths, mask):
+  """Attention by its definition, query by query, in float64: q [B,T,H,D], k/v [B,S,K,D]."""
   b, t, h, d = q.shape
   groups = h // k.shape[2]
-  out = np.zeros_like(q)
+  out = np.zeros(q.shape)
   for r in range(b):
     for i in range(t):
       keys = list(range(lengths[r])) + [lengths[r] + j for j in range(mask.shape[2]) if mask[r, i, j]]
-      for head in range(h):
-        s = np.asarray([q[r, i, head] @ k[r, j, head // groups] for j in keys]) / np.sqrt(d)
-        p = np.exp(s - s.max())
-        out[r, i, head] = (p / p.sum()) @ v[r, keys, head // groups]
+      k_NxHxD, v_NxHxD = (np.repeat(np.float64(x[r, keys]), groups, axis=1) for x in (k, v))
+      s = np.einsum("hd,nhd->hn", np.float64(q[r, i]), k_NxHxD) / np.sqrt(d)
+      p = np.exp(s - s.max(axis=1, keepdims=True))
+      out[r, i] = np.einsum("hn,nhd->hd", p / p.sum(axis=1, keepdims=True), v_NxHxD)
   return out
 
 
@@ -41,3 +46,122 @@ def test_capacity_must_be_a_multiple_of_the_block():
   with pytest.raises(ValueError, match="capacity 6 is not a multiple of the attention block 4"):
     tree_attention.reference(x, np.zeros((1, 1, 6, 1, 4), np.float32), np.zeros((1, 1, 6, 1, 4), np.float32), 0,
                              np.zeros(1, np.int32), np.ones((1, 1, 1), bool), block=4)
+
+
+# ---- every implementation against the reference: one shared test base ----
+# The grid's axes (GQA ratio, head dim, tree size V, earlier window slots, dtype) are covered
+# case by case rather than crossed: interpret mode is slow. Every case has ragged rows, one of
+# length 0 and one filled to the cache's end.
+CASES = [  # (groups, head_dim, V, earlier, dtype)
+    (1, 64, 1, 0, "float32"),  # decode
+    (4, 128, 5, 3, "float32"),  # a drafter level after 3 earlier tree tokens
+    (8, 64, 64, 0, "bfloat16"),
+    (1, 128, 7, 0, "bfloat16"),
+    (8, 128, 1, 2, "bfloat16"),
+]
+KV_HEADS, BLOCK, CAPACITY = 2, 16, 112
+
+
+def case_inputs(groups, d, t, earlier, dtype):
+  rng = np.random.RandomState(groups * d + t)
+  w = earlier + t
+  lengths = np.asarray([0, 5, 37, CAPACITY - w], np.int32)
+  b = len(lengths)
+  mask = rng.rand(b, t, w) < 0.5
+  mask[:, :, earlier:] |= np.eye(t, dtype=bool)
+  mask[:, :, earlier:] &= np.tril(np.ones((t, t), bool))  # a tree: nothing after itself
+  cast = lambda x: jnp.asarray(x, dtype)
+  q = cast(rng.randn(b, t, KV_HEADS * groups, d))
+  k, v = (cast(rng.randn(2, b, CAPACITY, KV_HEADS, d)) for _ in range(2))
+  return q, k, v, lengths, mask
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_tpu", "pallas_gpu"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "g{}_d{}_v{}_e{}_{}".format(*c))
+def test_implementations_match_the_reference(impl, case):
+  q, k, v, lengths, mask = case_inputs(*case)
+  run = jax.jit(lambda q, k, v, lengths, mask: tree_attention.attention(q, k, v, 1, lengths, mask, impl=impl,
+                                                                         block=BLOCK))
+  got = np.asarray(run(q, k, v, lengths, mask), np.float32)
+  f32 = lambda x: np.asarray(x, np.float32)  # the exact answer for the (possibly bf16-rounded) inputs
+  want = brute_force(f32(q), f32(k[1]), f32(v[1]), lengths, mask)
+  np.testing.assert_allclose(got, want, atol=1e-5 if case[-1] == "float32" else 2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("impl,backend,expected", [
+    ("auto", "cpu", ("xla", False)), ("auto", "tpu", ("pallas_tpu", False)), ("auto", "gpu", ("pallas_gpu", False)),
+    ("pallas", "cpu", ("xla", False)), ("pallas", "gpu", ("pallas_gpu", False)), ("xla", "tpu", ("xla", False)),
+    ("pallas_tpu", "cpu", ("pallas_tpu", True)), ("pallas_tpu", "tpu", ("pallas_tpu", False)),
+    ("pallas_gpu", "cpu", ("pallas_gpu", True)), ("pallas_gpu", "gpu", ("pallas_gpu", False)),
+])
+def test_selection_by_backend(impl, backend, expected):
+  assert tree_attention.select(impl, backend) == expected
+
+
+def test_bad_implementation_and_shapes_are_named():
+  q, k, v, lengths, mask = case_inputs(1, 64, 1, 0, "float32")
+  with pytest.raises(ValueError, match="'triton' is not one of"):
+    tree_attention.attention(q, k, v, 0, lengths, mask, impl="triton", block=BLOCK)
+  with pytest.raises(ValueError, match="pallas_gpu needs a power-of-two head dim >= 16, got 8"):
+    tree_attention.attention(q[..., :8], k[..., :8], v[..., :8], 0, lengths, mask, impl="pallas_gpu", block=BLOCK)
+  with pytest.raises(ValueError, match="pallas_tpu needs an attention block that is a multiple of 16 for bfloat16"):
+    tree_attention.attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), 0, lengths, mask, impl="pallas_tpu",
+                             block=8)
+
+
+# ---- lowering for the hardware we do not have ----
+def export(impl, platform, dtype, t, w):
+  """jax.export of the kernel at Qwen2.5-7B's attention shape (28 heads over 4 KV heads, head dim 128)."""
+  kernel = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}[impl].tree_attention
+  f = jax.jit(lambda q, k, v, lengths, mask: kernel(q, k, v, 3, lengths, mask, block=128, scale=0.1))
+  b, s = 8, 1024
+  shapes = [jax.ShapeDtypeStruct(x, y) for x, y in [((b, t, 28, 128), dtype), ((4, b, s, 4, 128), dtype),
+                                                     ((4, b, s, 4, 128), dtype), ((b,), jnp.int32),
+                                                     ((b, t, w), jnp.bool_)]]
+  # The Triton custom call carries no cross-version stability guarantee; we only check it lowers.
+  checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  return jax.export.export(f, platforms=[platform], disabled_checks=checks)(*shapes)
+
+
+@pytest.mark.parametrize("dtype,t,w", [("float32", 16, 24), ("bfloat16", 1, 1)])  # drafter level; decode
+@pytest.mark.parametrize("impl,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
+def test_kernels_lower_for_their_hardware(impl, platform, dtype, t, w):
+  exported = export(impl, platform, jnp.dtype(dtype), t, w)
+  assert exported.platforms == (platform,)
+  target = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}[platform]
+  assert target in exported.mlir_module()
+
+
+# ---- under a multi-device mesh: one kernel call per device ----
+MESH = {"data": 4, "tensor": 2}  # the 8 simulated CPU devices; rows over data, KV heads over tensor
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_kernels_under_a_mesh_match_the_reference(impl):
+  q, k, v, lengths, mask = case_inputs(4, 64, 5, 3, "float32")
+  with jax.set_mesh(sharding.make_mesh(MESH)):
+    got = jax.jit(lambda q, k, v, lengths, mask: tree_attention.attention(q, k, v, 1, lengths, mask, impl=impl,
+                                                                           block=BLOCK))(q, k, v, lengths, mask)
+  np.testing.assert_allclose(got, brute_force(q, k[1], v[1], lengths, mask), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
+def test_kernels_lower_for_their_hardware_under_a_mesh(impl, platform):
+  mesh = sharding.make_mesh(MESH)
+  spec = lambda *names: jax.sharding.NamedSharding(mesh, jax.P(*names))
+  b, t, w, s = 8, 4, 4, 1024
+  shapes = [jax.ShapeDtypeStruct(shape, dtype, sharding=sh) for shape, dtype, sh in [
+      ((b, t, 28, 128), jnp.bfloat16, spec("data", None, "tensor")),
+      ((2, b, s, 4, 128), jnp.bfloat16, spec(None, "data", None, "tensor")),
+      ((2, b, s, 4, 128), jnp.bfloat16, spec(None, "data", None, "tensor")),
+      ((b,), jnp.int32, spec("data")), ((b, t, w), jnp.bool_, spec("data"))]]
+  kernel = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}[impl].tree_attention
+  run = lambda q, k, v, lengths, mask: kernel(q, k, v, 1, lengths, mask, block=128, scale=0.1)
+  checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  with jax.set_mesh(mesh):
+    exported = jax.export.export(jax.jit(lambda *a: tree_attention.per_device(run, *a)), platforms=[platform],
+                                 disabled_checks=checks)(*shapes)
+    assert exported.nr_devices == 8
+    if impl == "pallas_tpu":  # what per_device avoids: Mosaic does not lower over sharded operands
+      with pytest.raises(NotImplementedError, match="cannot be automatically partitioned"):
+        jax.export.export(jax.jit(run), platforms=[platform])(*shapes)

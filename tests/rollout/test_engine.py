@@ -255,3 +255,27 @@ def test_bandit_picks_strategies_losslessly_without_compiling(models):
   assert sum(plays.values()) == len(rollout.metrics.segments)
   with pytest.raises(ValueError, match="need a bandit"):
     Engine(model, config, params, drafter=Drafter(model.config, rngs=nnx.Rngs(5)))
+
+
+def test_pallas_kernels_give_the_greedy_tokens_of_transformers(models, hf_dirs):
+  """Plain and speculative steps (verify trees, the drafter's window) with each Pallas kernel,
+  interpreted on CPU, give transformers' greedy tokens, like the XLA path
+  (test_greedy_matches_transformers_generate, test_speculative_greedy_is_identical_for_any_drafter)."""
+  model = models["qwen3"]  # head dim 16: the smallest the GPU kernel takes
+  drafter = Drafter(model.config, rngs=nnx.Rngs(1))
+  params = SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=(STOP,))
+  config = with_sd(EngineConfig(batch_buckets=(1, 2), max_prompt_len=16, max_new_tokens=8, kv_block=16,
+                                segment_steps=2), "2_2_4", sd_max_batch=1)
+  ps = prompts(2, seed=21)
+  limits = [len(p) + 3 + 5 * i for i, p in enumerate(ps)]  # one row ends early: the other speculates
+  expected = []
+  for p, limit in zip(ps, limits):
+    with torch.no_grad():
+      out = hf_dirs["qwen3"][1].generate(torch.tensor([p]), max_new_tokens=limit - len(p), do_sample=False,
+                                         eos_token_id=STOP, pad_token_id=0)
+    expected.append(out[0, len(p):].tolist())
+  for attention in ("pallas_tpu", "pallas_gpu"):
+    engine = Engine(model, EngineConfig(**{**config.__dict__, "attention": attention}), params, drafter=drafter)
+    rollout = engine.generate(ps, max_total_len=limits)
+    assert {s.strategy for s in rollout.metrics.segments} == {None, "2_2_4"}, attention
+    assert [s.tokens.tolist() for s in rollout.samples] == expected, attention

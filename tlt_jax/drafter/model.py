@@ -51,7 +51,7 @@ class Drafter(nnx.Module):
     return self.fuse(jnp.concatenate(aux_hidden, axis=-1))
 
   def __call__(self, target: CausalLM, features_BxTxH, tokens_BxT, positions_BxT, cache: KVCache, mask_BxTxW, *,
-               kv_block: int | None = None):
+               kv_block: int | None = None, attention: str = "auto"):
     """Predicted next features [B, T, H] and the drafter cache with the new pairs written.
 
     Pair t is (feature f_p, token x_{p+1}) at position p = positions_BxT[:, t].
@@ -59,7 +59,7 @@ class Drafter(nnx.Module):
     embed = target.model.embed_tokens(tokens_BxT)
     x = self.fc(jnp.concatenate([embed, features_BxTxH.astype(embed.dtype)], axis=-1))
     cos, sin = rope_tables(self.config, positions_BxT, x.dtype)
-    x, k, v = self.layer(x, cos, sin, 0, cache.k, cache.v, cache.lengths, mask_BxTxW, kv_block)
+    x, k, v = self.layer(x, cos, sin, 0, cache.k, cache.v, cache.lengths, mask_BxTxW, kv_block, attention)
     return x, KVCache(k=k, v=v, lengths=cache.lengths)
 
   def empty_cache(self, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:

@@ -1,2 +1,2 @@
-"""Kernels behind one signature each. Today only the pure-jnp references exist (Pallas / Triton
-versions are issue 9)."""
+"""Kernels behind one signature each: `tree_attention.attention` dispatches to the pure-jnp
+reference or to the Pallas TPU / GPU kernels."""

@@ -9,10 +9,17 @@ Query t sees
     mask for verification, a single True for decode).
 Every query must see at least itself.
 
-This is the pure-jnp reference. With `block=None` it is one dense softmax over the whole cache
-(differentiable; what training uses). With `block=C` it walks the cache in blocks of C slots
-with an online softmax and stops after the last block any row uses, so its cost tracks the
-filled length, not the cache capacity: a 32k-token cache costs nothing until it is filled.
+Implementations, one signature (`attention` picks one):
+  * `xla`: the pure-jnp `reference` below; always available, the default on CPU. With
+    `block=None` it is one dense softmax over the whole cache (differentiable; what training
+    uses). With `block=C` it walks the cache in blocks of C slots with an online softmax and
+    stops after the last block any row uses, so its cost tracks the filled length, not the
+    cache capacity: a 32k-token cache costs nothing until it is filled.
+  * `pallas_tpu` (`pallas_tpu.py`, Mosaic TPU) and `pallas_gpu` (`pallas_gpu.py`, Pallas'
+    Triton backend): fused kernels with the same blockwise cost. They have run only on CPU, in
+    the Pallas interpreters, and have been lowered (`jax.export`) for TPU and CUDA; see
+    docs/STATUS.md.
+Decode is the same op with T = W = 1.
 """
 
 from __future__ import annotations
@@ -20,7 +27,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-_NEG = -1e30  # finite "minus infinity" for the running max, so empty blocks give no NaN
+from tlt_jax import sharding
+from tlt_jax.kernels import layout, pallas_gpu, pallas_tpu
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
+_NATIVE = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}  # backend -> its kernel
+_KERNELS = {"pallas_tpu": pallas_tpu.tree_attention, "pallas_gpu": pallas_gpu.tree_attention}
+
+
+
+def _check_block(capacity: int, block: int):
+  if capacity % block:
+    raise ValueError(f"cache capacity {capacity} is not a multiple of the attention block {block}")
 
 
 def _visible(lengths_B, mask_BxTxW, start, size):
@@ -54,8 +72,7 @@ def reference(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW,
     out = jnp.einsum("bkgtc,bckd->btkgd", p, v_LxBxSxKxD[layer])
     return out.reshape(b, t, h, d)
 
-  if s_cap % block:
-    raise ValueError(f"cache capacity {s_cap} is not a multiple of the attention block {block}")
+  _check_block(s_cap, block)
   n_blocks = jnp.minimum((jnp.max(lengths_B) + mask_BxTxW.shape[2] + block - 1) // block, s_cap // block)
 
   def body(i, carry):
@@ -74,8 +91,60 @@ def reference(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW,
     return m_new, l, acc
 
   g = h // kv_heads
-  init = (jnp.full((b, kv_heads, g, t), _NEG, jnp.float32), jnp.zeros((b, kv_heads, g, t), jnp.float32),
+  init = (jnp.full((b, kv_heads, g, t), layout.NEG, jnp.float32), jnp.zeros((b, kv_heads, g, t), jnp.float32),
           jnp.zeros((b, kv_heads, g, t, d), jnp.float32))
   _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
   out = (acc / l[..., None]).astype(v_LxBxSxKxD.dtype)  # [B, K, G, T, D]
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+
+
+def select(impl: str, backend: str) -> tuple[str, bool]:
+  """(implementation, interpret) that `impl` means on `backend` ("cpu", "gpu" or "tpu").
+
+  `auto` and `pallas` take the backend's kernel and fall back to `xla` where it has none (CPU).
+  `pallas_tpu` / `pallas_gpu` name one kernel: it runs natively on its hardware and in the
+  Pallas interpreter anywhere else (slow: for tests and checks).
+  """
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"attention implementation {impl!r} is not one of {IMPLEMENTATIONS}")
+  if impl in ("auto", "pallas"):
+    return _NATIVE.get(backend, "xla"), False
+  if impl == "xla":
+    return "xla", False
+  return impl, _NATIVE.get(backend) != impl
+
+
+def attention(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW, *, impl: str = "auto",
+              block: int | None = None, scale: float | None = None):
+  """[B, T, H, D] tree attention by implementation `impl` (see `select`) for the default backend.
+
+  `block=None` always takes the dense, differentiable reference: the kernels have no gradient.
+  Under a multi-device mesh the kernels need it set while tracing (`jax.set_mesh`); see
+  `per_device`.
+  """
+  kernel, interpret = select(impl, jax.default_backend())
+  if block is None or kernel == "xla":
+    return reference(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW, block=block, scale=scale)
+  _check_block(k_LxBxSxKxD.shape[2], block)
+  scale = q_BxTxHxD.shape[-1]**-0.5 if scale is None else scale
+  run = lambda q, k, v, lengths, mask: _KERNELS[kernel](q, k, v, layer, lengths, mask, block=block, scale=scale,
+                                                        interpret=interpret)
+  return per_device(run, q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, lengths_B, mask_BxTxW)
+
+
+def per_device(kernel, q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, lengths_B, mask_BxTxW):
+  """`kernel(q, k, v, lengths, mask)`, run by each device on its own rows and KV heads under the
+  mesh set while tracing (`jax.set_mesh`), if it has several devices.
+
+  XLA cannot partition a Pallas call (Mosaic refuses to lower one over sharded operands); the
+  op is independent per row and per KV head, so the split follows the cache's (`CACHE_AXES`).
+  """
+  args = (q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, lengths_B, mask_BxTxW)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return kernel(*args)
+  cache = sharding.logical_spec(k_LxBxSxKxD.shape, (None, *sharding.CACHE_AXES), dict(mesh.shape))
+  rows, heads = cache[1], cache[3]
+  q = jax.P(rows, None, heads, None)
+  specs = (q, cache, cache, jax.P(rows), jax.P(rows, None, None))
+  return jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=q, check_vma=False)(*args)

@@ -9,7 +9,8 @@ tokens of earlier calls: the drafter's previous tree levels). New tokens attend 
 `prefill` and `decode` then advance `lengths`; `verify` does not (the caller commits the accepted
 path). With `kv_block` set, attention walks the cache in blocks only up to the longest row's
 filled length (`tlt_jax.kernels.tree_attention`), so its cost tracks the filled length rather than the
-cache capacity; `kv_block=None` is one dense, differentiable softmax (training).
+cache capacity, by the implementation `attention` names ("auto": the backend's Pallas kernel, the
+jnp reference on CPU); `kv_block=None` is one dense, differentiable softmax (training).
 
 Module and parameter names mirror Hugging Face's (`model.layers.3.self_attn.q_proj`), which
 keeps the checkpoint mapping in `hf.py` mechanical.
@@ -119,7 +120,7 @@ class Attention(nnx.Module):
       self.q_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim")
       self.k_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim")
 
-  def __call__(self, x_BxTxH, cos, sin, layer, k_LxBxSxKxD, v_LxBxSxKxD, lengths_B, mask_BxTxW, kv_block,
+  def __call__(self, x_BxTxH, cos, sin, layer, k_LxBxSxKxD, v_LxBxSxKxD, lengths_B, mask_BxTxW, kv_block, attention,
                query_block=None):
     cfg = self.cfg
     b, t, _ = x_BxTxH.shape
@@ -132,8 +133,8 @@ class Attention(nnx.Module):
     start = lengths_B + mask_BxTxW.shape[2] - t
     k_LxBxSxKxD = sharding.constrain(_write(k_LxBxSxKxD, layer, k, start), (None, *sharding.CACHE_AXES))
     v_LxBxSxKxD = sharding.constrain(_write(v_LxBxSxKxD, layer, v, start), (None, *sharding.CACHE_AXES))
-    attend = lambda q_, mask_: tree_attention.reference(q_, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_,
-                                                         block=kv_block)
+    attend = lambda q_, mask_: tree_attention.attention(q_, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_,
+                                                         impl=attention, block=kv_block)
     out = attend(q, mask_BxTxW) if query_block is None else _by_query_blocks(attend, q, mask_BxTxW, query_block)
     return self.o_proj(out.reshape(b, t, cfg.num_heads * cfg.head_dim)), k_LxBxSxKxD, v_LxBxSxKxD
 
@@ -166,9 +167,9 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = _norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
     self.mlp = MLP(cfg, dtype, rngs)
 
-  def __call__(self, x, cos, sin, layer, k, v, lengths, mask, kv_block, query_block=None):
+  def __call__(self, x, cos, sin, layer, k, v, lengths, mask, kv_block, attention, query_block=None):
     h = x if self.input_layernorm is None else self.input_layernorm(x)
-    attn, k, v = self.self_attn(h, cos, sin, layer, k, v, lengths, mask, kv_block, query_block)
+    attn, k, v = self.self_attn(h, cos, sin, layer, k, v, lengths, mask, kv_block, attention, query_block)
     x = x + attn
     x = x + self.mlp(self.post_attention_layernorm(x))
     return sharding.constrain(x, sharding.ACTIVATION_AXES), k, v
@@ -202,8 +203,8 @@ class CausalLM(nnx.Module):
     return out.astype(jnp.float32)
 
   def __call__(self, tokens_BxT, positions_BxT, cache: KVCache, mask_BxTxW, *,
-               kv_block: int | None = None, hidden_layers: Sequence[int] = (), remat: bool = False,
-               query_block: int | None = None):
+               kv_block: int | None = None, attention: str = "auto", hidden_layers: Sequence[int] = (),
+               remat: bool = False, query_block: int | None = None):
     """Runs T new tokens per row; returns (final hidden [B,T,H], aux hidden, cache with them written).
 
     `hidden_layers` are 0-based decoder-layer indices whose outputs are returned (EAGLE-3 input;
@@ -217,9 +218,9 @@ class CausalLM(nnx.Module):
     k, v, aux = cache.k, cache.v, []
     run = (lambda layer, *args: layer(*args))
     if remat:
-      run = nnx.remat(run, static_argnums=(4, 9, 10))
+      run = nnx.remat(run, static_argnums=(4, 9, 10, 11))
     for i, layer in enumerate(self.model.layers):
-      x, k, v = run(layer, x, cos, sin, i, k, v, cache.lengths, mask_BxTxW, kv_block, query_block)
+      x, k, v = run(layer, x, cos, sin, i, k, v, cache.lengths, mask_BxTxW, kv_block, attention, query_block)
       if i in hidden_layers:
         aux.append(x)
     cache = dataclasses.replace(cache, k=k, v=v)
@@ -227,7 +228,7 @@ class CausalLM(nnx.Module):
 
 
 def prefill(model: CausalLM, tokens_BxT, lengths_B, cache: KVCache, *, all_logits: bool = False,
-            kv_block: int | None = None, hidden_layers: Sequence[int] = ()) -> Output:
+            kv_block: int | None = None, attention: str = "auto", hidden_layers: Sequence[int] = ()) -> Output:
   """Prefill of a right-padded ragged batch (rows of `lengths_B` tokens) after each row's prefix.
 
   Returns the logits of each row's last real token ([B, V]), or of every position with
@@ -236,7 +237,7 @@ def prefill(model: CausalLM, tokens_BxT, lengths_B, cache: KVCache, *, all_logit
   b, t = tokens_BxT.shape
   positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
   causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-  hidden, aux, cache = model(tokens_BxT, positions, cache, causal, kv_block=kv_block,
+  hidden, aux, cache = model(tokens_BxT, positions, cache, causal, kv_block=kv_block, attention=attention,
                              hidden_layers=hidden_layers)
   if all_logits:
     logits = model.logits(hidden)
@@ -247,23 +248,23 @@ def prefill(model: CausalLM, tokens_BxT, lengths_B, cache: KVCache, *, all_logit
   return Output(logits, hidden, aux, cache)
 
 
-def decode(model: CausalLM, tokens_B, cache: KVCache, *, kv_block: int | None = None,
+def decode(model: CausalLM, tokens_B, cache: KVCache, *, kv_block: int | None = None, attention: str = "auto",
            hidden_layers: Sequence[int] = ()) -> Output:
   """One token per row at position `cache.lengths`; advances the lengths by one."""
   b = tokens_B.shape[0]
   hidden, aux, cache = model(tokens_B[:, None], cache.lengths[:, None], cache, jnp.ones((b, 1, 1), bool),
-                             kv_block=kv_block, hidden_layers=hidden_layers)
+                             kv_block=kv_block, attention=attention, hidden_layers=hidden_layers)
   cache = dataclasses.replace(cache, lengths=cache.lengths + 1)
   return Output(model.logits(hidden[:, 0]), hidden[:, 0], tuple(a[:, 0] for a in aux), cache)
 
 
 def verify(model: CausalLM, tokens_BxV, positions_BxV, mask_BxVxV, cache: KVCache, *,
-           kv_block: int | None = None, hidden_layers: Sequence[int] = ()) -> Output:
+           kv_block: int | None = None, attention: str = "auto", hidden_layers: Sequence[int] = ()) -> Output:
   """Speculative verification: V tree tokens per row with explicit positions and ancestor mask.
 
   The tree's keys/values are written at slots `lengths .. lengths + V - 1` but the lengths are
   not advanced: committing the accepted path is the caller's job.
   """
-  hidden, aux, cache = model(tokens_BxV, positions_BxV, cache, mask_BxVxV, kv_block=kv_block,
+  hidden, aux, cache = model(tokens_BxV, positions_BxV, cache, mask_BxVxV, kv_block=kv_block, attention=attention,
                              hidden_layers=hidden_layers)
   return Output(model.logits(hidden), hidden, aux, cache)

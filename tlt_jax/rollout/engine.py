@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from tlt_jax import sharding
+from tlt_jax.kernels import tree_attention
 from tlt_jax.models import transformer
 from tlt_jax.models.transformer import KVCache
 from tlt_jax.drafter.model import Drafter
@@ -51,6 +52,7 @@ class EngineConfig:
   max_new_tokens: int = 256  # capacity; a rollout's SamplingParams may ask for fewer
   segment_steps: int = 16  # decode steps between host checks
   kv_block: int = 64  # attention block; the cache capacity is rounded up to a multiple
+  attention: str = "auto"  # tree-attention implementation (`tlt_jax.kernels.tree_attention.select`)
   prefill_batch: int = 16  # unique prompts per prefill call
   compact: bool = True
   capture_hidden: bool = False  # keep the target's last hidden state of every generated token
@@ -62,6 +64,8 @@ class EngineConfig:
     b = self.batch_buckets
     if not b or b[0] != 1 or any(y != 2 * x for x, y in zip(b, b[1:])):
       raise ValueError(f"batch_buckets must be 1, 2, 4, ... (powers of two), got {b}")
+    if self.attention not in tree_attention.IMPLEMENTATIONS:
+      raise ValueError(f"attention must be one of {tree_attention.IMPLEMENTATIONS}, got {self.attention!r}")
 
   @property
   def capacity(self) -> int:
@@ -244,7 +248,8 @@ class Engine:
     dcache = st.drafter_cache
     positions = dcache.lengths[:, None] + jnp.arange(m)[None]
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((m, m), bool)), (b, m, m))
-    out, dcache = drafter(model, features_BxMxH, tokens_BxM, positions, dcache, causal, kv_block=kv_block)
+    out, dcache = drafter(model, features_BxMxH, tokens_BxM, positions, dcache, causal, kv_block=kv_block,
+                          attention=self.config.attention)
     last = out[jnp.arange(b), jnp.maximum(count_B - 1, 0)]
     return dataclasses.replace(st, drafter_cache=dataclasses.replace(dcache, lengths=dcache.lengths + count_B),
                                draft_feat=jnp.where((count_B > 0)[:, None], last, st.draft_feat))
@@ -290,14 +295,15 @@ class Engine:
       tree, depth = speculative.root_only(st.last_token), 0
     else:
       def draft_fn(cache, feats, tokens, positions, mask):
-        return drafter(model, feats, tokens, positions, cache, mask, kv_block=kv_block)
+        return drafter(model, feats, tokens, positions, cache, mask, kv_block=kv_block,
+                       attention=self.config.attention)
 
       tree, dcache = speculative.draft_tree(draft_fn, model.logits, st.draft_feat, st.last_token, st.drafter_cache,
                                             strategy)
       st, depth = dataclasses.replace(st, drafter_cache=dcache), strategy.depth
     layers = drafter.feature_layers if drafter is not None else ()
     out = transformer.verify(model, tree.tokens, st.cache.lengths[:, None] + tree.depths, tree.mask, st.cache,
-                             kv_block=kv_block, hidden_layers=layers)
+                             kv_block=kv_block, attention=self.config.attention, hidden_layers=layers)
     acc = speculative.accept(out.logits, tree, active, st.num_generated, st.max_new, st.prompt_index,
                              st.sample_index, self.sampling, depth)
     cache = speculative.commit(out.cache, acc.nodes, acc.count)
@@ -350,7 +356,10 @@ class Engine:
                                a) for a in args]
       out_state = self._state_shardings(self._abstract_state(out_bucket))
       jitted = jax.jit(fn, donate_argnums=donate, out_shardings=out_state)
-      return jitted.lower(*abstract).compile()
+      if self.mesh is None:
+        return jitted.lower(*abstract).compile()
+      with jax.set_mesh(self.mesh):  # activation constraints, and Pallas kernels run per device
+        return jitted.lower(*abstract).compile()
     return self.pool.get_or_compile(key, build)
 
   def _uses_sd(self, bucket: int) -> bool:

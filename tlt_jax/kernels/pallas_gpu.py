@@ -1,0 +1,96 @@
+"""Tree attention as a Pallas GPU kernel on the Triton backend.
+
+Why the Triton backend and not Mosaic GPU (both lower with JAX 0.10.2 on this CPU-only
+machine): Mosaic GPU wants kernels written at the level of warpgroups, TMA copies and barriers,
+for Hopper and later; the Triton backend takes generic Pallas code, runs on Ampere and later,
+and the same code runs here under `interpret=True`. The backend is deprecated from JAX 0.11,
+where this kernel will need a Mosaic GPU port.
+
+Grid (row, KV head, split). A program keeps its G x T grouped queries in registers and loops
+over its share of the row's filled cache blocks only (a dynamic trip count); the last split
+also folds in the window with the tree mask. Splitting the cache (flash-decoding) keeps the GPU
+busy in the long tail, where a few rows with long caches would otherwise make a few programs;
+the splits' softmax states are merged outside the kernel. Triton needs power-of-two shapes of
+at least 16 for its matmuls: the grouped queries and the window are zero-padded to one (padded
+query rows see the padded window, so no NaN), and the block and head dim must be powers of two
+>= 16.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from tlt_jax.kernels import layout
+
+
+def _kernel(lengths_ref, q_ref, k_ref, v_ref, kw_ref, vw_ref, mask_ref, m_ref, l_ref, acc_ref, *, block, scale):
+  split, splits = pl.program_id(2), pl.num_programs(2)
+  length = lengths_ref[0]
+  q_RxD = q_ref[...]
+  r, d = q_RxD.shape
+
+  def prefix_block(i, carry):
+    start = pl.multiple_of(i * block, block)
+    s = layout.scores(q_RxD, k_ref[pl.ds(start, block), :], scale)
+    s = jnp.where((start + jnp.arange(block))[None, :] < length, s, -jnp.inf)
+    return layout.online_step(*carry, s, v_ref[pl.ds(start, block), :])
+
+  n_blocks = pl.cdiv(length, block)
+  per_split = pl.cdiv(n_blocks, splits)
+  lo = split * per_split
+  init = (jnp.full((r, 1), layout.NEG, jnp.float32), jnp.zeros((r, 1), jnp.float32), jnp.zeros((r, d), jnp.float32))
+  carry = jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, n_blocks), prefix_block, init)
+  # The last split also takes the window (masked out elsewhere: no branch in the kernel).
+  visible = (mask_ref[...] != 0) & (split == splits - 1)
+  s = jnp.where(visible, layout.scores(q_RxD, kw_ref[...], scale), -jnp.inf)
+  m_ref[...], l_ref[...], acc_ref[...] = layout.online_step(*carry, s, vw_ref[...])
+
+
+_PROGRAMS = 256  # programs to aim for: about two per SM of an H100 (132 SMs)
+
+
+def _pow2(n: int) -> int:
+  return max(16, 1 << (n - 1).bit_length())
+
+
+def tree_attention(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer: int, lengths_B, mask_BxTxW, *, block: int,
+                   scale: float, interpret: bool = False):
+  """`tree_attention.reference` semantics on GPU; `interpret=True` runs it in the Pallas interpreter."""
+  b, t, h, d = q_BxTxHxD.shape
+  kv_heads, w = k_LxBxSxKxD.shape[3], mask_BxTxW.shape[2]
+  for name, n in (("attention block", block), ("head dim", d)):
+    if n < 16 or n & (n - 1):
+      raise ValueError(f"pallas_gpu needs a power-of-two {name} >= 16, got {n}")
+  groups = h // kv_heads
+  r, r_pad, w_pad = groups * t, _pow2(groups * t), _pow2(w)
+  pad = lambda x, axis, n: jnp.pad(x, [(0, n - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
+  q = pad(layout.group_queries(q_BxTxHxD, kv_heads), 2, r_pad)
+  kw = pad(layout.window(k_LxBxSxKxD, layer, lengths_B, w), 2, w_pad)
+  vw = pad(layout.window(v_LxBxSxKxD, layer, lengths_B, w), 2, w_pad)
+  mask = jnp.pad(layout.group_mask(mask_BxTxW, groups), ((0, 0), (0, r_pad - r), (0, 0)), constant_values=1)
+  mask = pad(mask, 2, w_pad)
+
+  splits = max(1, min(k_LxBxSxKxD.shape[2] // block, _PROGRAMS // (b * kv_heads)))
+  rows = lambda n: pl.BlockSpec((None, None, n, d), lambda row, kh, split: (row, kh, 0, 0))
+  cache = pl.BlockSpec((None, None, k_LxBxSxKxD.shape[2], None, d), lambda row, kh, split: (layer, row, 0, kh, 0))
+  part = lambda n: pl.BlockSpec((None, None, None, r_pad, n), lambda row, kh, split: (row, kh, split, 0, 0))
+  part_shape = lambda n: jax.ShapeDtypeStruct((b, kv_heads, splits, r_pad, n), jnp.float32)
+  m, l, acc = pl.pallas_call(
+      functools.partial(_kernel, block=block, scale=scale),
+      grid=(b, kv_heads, splits),
+      in_specs=[pl.BlockSpec((1,), lambda row, kh, split: (row,)), rows(r_pad), cache, cache, rows(w_pad),
+                rows(w_pad), pl.BlockSpec((None, r_pad, w_pad), lambda row, kh, split: (row, 0, 0))],
+      out_specs=[part(1), part(1), part(d)],
+      out_shape=[part_shape(1), part_shape(1), part_shape(d)],
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret,
+  )(lengths_B.astype(jnp.int32), q, k_LxBxSxKxD, v_LxBxSxKxD, kw, vw, mask)
+  # Merge the splits' softmax states (flash-decoding); empty splits carry m = NEG and weigh 0.
+  weight = jnp.exp(m - m.max(axis=2, keepdims=True))
+  out = (acc * weight).sum(axis=2) / (l * weight).sum(axis=2)
+  return layout.ungroup(out[:, :, :r].astype(q_BxTxHxD.dtype), t)
