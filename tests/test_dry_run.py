@@ -23,8 +23,12 @@ def _config(limit_gb):
   return c
 
 
-def test_dry_run_compiles_and_sizes_every_part():
-  report = dry_run.run(_config(limit_gb=1.0))
+@pytest.fixture(scope="module")
+def report():
+  return dry_run.run(_config(limit_gb=1.0))
+
+
+def test_dry_run_compiles_and_sizes_every_part(report):
   assert report["model"] == "config.model" and report["fits"]
   assert report["trainer_mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
   assert report["rollout_group_mesh"]["tensor"] == 2
@@ -38,6 +42,12 @@ def test_dry_run_compiles_and_sizes_every_part():
   assert report["executables"]["train/update"]["resident_gb"] < 3 * report["policy_gb"]
 
 
-def test_dry_run_fails_naming_what_does_not_fit():
-  with pytest.raises(ValueError, match=r"needs .* GB per device > config.mesh.device_memory_gb=1e-05"):
-    dry_run.run(_config(limit_gb=1e-5))
+def test_dry_run_fails_naming_what_does_not_fit(report):
+  executables = report["executables"]
+  with pytest.raises(ValueError, match=r"train/update needs .* GB per device > config.mesh.device_memory_gb=1e-05"):
+    dry_run.check_fit({"train/update": executables["train/update"]}, 1e-5, on_cpu=True)
+  # On an accelerator the scratch memory counts too.
+  fake = {"a": {"resident_gb": 1.0, "temp_gb": 5.0}, "b": {"resident_gb": 2.0, "temp_gb": 0.0}}
+  assert dry_run.check_fit(fake, 3.0, on_cpu=True)["max_per_device_executable"] == "b"
+  with pytest.raises(ValueError, match="^a needs 6.0 GB"):
+    dry_run.check_fit(fake, 3.0, on_cpu=False)

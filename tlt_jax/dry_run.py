@@ -73,8 +73,8 @@ def _sizes(compiled) -> dict[str, float]:
   cost = compiled.cost_analysis() or {}
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   resident = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-  return {"resident_gb": round(resident / GB, 3), "temp_gb": round(m.temp_size_in_bytes / GB, 3),
-          "tflops": round(float(cost.get("flops", 0.0)) / 1e12, 3)}
+  return {"resident_gb": round(resident / GB, 6), "temp_gb": round(m.temp_size_in_bytes / GB, 6),
+          "tflops": round(float(cost.get("flops", 0.0)) / 1e12, 6)}
 
 
 def run(config) -> dict:
@@ -131,22 +131,26 @@ def run(config) -> dict:
       break
 
   report["executables"] = executables
-  report["policy_gb"] = round(_bytes(nnx.state(policy)) / GB, 2)
-  # XLA:CPU runs bfloat16 matmuls in float32 through converted copies of their operands (weights,
-  # cache blocks), so on a CPU stand-in the scratch figure overstates an accelerator's many times;
-  # there only the resident memory is checked. On GPU/TPU both are.
-  on_cpu = devices[0].platform == "cpu"
+  report["policy_gb"] = round(_bytes(nnx.state(policy)) / GB, 6)
+  report.update(check_fit(executables, config.mesh.device_memory_gb, on_cpu=devices[0].platform == "cpu"))
+  report["seconds"] = round(time.perf_counter() - start, 1)
+  return report
+
+
+def check_fit(executables: dict[str, dict[str, float]], limit_gb: float, on_cpu: bool) -> dict:
+  """The largest per-device need; raises ValueError naming the executable when it exceeds `limit_gb`.
+
+  XLA:CPU runs bfloat16 matmuls in float32 through converted copies of their operands (weights,
+  cache blocks), so on a CPU stand-in the scratch figure overstates an accelerator's many times;
+  there only the resident memory is checked. On GPU/TPU both are.
+  """
   need = lambda e: e["resident_gb"] + (0.0 if on_cpu else e["temp_gb"])
   worst = max(executables, key=lambda k: need(executables[k]))
-  report["checked"] = "resident memory (temp not checked: XLA:CPU stand-in)" if on_cpu else "resident + temp memory"
-  report["max_per_device_gb"] = round(need(executables[worst]), 3)
-  report["max_per_device_executable"] = worst
-  report["seconds"] = round(time.perf_counter() - start, 1)
-  limit = config.mesh.device_memory_gb
-  report["fits"] = not limit or report["max_per_device_gb"] <= limit
-  if not report["fits"]:
+  out = {"checked": "resident memory (temp not checked: XLA:CPU stand-in)" if on_cpu else "resident + temp memory",
+         "max_per_device_gb": round(need(executables[worst]), 6), "max_per_device_executable": worst}
+  if limit_gb and out["max_per_device_gb"] > limit_gb:
     raise ValueError(
-        f"{worst} needs {report['max_per_device_gb']} GB per device > config.mesh.device_memory_gb={limit}: "
+        f"{worst} needs {out['max_per_device_gb']} GB per device > config.mesh.device_memory_gb={limit_gb}: "
         "lower config.rollout.batch_buckets or config.rl.micro_batch_rows, set config.rl.remat=True and "
         "config.rl.attention_block, or use more devices (config.mesh.*, config.rollout.groups)")
-  return report
+  return {**out, "fits": True}
