@@ -84,3 +84,5 @@ def test_resume_continues_exactly(tmp_path, policy_dir):
   moved = jax.tree.map(lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max()), initial, straight)
   assert max(jax.tree.leaves(moved)) > 1e-3
   assert os.path.isdir(tmp_path / "straight" / "tensorboard")
+  exported = nnx.state(hf.from_pretrained(str(tmp_path / "straight" / "export" / "policy")))
+  assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), exported, straight)))

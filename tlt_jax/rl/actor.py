@@ -79,7 +79,9 @@ class Actor:
     self.uses_ref = kl_coef > 0
     self._forward = dict(remat=remat, chunk=logits_chunk, query_block=attention_block)
     self._logprobs = jax.jit(self._logprobs_fn)
-    self._grads = jax.jit(self._grads_fn)
+    # Gradients come out sharded like the params they belong to (FSDP), not gathered.
+    param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
+    self._grads = jax.jit(self._grads_fn, out_shardings=(param_shardings, None))
     self._apply = jax.jit(self._apply_fn, donate_argnums=(0, 1))
 
   # ---- pure functions ----

@@ -257,7 +257,12 @@ class Trainer:
       self.checkpoints.save(self.step, self._arrays(), self._meta(), force=True)
       self.saved_step = self.step
     self.checkpoints.wait()
+    self.export()
     return records
+
+  def export(self) -> None:
+    """The trained policy as a Hugging Face directory: <workdir>/export/policy."""
+    hf.save_pretrained(self.actor.model(), os.path.join(self.config.workdir, "export", "policy"), tokenizer=self.tok)
 
   def close(self) -> None:
     self.checkpoints.close()

@@ -1,0 +1,96 @@
+"""End to end: RL step time and reward curves of TLT vs the plain-rollout baseline, in one run.
+
+  python experiments/end_to_end.py [--config=configs/tiny.py] [--steps=12] --out=runs/end_to_end
+
+Two trainers from the same config (and the same SFT policy and drafter warm-up in the config's
+workdir), one with `rollout.speculative=False`, step alternately in one process, so both see the
+same machine conditions. Writes steps.csv (one row per trainer and step), curves.png (reward and
+step time per step) and summary.json, and prints the summary: the step-time ratio (baseline /
+TLT, first step excluded: it compiles) and the mean reward of each over the run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+from absl import app, flags  # pylint: disable=wrong-import-position
+from ml_collections import config_flags  # pylint: disable=wrong-import-position
+
+from tlt_jax.rl.trainer import Trainer  # pylint: disable=wrong-import-position
+
+_CONFIG = config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "..", "configs",
+                                                                 "tiny.py"), "Experiment config.")
+_STEPS = flags.DEFINE_integer("steps", 12, "RL steps per trainer.")
+_OUT = flags.DEFINE_string("out", "runs/end_to_end", "Output directory.")
+
+KEYS = ("reward/mean", "reward/accuracy", "response_length/median", "response_length/max", "time/step_s",
+        "time/rollout_s", "time/train_s", "rollout/tail_share", "rollout/accept_len")
+
+
+def main(argv):
+  del argv
+  out = _OUT.value
+  os.makedirs(out, exist_ok=True)
+  trainers = {}
+  for name, speculative in (("tlt", True), ("baseline", False)):
+    c = _CONFIG.value.copy_and_resolve_references()
+    c.steps = _STEPS.value
+    c.rollout.speculative = speculative
+    c.checkpoint.every = 10**6  # no checkpoints in a timing run (the final one is written)
+    # Both read the policy and drafter from the config's workdir; each logs into its own.
+    c.policy.path = c.policy.path or os.path.join(c.workdir, "policy")
+    c.drafter.path = c.drafter.path or os.path.join(c.workdir, "drafter")
+    c.workdir = os.path.join(out, name)
+    trainers[name] = Trainer(c)
+  rows = []
+  for step in range(_STEPS.value):
+    for name, trainer in trainers.items():
+      record = trainer.run_step()
+      rows.append({"trainer": name, "step": step + 1, **{k: record.get(k, float("nan")) for k in KEYS}})
+      print(json.dumps(rows[-1]))
+  for trainer in trainers.values():
+    trainer.close()
+
+  with open(os.path.join(out, "steps.csv"), "w", newline="", encoding="utf-8") as f:
+    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+  series = {name: [r for r in rows if r["trainer"] == name] for name in trainers}
+  timed = lambda name, key: float(np.mean([r[key] for r in series[name][1:]]))
+  summary = {
+      "steps": _STEPS.value,
+      "step_s": {name: timed(name, "time/step_s") for name in trainers},
+      "rollout_s": {name: timed(name, "time/rollout_s") for name in trainers},
+      "step_time_ratio": timed("baseline", "time/step_s") / timed("tlt", "time/step_s"),
+      "rollout_time_ratio": timed("baseline", "time/rollout_s") / timed("tlt", "time/rollout_s"),
+      "reward_mean": {name: float(np.mean([r["reward/mean"] for r in series[name]])) for name in trainers},
+      "reward_first_last": {name: (series[name][0]["reward/mean"], series[name][-1]["reward/mean"])
+                            for name in trainers},
+      "tlt_accept_len": float(np.nanmean([r["rollout/accept_len"] for r in series["tlt"]])),
+  }
+  with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
+    json.dump(summary, f, indent=2)
+
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+  for name, rs in series.items():
+    steps = [r["step"] for r in rs]
+    axes[0].plot(steps, [r["reward/mean"] for r in rs], marker="o", label=name)
+    axes[1].plot(steps, [r["time/step_s"] for r in rs], marker="o", label=name)
+  axes[0].set(xlabel="RL step", ylabel="mean reward", title="reward")
+  axes[1].set(xlabel="RL step", ylabel="seconds", title="step time", yscale="log")
+  for ax in axes:
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "curves.png"), dpi=120)
+  print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+  app.run(main)
