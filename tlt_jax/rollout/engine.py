@@ -329,7 +329,12 @@ class Engine:
 
   def _abstract_state(self, b: int) -> RowState:
     i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
-    return jax.eval_shape(self._init, i32, i32, i32, i32)
+    state = jax.eval_shape(self._init, i32, i32, i32, i32)
+    if self.mesh is None:
+      return state
+    # On a mesh the executables take the state with the shardings `init` gives it.
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+                        self._state_shardings(state))
 
   def _state_shardings(self, state: RowState):
     if self.mesh is None:
@@ -386,10 +391,13 @@ class Engine:
 
   def generate(self, prompts: Sequence[Sequence[int]], num_samples: int = 1,
                max_total_len: Sequence[int] | int | None = None,
-               on_progress: Callable[[int, int], None] | None = None) -> Rollout:
+               on_progress: Callable[[int, int], None] | None = None, prompt_offset: int = 0) -> Rollout:
     """Samples `num_samples` continuations of each prompt (token ids).
 
     `on_progress(rows_finished_delta, tokens_delta)` is called at every segment boundary.
+    `prompt_offset`: the prompts are a shard starting at this index of a larger batch (data-parallel
+    rollout); RNG keys and `Sample.prompt_index` use the global index, so a sharded rollout
+    samples exactly what one engine would.
     """
     cfg, sp = self.config, self.sampling
     budgets = []
@@ -408,17 +416,18 @@ class Engine:
     for start in range(0, len(rows), wave):
       chunk = rows[start:start + wave]
       self.prepare(len(chunk), [len(prompts[i]) for i, _ in chunk])
-      samples += self._wave(prompts, chunk, budgets, metrics, on_progress or (lambda rows, tokens: None))
+      samples += self._wave(prompts, chunk, budgets, metrics, on_progress or (lambda rows, tokens: None),
+                            prompt_offset)
     samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
     return Rollout(samples, metrics)
 
-  def _wave(self, prompts, rows, budgets, metrics, on_progress) -> list[Sample]:
+  def _wave(self, prompts, rows, budgets, metrics, on_progress, prompt_offset) -> list[Sample]:
     """One batch of (prompt index, sample index) rows, from prefill until every row is done."""
     cfg, pool = self.config, self.pool
     b = cfg.bucket(len(rows))
     pad = lambda xs, fill: np.asarray(list(xs) + [fill] * (b - len(xs)), np.int32)
     t0 = time.perf_counter()
-    st = pool[("init", b)](pad([i for i, _ in rows], 0), pad([j for _, j in rows], 0), pad(range(len(rows)), -1),
+    st = pool[("init", b)](pad([prompt_offset + i for i, _ in rows], 0), pad([j for _, j in rows], 0), pad(range(len(rows)), -1),
                            pad([budgets[i] for i, _ in rows], 1))
     unique = sorted({i for i, _ in rows})
     p = min(cfg.prefill_batch, b)
