@@ -53,6 +53,7 @@ BUSY, IDLE, TRAINING = "busy", "idle", "training"
 
 @dataclasses.dataclass(frozen=True)
 class SpotConfig:
+  enabled: bool = True  # False: the same sharded rollout, no drafter training (baselines, ablations)
   learning_rate: float = 1e-3
   rows_per_device: int = 2  # packed rows per device in a gradient step
   row_len: int = 128  # pairs per packed row
@@ -210,7 +211,8 @@ class SpotTrainer:
     rounds: list[Round] = []
     while True:
       with cond:
-        ready = lambda: BUSY not in state or (any(s != BUSY for s in state) and self._trainable())
+        ready = lambda: BUSY not in state or (any(s != BUSY for s in state) and self._trainable()
+                                              and self.config.enabled)
         if not cond.wait_for(ready,
                              timeout=self.config.timeout_s):
           raise TimeoutError(f"rollout groups {[g for g in range(G) if state[g] == BUSY]} did not finish within "
@@ -230,7 +232,7 @@ class SpotTrainer:
         raise e
     stop = time.perf_counter()
     gap_s = 0.0
-    if G == 1 and self._trainable():
+    if G == 1 and self.config.enabled and self._trainable():
       for _ in range(self.config.solo_steps):
         rounds.append(self._round(compiled, (0,), [self.buffer.batch(self._rng, self._rows(0), self.config.row_len)]))
       gap_s = time.perf_counter() - stop
