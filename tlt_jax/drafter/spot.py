@@ -179,6 +179,10 @@ class SpotTrainer:
     G = len(self.engines)
     if len(prompts) < G:
       raise ValueError(f"{len(prompts)} prompts cannot be sharded over groups={G} device groups")
+    for i, p in enumerate(prompts):  # checked here: the engines compile before they would check
+      if not 0 < len(p) <= self.engines[0].config.max_prompt_len:
+        raise ValueError(f"prompt {i} has {len(p)} tokens; need 1..{self.engines[0].config.max_prompt_len} "
+                         "(max_prompt_len)")
     self.rl_step += 1
     bounds = np.linspace(0, len(prompts), G + 1).astype(int)
     limit = lambda a, b: list(max_total_len[a:b]) if isinstance(max_total_len, Sequence) else max_total_len
