@@ -110,7 +110,8 @@ def main(argv):
   sampling = SamplingParams(temperature=1.0, max_new_tokens=_MAX_NEW.value, stop_token_ids=(tok.eos_token_id,),
                             seed=0)
   devices = jax.devices()
-  spot = SpotConfig(learning_rate=_LR.value, rows_per_device=_ROWS.value, row_len=128, eval_rows=8)
+  spot = SpotConfig(learning_rate=_LR.value, rows_per_device=_ROWS.value, row_len=128, eval_rows=8,
+                    checkpoint_dir=os.path.abspath(os.path.join(_OUT.value, "drafter_ckpt")))
   adaptive = SpotTrainer(policy, checkpoint.load_drafter(_DRAFTER.value, policy.config), engine_config, sampling,
                          devices, _GROUPS.value, DataBuffer(BufferConfig(eval_every=8)), spot)
   everything = pow2(_PROMPTS.value * _SAMPLES.value)
@@ -136,7 +137,7 @@ def main(argv):
               "drafter_top1": m_a.get("drafter/top1", float("nan")), "version_used": m_a["drafter/version_used"],
               "wall_adaptive_s": m_a["spot/wall_s"],
               "idle_device_s": m_a["spot/idle_device_s"], "harvested_device_s": m_a["spot/harvested_device_s"],
-              "overrun_s": m_a["spot/overrun_s"], "tokens": m_a["rollout/tokens"], "identical_samples": same,
+              "overrun_s": m_a["spot/overrun_s"], "checkpoint_s": m_a["spot/checkpoint_s"], "tokens": m_a["rollout/tokens"], "identical_samples": same,
               "drift_loss": drift_loss, "drift_s": time.perf_counter() - t0}
     records.append(record)
     print(json.dumps(record), flush=True)

@@ -57,11 +57,15 @@ def test_idle_groups_train_one_drafter_losslessly(policy, tmp_path):
     assert metrics["drafter/version"] == step + 1 and metrics["drafter/version_used"] == step
     assert 0 < metrics["spot/harvested_device_s"] <= metrics["spot/idle_device_s"]
     assert np.isfinite(metrics["drafter/loss"])
-    assert 0 <= metrics["drafter/top1"] <= 1
+    assert 0 <= metrics["drafter/top1"] <= 1 and metrics["spot/checkpoint_s"] > 0
     # One merged drafter, pushed to every group's engine.
     master = jax.tree.map(np.asarray, trainer.params)
+    pointer = lambda x: x.addressable_shards[0].data.unsafe_buffer_pointer()
     for engine in trainer.engines:
       jax.tree.map(np.testing.assert_array_equal, master, jax.tree.map(np.asarray, engine.drafter_params))
+      # The engines hold copies: the next update donates the master's buffers.
+      assert not set(map(pointer, jax.tree.leaves(engine.drafter_params))) & set(map(pointer,
+                                                                                    jax.tree.leaves(trainer.params)))
     assert trainer.engine_versions == [step + 1] * 4
   moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), initial, master)
   assert all(jax.tree.leaves(moved))

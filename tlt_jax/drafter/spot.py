@@ -21,7 +21,7 @@ API (one call per RL step):
   tree, meta = trainer.state_dict(); trainer.load_state_dict(tree, meta)   # RL checkpoints
 `samples` are engine `Sample`s in (prompt_index, sample_index) order; `metrics` is a flat dict
 of floats: drafter/{steps,loss,top1,eval_loss,version,version_used}, rollout/accept_len,
-spot/{groups,idle_device_s,harvested_device_s,train_rounds,overrun_s,gap_s,wall_s}.
+spot/{groups,idle_device_s,harvested_device_s,train_rounds,overrun_s,gap_s,checkpoint_s,wall_s}.
 `tree` (orbax-saveable) holds the drafter params and optimizer state; `meta` is JSON-able.
 Executables (every group's engine and gradient step, the update, the evaluation) are compiled
 before the first rollout starts decoding; no round compiles.
@@ -134,12 +134,14 @@ class SpotTrainer:
 
   def set_policy_params(self, state: nnx.State) -> None:
     """New policy weights (after an actor update) into every group's engine and gradient step."""
-    for g, engine in enumerate(self.engines):
-      engine.set_params(self._on_group(g, state))
+    for g, engine in enumerate(self.engines):  # copies: the caller may donate its params to the next update
+      engine.set_params(jax.device_put(state, sharding.param_shardings(state, self.meshes[g]), may_alias=False))
 
   def _push(self) -> None:
+    # A copy, never an alias: the update step donates the master params the engines would hold.
     for g, engine in enumerate(self.engines):
-      engine.set_drafter_params(self._on_group(g, self.params))
+      engine.set_drafter_params(jax.device_put(self.params, sharding.param_shardings(self.params, self.meshes[g]),
+                                               may_alias=False))
     self.engine_versions = [self.version] * len(self.engines)
 
   # ---- compiled once ----
@@ -213,12 +215,13 @@ class SpotTrainer:
     for t in threads:
       t.start()
     rounds: list[Round] = []
+    deadline = start + self.config.timeout_s
     while True:
       with cond:
         ready = lambda: BUSY not in state or (any(s != BUSY for s in state) and self._trainable()
                                               and self.config.enabled)
-        if not cond.wait_for(ready,
-                             timeout=self.config.timeout_s):
+        if not cond.wait_for(ready, timeout=max(deadline - time.perf_counter(), 0.0)) or (
+            BUSY in state and time.perf_counter() > deadline):
           raise TimeoutError(f"rollout groups {[g for g in range(G) if state[g] == BUSY]} did not finish within "
                              f"timeout_s={self.config.timeout_s}")
         if BUSY not in state:
@@ -240,12 +243,15 @@ class SpotTrainer:
       for _ in range(self.config.solo_steps):
         rounds.append(self._round(compiled, (0,), [self.buffer.batch(self._rng, self._rows(0), self.config.row_len)]))
       gap_s = time.perf_counter() - stop
+    checkpoint_s = 0.0
     if rounds:
       self.version += 1
       self._push()
       if self._checkpointer is not None:
+        t0 = time.perf_counter()
         self._checkpointer.save(self.version, self.params, self.opt_state, self.metadata())
-    self.last = {"finished": finished, "end": end, "rounds": rounds}
+        checkpoint_s = time.perf_counter() - t0  # what the step waits for; the write goes on in the background
+    self.last = {"finished": finished, "end": end, "rounds": rounds, "checkpoint_s": checkpoint_s}
     samples = sorted((s for r in results for s in r.samples), key=lambda s: (s.prompt_index, s.sample_index))
     return samples, self._metrics(results, rounds, finished, start, end, stop, gap_s, version_used)
 
@@ -283,6 +289,7 @@ class SpotTrainer:
         "spot/train_rounds": float(sum(r.start < end for r in rounds)),
         "spot/overrun_s": max([r.end - end for r in rounds if r.start < end] + [0.0]),
         "spot/gap_s": gap_s,  # one group: training time added after the rollout
+        "spot/checkpoint_s": self.last["checkpoint_s"],
         "drafter/steps": float(len(rounds)),
         "drafter/version": float(self.version),
         "drafter/version_used": float(version_used),
