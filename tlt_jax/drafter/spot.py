@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 
 import jax
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -55,6 +56,7 @@ BUSY, IDLE, TRAINING = "busy", "idle", "training"
 class SpotConfig:
   enabled: bool = True  # False: the same sharded rollout, no drafter training (baselines, ablations)
   learning_rate: float = 1e-3
+  warmup_steps: int = 20  # linear warmup: a fresh Adam's first steps would jolt a pre-trained drafter
   rows_per_device: int = 2  # packed rows per device in a gradient step
   row_len: int = 128  # pairs per packed row
   solo_steps: int = 8  # with one group: drafter steps in the gap after each rollout
@@ -67,8 +69,9 @@ class SpotConfig:
     for key in ("rows_per_device", "row_len", "eval_rows"):
       if getattr(self, key) < 1:
         raise ValueError(f"spot config {key} must be positive, got {getattr(self, key)}")
-    if self.solo_steps < 0:
-      raise ValueError(f"spot config solo_steps must be >= 0, got {self.solo_steps}")
+    for key in ("solo_steps", "warmup_steps"):
+      if getattr(self, key) < 0:
+        raise ValueError(f"spot config {key} must be >= 0, got {getattr(self, key)}")
 
 
 @dataclasses.dataclass
@@ -100,7 +103,8 @@ class SpotTrainer:
     self.meshes = [sharding.make_mesh({"data": per}, devices[g * per:(g + 1) * per]) for g in range(groups)]
     self.engines = [Engine(policy, engine_config, sampling, mesh=m, drafter=drafter,
                            bandit=make_bandit() if make_bandit else None) for m in self.meshes]
-    self.optimizer = train.make_optimizer(config.learning_rate)
+    warmup = optax.linear_schedule(0.0, config.learning_rate, max(config.warmup_steps, 1))
+    self.optimizer = train.make_optimizer(warmup)
     self._grad = train.make_grad_step(drafter, policy)
     self._eval = train.make_eval_step(drafter, policy)
     self._apply = jax.jit(lambda p, s, g: train.apply_gradients(self.optimizer, p, s, g), donate_argnums=(0, 1))
