@@ -1,12 +1,13 @@
 """DataBuffer: the drafter's online training data, as the rollout captured it (no recomputation).
 
-An entry is one finished response x_P..x_{P+n-1} with the target features that produced its
-tokens, hidden[i] = f_{P-1+i} (`Sample.hidden` from an engine with `capture_hidden`). It gives
-n - 1 EAGLE pairs (f_t, x_{t+1}) -> f_{t+1} for t = P-1+i: slot i holds hidden[i] and tokens[i]
-and predicts hidden[i+1] (the pairing the reference's online trainer gets off by one). The
-prompt's features are not captured, so training windows cover responses only; a response longer
-than a row is cut into windows of `row_len` pairs. Positions restart at 0 per window, which RoPE
-(relative) does not see.
+An entry is one finished sequence x_0..x_{L-1} (prompt x_0..x_{P-1}, response x_P..) with the
+target features f_0..f_{L-2} the rollout computed anyway (`Sample.prompt_hidden` and
+`Sample.hidden` from an engine with `capture_hidden`). Slot t holds the EAGLE pair
+(f_t, x_{t+1}) and predicts f_{t+1} (the pairing the reference's online trainer gets off by
+one); slots whose x_{t+1} is a prompt token are context with weight 0, as in offline
+distillation, so the drafter learns with the prompt in its attention as it drafts. A sequence
+longer than a row is cut into windows of `row_len` slots; positions restart at 0 per window,
+which RoPE (relative) does not see.
 
 One-step offset: step s trains on the samples of step s finished so far (the short ones finish
 first) plus the longest `long_fraction` of step s-1's samples, so long sequences are in the
@@ -49,13 +50,19 @@ class BufferConfig:
 @dataclasses.dataclass
 class Entry:
   step: int
-  tokens: np.ndarray  # int32 [n]: the response
-  hidden: np.ndarray  # [n, H]: hidden[i] produced tokens[i]
+  tokens: np.ndarray  # int32 [L-1]: x_1..x_{L-1}
+  hidden: np.ndarray  # [L-1, H]: f_0..f_{L-2}; hidden[i] produced tokens[i]
+  first: int  # slots before this one are prompt context (weight 0): P - 1
   held_out: bool
 
   @property
   def pairs(self) -> int:
+    """Slots (context included): the last feature has no successor."""
     return len(self.tokens) - 1
+
+  @property
+  def response_pairs(self) -> int:
+    return self.pairs - self.first
 
 
 class DataBuffer:
@@ -71,24 +78,29 @@ class DataBuffer:
   def num_pairs(self) -> int:
     return sum(e.pairs for e in self.entries)
 
-  def add(self, step: int, samples: Sequence) -> None:
-    """Adds finished rollout `samples` (engine `Sample`s with `hidden`) of RL step `step`."""
+  def add(self, step: int, samples: Sequence, prompts: Sequence[Sequence[int]]) -> None:
+    """Adds finished rollout `samples` of RL step `step` (engine `Sample`s with `hidden` and
+    `prompt_hidden`; `prompts[s.prompt_index]` is the prompt of sample s)."""
     if step < self.step:
       raise ValueError(f"buffer is at step {self.step}; cannot add samples of the earlier step {step}")
     if step > self.step:
       self._advance(step)
     for s in samples:
-      if s.hidden is None:
+      if s.hidden is None or s.prompt_hidden is None:
         raise ValueError(f"sample (prompt {s.prompt_index}, sample {s.sample_index}) has no hidden states: "
                          "the rollout engine needs capture_hidden=True")
-      if len(s.hidden) != len(s.tokens):
-        raise ValueError(f"sample (prompt {s.prompt_index}, sample {s.sample_index}): {len(s.tokens)} tokens "
-                         f"but {len(s.hidden)} hidden states")
+      prompt = prompts[s.prompt_index]
+      if len(s.hidden) != len(s.tokens) or len(s.prompt_hidden) != len(prompt):
+        raise ValueError(f"sample (prompt {s.prompt_index}, sample {s.sample_index}): {len(prompt)} prompt and "
+                         f"{len(s.tokens)} response tokens but {len(s.prompt_hidden)} and {len(s.hidden)} "
+                         "hidden states")
       self.added += 1
-      if len(s.tokens) < 2:  # no pair
+      if len(s.tokens) < 2:  # no response pair
         continue
       held_out = self.config.eval_every > 0 and self.added % self.config.eval_every == 0
-      self.entries.append(Entry(step, np.asarray(s.tokens, np.int32), np.asarray(s.hidden), held_out))
+      tokens = np.concatenate([np.asarray(prompt[1:], np.int32), np.asarray(s.tokens, np.int32)])
+      hidden = np.concatenate([np.asarray(s.prompt_hidden[:-1]), np.asarray(s.hidden)])  # f_{P-1} is hidden[0]
+      self.entries.append(Entry(step, tokens, hidden, len(prompt) - 1, held_out))
     total = self.num_pairs
     while total > self.config.max_pairs:
       total -= self.entries.pop(0).pairs
@@ -97,7 +109,7 @@ class DataBuffer:
     """Keeps the longest `long_fraction` of the current step's training entries as the offset."""
     previous = [e for e in self.entries if e.step == self.step and not e.held_out] if step == self.step + 1 else []
     keep = int(round(len(previous) * self.config.long_fraction))
-    order = sorted(range(len(previous)), key=lambda i: -previous[i].pairs)[:keep]
+    order = sorted(range(len(previous)), key=lambda i: -previous[i].response_pairs)[:keep]
     self.entries = [previous[i] for i in sorted(order)]  # insertion order: eviction stays oldest-first
     self.step = step
 
@@ -132,18 +144,21 @@ class DataBuffer:
     hidden = np.concatenate([e.hidden[:-1] for e in entries])
     next_hidden = np.concatenate([e.hidden[1:] for e in entries])
     starts = np.cumsum([0] + [e.pairs for e in entries])
-    # Pack pair indices: every window is one "response" of indices into the arrays above.
-    windows = [([], list(range(a, min(a + row_len, end)))) for start, end in zip(starts[:-1], starts[1:])
-               for a in range(start, end, row_len)]
+    # Pack slot indices into the arrays above: a window is a (context, trained) pair of index lists.
+    windows = []
+    for e, start, end in zip(entries, starts[:-1], starts[1:]):
+      for a in range(start, end, row_len):
+        b, first = min(a + row_len, end), min(max(start + e.first, a), end)
+        windows.append((list(range(a, first)), list(range(first, b))))
     planes = pack(windows, row_len)
     take = np.arange(planes.shape[1]) if rng is None else rng.permutation(planes.shape[1])
     planes = planes[:, np.sort(take[:rows])]
     planes = np.pad(planes, ((0, 0), (0, rows - planes.shape[1]), (0, 0)))
-    index, positions, segments = planes[0], planes[1], planes[2]
+    index, positions, segments, trained = planes
     real = segments > 0
     zero_pad = lambda x: np.where(real[..., None], x, 0).astype(hidden.dtype)
     return Pairs(tokens=np.where(real, tokens[index], 0).astype(np.int32), positions=positions, segments=segments,
-                 weights=real.astype(np.float32), hidden=zero_pad(hidden[index]), aux=(),
+                 weights=(real & (trained > 0)).astype(np.float32), hidden=zero_pad(hidden[index]), aux=(),
                  next_hidden=zero_pad(next_hidden[index]))
 
   def metadata(self) -> dict:

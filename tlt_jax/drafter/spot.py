@@ -206,7 +206,7 @@ class SpotTrainer:
       try:
         results[g] = self.engines[g].generate(prompts[a:b], num_samples, limit(a, b), prompt_offset=int(a))
         with cond:
-          self.buffer.add(self.rl_step, results[g].samples)
+          self.buffer.add(self.rl_step, results[g].samples, prompts)
       except BaseException as e:  # re-raised by the scheduler
         errors[g] = e
       with cond:

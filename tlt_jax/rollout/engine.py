@@ -53,7 +53,7 @@ class EngineConfig:
   kv_block: int = 64  # attention block; the cache capacity is rounded up to a multiple
   prefill_batch: int = 16  # unique prompts per prefill call
   compact: bool = True
-  capture_hidden: bool = False  # keep the target's last hidden state of every generated token
+  capture_hidden: bool = False  # keep the target's last hidden state of every prompt and generated token
   compilation_cache_dir: str | None = None  # persistent XLA cache: later processes skip compiling
   strategies: tuple[Strategy, ...] = ()  # draft strategies for the tail (need a drafter; several: a bandit)
   sd_max_batch: int = 32  # speculate while at most this many rows are active (TLT: 32)
@@ -95,6 +95,7 @@ class RowState:
   tokens: jax.Array  # [B, N]
   logprobs: jax.Array  # [B, N] log-prob of each token under the sampling distribution
   hidden: jax.Array | None  # [B, N, H] feature that produced token i (EAGLE's f_t for x_{t+1})
+  prompt_hidden: jax.Array | None  # [B, max_prompt_len, H] the prompt's features f_0..f_{P-1}
   passes: jax.Array  # [B] target forward passes (verify steps) while active
   drafter_cache: KVCache | None  # one layer; pairs (f_p, x_{p+1}) for every committed position p
   draft_feat: jax.Array | None  # [B, H] drafter output for the last committed pair
@@ -108,6 +109,7 @@ class Sample:
   logprobs: np.ndarray  # float32 [n]
   finish_reason: str  # "stop" or "length"
   hidden: np.ndarray | None = None  # [n, H] when the engine captures hidden states
+  prompt_hidden: np.ndarray | None = None  # [P, H] the prompt's features (its last one is hidden[0])
 
 
 @dataclasses.dataclass
@@ -218,6 +220,7 @@ class Engine:
         sample_index=sample_index, row_id=row_id, tokens=jnp.zeros((b, n), jnp.int32),
         logprobs=jnp.zeros((b, n), jnp.float32),
         hidden=jnp.zeros((b, n, mc.hidden_size), self._dtype) if cfg.capture_hidden else None, passes=zeros,
+        prompt_hidden=jnp.zeros((b, cfg.max_prompt_len, mc.hidden_size), self._dtype) if cfg.capture_hidden else None,
         drafter_cache=KVCache.zeros(mc, b, cfg.capacity, self._dtype, num_layers=1) if drafting else None,
         draft_feat=jnp.zeros((b, mc.hidden_size), self._dtype) if drafting else None)
 
@@ -263,6 +266,10 @@ class Engine:
                     lengths=jnp.where(sel, lengths_P[src], st.cache.lengths))
     rows = jnp.arange(src.shape[0])
     last = jnp.maximum(lengths_P[src] - 1, 0)
+    if st.prompt_hidden is not None:
+      old = st.prompt_hidden[:, :t]
+      st = dataclasses.replace(st, prompt_hidden=st.prompt_hidden.at[:, :t].set(
+          _where_rows(sel, out.hidden[src].astype(old.dtype), old)))
     acc = speculative.accept(out.logits[src][:, None], speculative.root_only(st.last_token), sel, st.num_generated,
                              st.max_new, st.prompt_index, st.sample_index, self.sampling, 0)
     st = self._record(dataclasses.replace(st, cache=cache), jnp.zeros_like(sel), acc,
@@ -448,11 +455,12 @@ class Engine:
     on_progress(int(done[:len(rows)].sum()), len(rows))
     out: list[Sample] = []
     harvested = np.zeros((len(rows),), bool)
+    prompt_lens = [len(prompts[i]) for i, _ in rows]
     while not done.all():
       active = int((~done).sum())
       if cfg.compact and cfg.bucket(active) < b:
         t0 = time.perf_counter()
-        out += self._harvest(st, harvested)
+        out += self._harvest(st, harvested, prompt_lens)
         while cfg.bucket(active) < b:
           keep = np.flatnonzero(~done)
           keep = np.concatenate([keep, np.full((b // 2 - len(keep),), -1)]).astype(np.int32)
@@ -475,9 +483,9 @@ class Engine:
       if self.bandit is not None and self._uses_sd(b) and active <= cfg.sd_max_batch:
         self.bandit.update(active, strategy, produced, seconds)
       on_progress(active - int((~done).sum()), produced)
-    return out + self._harvest(st, harvested)
+    return out + self._harvest(st, harvested, prompt_lens)
 
-  def _harvest(self, st: RowState, harvested: np.ndarray) -> list[Sample]:
+  def _harvest(self, st: RowState, harvested: np.ndarray, prompt_lens: Sequence[int]) -> list[Sample]:
     """Host copies of the finished rows not yet taken (before compaction drops them)."""
     host = jax.device_get(dataclasses.replace(st, cache=None, drafter_cache=None, draft_feat=None))
     out = []
@@ -490,5 +498,7 @@ class Engine:
       out.append(Sample(prompt_index=int(host.prompt_index[r]), sample_index=int(host.sample_index[r]),
                         tokens=host.tokens[r, :k].copy(), logprobs=host.logprobs[r, :k].copy(),
                         finish_reason=FINISH_REASONS[host.finish[r]],
-                        hidden=None if host.hidden is None else np.asarray(host.hidden[r, :k])))
+                        hidden=None if host.hidden is None else np.asarray(host.hidden[r, :k]),
+                        prompt_hidden=None if host.prompt_hidden is None else
+                        np.asarray(host.prompt_hidden[r, :prompt_lens[rid]])))
     return out
