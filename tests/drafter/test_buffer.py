@@ -129,5 +129,7 @@ def test_prompt_slots_are_weightless_context_and_the_pairing_crosses_into_the_re
   np.testing.assert_array_equal(pairs.next_hidden[0, :n], f[1:n + 1])
   np.testing.assert_array_equal(pairs.weights[0], [0, 0, 1, 1, 1, 0, 0, 0])
   np.testing.assert_array_equal(pairs.positions[0, :n], np.arange(n))
+  short = buf.batch(np.random.default_rng(0), rows=4, row_len=2)  # the first window is all context: dropped
+  assert short.weights.sum() == 3 and (short.segments > 0).sum() == 3
   with pytest.raises(ValueError, match=r"3 prompt and 4 response tokens but 2 and 4 hidden states"):
     buf.add(0, [dataclasses.replace(s, prompt_hidden=s.prompt_hidden[:2])], [[10, 11, 12]])

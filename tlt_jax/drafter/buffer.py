@@ -148,7 +148,8 @@ class DataBuffer:
     windows = []
     for e, start, end in zip(entries, starts[:-1], starts[1:]):
       for a in range(start, end, row_len):
-        b, first = min(a + row_len, end), min(max(start + e.first, a), end)
+        b = min(a + row_len, end)
+        first = min(max(start + e.first, a), b)  # a window inside the prompt is all context (dropped)
         windows.append((list(range(a, first)), list(range(first, b))))
     planes = pack(windows, row_len)
     take = np.arange(planes.shape[1]) if rng is None else rng.permutation(planes.shape[1])
