@@ -4,7 +4,8 @@ The devices are split into G groups; each group runs its own `Engine` on a sub-m
 devices over a contiguous shard of the prompts (host threads drive the groups; `prompt_offset`
 keeps every sample's RNG keys global, so the samples are exactly those of one engine). The
 caller's thread is the scheduler and tracks each group as BUSY (decoding its shard), IDLE (done,
-its samples are in the buffer) or TRAINING. While any group is BUSY, every round takes all
+its samples, with the prompt and response features the engine captured, are in the buffer)
+or TRAINING. While any group is BUSY, every round takes all
 groups that are not BUSY (a set that only grows), computes one gradient per group on its own
 devices from its own buffer batch, averages them weighted by pairs and applies ONE optimizer
 update to the single master drafter: synchronous data parallelism over the idle groups, so
@@ -127,7 +128,8 @@ class SpotTrainer:
     return NamedSharding(self.meshes[g], P())
 
   def _on_group(self, g: int, state: nnx.State) -> nnx.State:
-    return jax.device_put(state, sharding.param_shardings(state, self.meshes[g]))
+    """A copy of `state` on group g (never an alias: the update step donates the master params)."""
+    return jax.device_put(state, sharding.param_shardings(state, self.meshes[g]), may_alias=False)
 
   def _rows(self, g: int) -> int:
     return self.config.rows_per_device * self.meshes[g].size
@@ -139,13 +141,11 @@ class SpotTrainer:
   def set_policy_params(self, state: nnx.State) -> None:
     """New policy weights (after an actor update) into every group's engine and gradient step."""
     for g, engine in enumerate(self.engines):  # copies: the caller may donate its params to the next update
-      engine.set_params(jax.device_put(state, sharding.param_shardings(state, self.meshes[g]), may_alias=False))
+      engine.set_params(self._on_group(g, state))
 
   def _push(self) -> None:
-    # A copy, never an alias: the update step donates the master params the engines would hold.
     for g, engine in enumerate(self.engines):
-      engine.set_drafter_params(jax.device_put(self.params, sharding.param_shardings(self.params, self.meshes[g]),
-                                               may_alias=False))
+      engine.set_drafter_params(self._on_group(g, self.params))
     self.engine_versions = [self.version] * len(self.engines)
 
   # ---- compiled once ----
@@ -327,8 +327,8 @@ class SpotTrainer:
     for key in ("version", "rl_step"):
       if key not in metadata:
         raise KeyError(f"spot trainer metadata has no {key!r}")
-    self.params = jax.device_put(tree["params"], self._home)
-    self.opt_state = jax.device_put(tree["opt_state"], self._replicated(0))
+    self.params = self._on_group(0, tree["params"])
+    self.opt_state = jax.device_put(tree["opt_state"], self._replicated(0), may_alias=False)
     self.version, self.rl_step = int(metadata["version"]), int(metadata["rl_step"])
     self._push()
 
