@@ -137,7 +137,8 @@ def main(argv):
               "drafter_top1": m_a.get("drafter/top1", float("nan")), "version_used": m_a["drafter/version_used"],
               "wall_adaptive_s": m_a["spot/wall_s"],
               "idle_device_s": m_a["spot/idle_device_s"], "harvested_device_s": m_a["spot/harvested_device_s"],
-              "overrun_s": m_a["spot/overrun_s"], "checkpoint_s": m_a["spot/checkpoint_s"], "tokens": m_a["rollout/tokens"], "identical_samples": same,
+              "overrun_s": m_a["spot/overrun_s"], "checkpoint_s": m_a["spot/checkpoint_s"],
+              "tokens": m_a["rollout/tokens"], "identical_samples": same,
               "drift_loss": drift_loss, "drift_s": time.perf_counter() - t0}
     records.append(record)
     print(json.dumps(record), flush=True)

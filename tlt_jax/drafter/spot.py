@@ -306,7 +306,8 @@ class SpotTrainer:
       out["drafter/loss_last"] = rounds[-1].metrics["loss"]
     held = self.buffer.eval_batch(self.config.eval_rows, self.config.row_len)
     if held is not None:
-      m = self._compiled["eval"](self.params, self.engines[0].params, jax.device_put(held, self._batch_sharding(0, held)))
+      held = jax.device_put(held, self._batch_sharding(0, held))
+      m = self._compiled["eval"](self.params, self.engines[0].params, held)
       out["drafter/eval_loss"], out["drafter/top1"] = float(m["loss"]), float(m["top1"])
     return out
 

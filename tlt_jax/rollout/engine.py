@@ -434,7 +434,8 @@ class Engine:
     b = cfg.bucket(len(rows))
     pad = lambda xs, fill: np.asarray(list(xs) + [fill] * (b - len(xs)), np.int32)
     t0 = time.perf_counter()
-    st = pool[("init", b)](pad([prompt_offset + i for i, _ in rows], 0), pad([j for _, j in rows], 0), pad(range(len(rows)), -1),
+    st = pool[("init", b)](pad([prompt_offset + i for i, _ in rows], 0), pad([j for _, j in rows], 0),
+                           pad(range(len(rows)), -1),
                            pad([budgets[i] for i, _ in rows], 1))
     unique = sorted({i for i, _ in rows})
     p = min(cfg.prefill_batch, b)
