@@ -1,7 +1,7 @@
 """Adaptive vs frozen drafter while the target drifts (TLT's 6.53 vs 4.59 acceptance experiment).
 
   python experiments/drafter_adaptivity.py [--policy=runs/tiny/policy --drafter=runs/tiny/drafter \\
-      --out=runs/drafter_adaptivity --steps=8 --drift_steps=10 --groups=2]
+      --out=runs/drafter_adaptivity --steps=12 --drift_steps=10 --groups=2]
 
 Start: the tiny policy and its distilled drafter. Every step k: (1) the same prompts are rolled
 out twice: through the spot trainer's data-parallel engines (--groups device groups) with the
@@ -49,7 +49,7 @@ from tlt_jax.rollout.speculative import Strategy  # noqa: E402
 _POLICY = flags.DEFINE_string("policy", "runs/tiny/policy", "Starting policy (HF directory).")
 _DRAFTER = flags.DEFINE_string("drafter", "runs/tiny/drafter", "Starting drafter (tlt_jax drafter checkpoint).")
 _OUT = flags.DEFINE_string("out", "runs/drafter_adaptivity", "Output directory for CSV, PNG and JSON.")
-_STEPS = flags.DEFINE_integer("steps", 8, "RL steps (rollout + drift).")
+_STEPS = flags.DEFINE_integer("steps", 12, "RL steps (rollout + drift).")
 _DRIFT_STEPS = flags.DEFINE_integer("drift_steps", 10, "SFT steps of target drift after each rollout.")
 _DRIFT_LR = flags.DEFINE_float("drift_lr", 2e-3, "Learning rate of the drift.")
 _DRIFT_FAMILY = flags.DEFINE_string("drift_family", "chain_sum", "Task family the target drifts towards.")
