@@ -54,6 +54,7 @@ def test_captured_hidden_states_are_the_targets(models, hf_dirs):
     full = ref(torch.tensor([p + s.tokens.tolist()]), output_hidden_states=True).hidden_states[-1][0].numpy()
   # hidden[i] is the feature at the position whose logits produced token i.
   np.testing.assert_allclose(s.hidden, full[len(p) - 1:len(p) - 1 + len(s.tokens)], atol=1e-4)
+  np.testing.assert_allclose(s.prompt_hidden, full[:len(p)], atol=1e-4)  # the prompt's own features
 
 
 def sample_set(rollout):

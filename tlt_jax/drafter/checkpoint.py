@@ -110,3 +110,42 @@ def load_drafter(directory: str, target_config: ModelConfig) -> Drafter:
   with ocp.StandardCheckpointer() as checkpointer:
     params = checkpointer.restore(params_dir, target)
   return nnx.merge(graphdef, params, rest)
+
+
+class AsyncDrafterCheckpointer:
+  """Selective background checkpoints of an online drafter: its params and optimizer state only.
+
+  `directory/<version>/{params,opt_state,metadata}` via an orbax CheckpointManager with async
+  saving: `save` returns once the arrays are copied off the devices and writes in the background.
+  At most one save is pending: a new `save` first waits for the previous one. The last
+  `max_to_keep` versions are kept. The policy is never written here (the RL checkpoint's job).
+  """
+
+  def __init__(self, directory: str, max_to_keep: int = 2):
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=True)
+    self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
+
+  def save(self, version: int, params, opt_state, metadata: dict) -> None:
+    self.manager.wait_until_finished()  # at most one pending save
+    self.manager.save(version, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                                       opt_state=ocp.args.StandardSave(opt_state),
+                                                       metadata=ocp.args.JsonSave(metadata)))
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def latest_version(self) -> int | None:
+    return self.manager.latest_step()
+
+  def restore(self, params_like, opt_state_like, version: int | None = None):
+    """(params, opt_state, metadata) of `version` (default: the latest), shaped like the given trees."""
+    version = self.latest_version() if version is None else version
+    if version is None:
+      raise FileNotFoundError(f"{self.manager.directory}: no drafter checkpoint")
+    out = self.manager.restore(version, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(params_like), opt_state=ocp.args.StandardRestore(opt_state_like),
+        metadata=ocp.args.JsonRestore()))
+    return out["params"], out["opt_state"], out["metadata"]
+
+  def close(self) -> None:
+    self.manager.close()

@@ -102,23 +102,37 @@ def make_optimizer(learning_rate: float | optax.Schedule) -> optax.GradientTrans
                      optax.adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=0.01))
 
 
+def _grads(drafter_def, target_def, drafter_params, target_params, pairs):
+  target_model = nnx.merge(target_def, target_params)
+  grad_fn = jax.grad(lambda p: loss_fn(nnx.merge(drafter_def, p), target_model, pairs), has_aux=True)
+  return grad_fn(drafter_params)
+
+
 def make_train_step(drafter: Drafter, target: CausalLM, optimizer: optax.GradientTransformation) -> Callable:
   """Jitted `step(drafter_params, opt_state, target_params, pairs) -> (drafter_params, opt_state, metrics)`.
 
   The graphdefs are captured once; the target's params are an argument, so a live policy's
   new weights go in without recompiling. Drafter params and optimizer state are donated.
   """
-  drafter_def = nnx.graphdef(drafter)
-  target_def = nnx.graphdef(target)
+  grads = functools.partial(_grads, nnx.graphdef(drafter), nnx.graphdef(target))
 
   def step(drafter_params, opt_state, target_params, pairs):
-    target_model = nnx.merge(target_def, target_params)
-    grad_fn = jax.grad(lambda p: loss_fn(nnx.merge(drafter_def, p), target_model, pairs), has_aux=True)
-    grads, metrics = grad_fn(drafter_params)
-    updates, opt_state = optimizer.update(grads, opt_state, drafter_params)
-    return optax.apply_updates(drafter_params, updates), opt_state, metrics
+    g, metrics = grads(drafter_params, target_params, pairs)
+    return (*apply_gradients(optimizer, drafter_params, opt_state, g), metrics)
 
   return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_grad_step(drafter: Drafter, target: CausalLM) -> Callable:
+  """Jitted `grads(drafter_params, target_params, pairs) -> (grads, metrics)`: the train step's first
+  half, for data-parallel training that averages gradients from several device groups."""
+  return jax.jit(functools.partial(_grads, nnx.graphdef(drafter), nnx.graphdef(target)))
+
+
+def apply_gradients(optimizer: optax.GradientTransformation, params, opt_state, grads):
+  """One optimizer update: `(params, opt_state)` after `grads`."""
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
 
 
 def make_eval_step(drafter: Drafter, target: CausalLM) -> Callable:

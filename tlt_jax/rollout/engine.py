@@ -55,7 +55,7 @@ class EngineConfig:
   attention: str = "auto"  # tree-attention implementation (`tlt_jax.kernels.tree_attention.select`)
   prefill_batch: int = 16  # unique prompts per prefill call
   compact: bool = True
-  capture_hidden: bool = False  # keep the target's last hidden state of every generated token
+  capture_hidden: bool = False  # keep the target's last hidden state of every prompt and generated token
   compilation_cache_dir: str | None = None  # persistent XLA cache: later processes skip compiling
   strategies: tuple[Strategy, ...] = ()  # draft strategies for the tail (need a drafter; several: a bandit)
   sd_max_batch: int = 32  # speculate while at most this many rows are active (TLT: 32)
@@ -99,6 +99,7 @@ class RowState:
   tokens: jax.Array  # [B, N]
   logprobs: jax.Array  # [B, N] log-prob of each token under the sampling distribution
   hidden: jax.Array | None  # [B, N, H] feature that produced token i (EAGLE's f_t for x_{t+1})
+  prompt_hidden: jax.Array | None  # [B, max_prompt_len, H] the prompt's features f_0..f_{P-1}
   passes: jax.Array  # [B] target forward passes (verify steps) while active
   drafter_cache: KVCache | None  # one layer; pairs (f_p, x_{p+1}) for every committed position p
   draft_feat: jax.Array | None  # [B, H] drafter output for the last committed pair
@@ -112,6 +113,7 @@ class Sample:
   logprobs: np.ndarray  # float32 [n]
   finish_reason: str  # "stop" or "length"
   hidden: np.ndarray | None = None  # [n, H] when the engine captures hidden states
+  prompt_hidden: np.ndarray | None = None  # [P, H] the prompt's features (its last one is hidden[0])
 
 
 @dataclasses.dataclass
@@ -222,6 +224,7 @@ class Engine:
         sample_index=sample_index, row_id=row_id, tokens=jnp.zeros((b, n), jnp.int32),
         logprobs=jnp.zeros((b, n), jnp.float32),
         hidden=jnp.zeros((b, n, mc.hidden_size), self._dtype) if cfg.capture_hidden else None, passes=zeros,
+        prompt_hidden=jnp.zeros((b, cfg.max_prompt_len, mc.hidden_size), self._dtype) if cfg.capture_hidden else None,
         drafter_cache=KVCache.zeros(mc, b, cfg.capacity, self._dtype, num_layers=1) if drafting else None,
         draft_feat=jnp.zeros((b, mc.hidden_size), self._dtype) if drafting else None)
 
@@ -268,6 +271,10 @@ class Engine:
                     lengths=jnp.where(sel, lengths_P[src], st.cache.lengths))
     rows = jnp.arange(src.shape[0])
     last = jnp.maximum(lengths_P[src] - 1, 0)
+    if st.prompt_hidden is not None:
+      old = st.prompt_hidden[:, :t]
+      st = dataclasses.replace(st, prompt_hidden=st.prompt_hidden.at[:, :t].set(
+          _where_rows(sel, out.hidden[src].astype(old.dtype), old)))
     acc = speculative.accept(out.logits[src][:, None], speculative.root_only(st.last_token), sel, st.num_generated,
                              st.max_new, st.prompt_index, st.sample_index, self.sampling, 0)
     st = self._record(dataclasses.replace(st, cache=cache), jnp.zeros_like(sel), acc,
@@ -337,10 +344,11 @@ class Engine:
     """The state of bucket `b`, shaped and (on a mesh) sharded as `init` makes it."""
     i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
     state = jax.eval_shape(self._init, i32, i32, i32, i32)
-    shardings = self._state_shardings(state)
-    if shardings is None:
+    if self.mesh is None:
       return state
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+    # On a mesh the executables take the state with the shardings `init` gives it.
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+                        self._state_shardings(state))
 
   def _state_shardings(self, state: RowState):
     if self.mesh is None:
@@ -404,8 +412,9 @@ class Engine:
     """Samples `num_samples` continuations of each prompt (token ids).
 
     `on_progress(rows_finished_delta, tokens_delta)` is called at every segment boundary.
-    Row keys see prompt i as `prompt_offset + i`: an RL loop passes the number of prompts it
-    has sampled so far, so every step draws fresh samples and a resumed run draws the same ones.
+    `prompt_offset`: the prompts are a shard starting at this index of a larger batch (data-parallel
+    rollout); RNG keys and `Sample.prompt_index` use the global index, so a sharded rollout
+    samples exactly what one engine would.
     """
     cfg, sp = self.config, self.sampling
     budgets = []
@@ -426,8 +435,7 @@ class Engine:
       self.prepare(len(chunk), [len(prompts[i]) for i, _ in chunk])
       samples += self._wave(prompts, chunk, budgets, metrics, on_progress or (lambda rows, tokens: None),
                             prompt_offset)
-    samples = sorted((dataclasses.replace(s, prompt_index=s.prompt_index - prompt_offset) for s in samples),
-                     key=lambda s: (s.prompt_index, s.sample_index))
+    samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
     return Rollout(samples, metrics)
 
   def _wave(self, prompts, rows, budgets, metrics, on_progress, prompt_offset) -> list[Sample]:
@@ -436,7 +444,8 @@ class Engine:
     b = cfg.bucket(len(rows))
     pad = lambda xs, fill: np.asarray(list(xs) + [fill] * (b - len(xs)), np.int32)
     t0 = time.perf_counter()
-    st = pool[("init", b)](pad([prompt_offset + i for i, _ in rows], 0), pad([j for _, j in rows], 0), pad(range(len(rows)), -1),
+    st = pool[("init", b)](pad([prompt_offset + i for i, _ in rows], 0), pad([j for _, j in rows], 0),
+                           pad(range(len(rows)), -1),
                            pad([budgets[i] for i, _ in rows], 1))
     unique = sorted({i for i, _ in rows})
     p = min(cfg.prefill_batch, b)
@@ -457,11 +466,12 @@ class Engine:
     on_progress(int(done[:len(rows)].sum()), len(rows))
     out: list[Sample] = []
     harvested = np.zeros((len(rows),), bool)
+    prompt_lens = [len(prompts[i]) for i, _ in rows]
     while not done.all():
       active = int((~done).sum())
       if cfg.compact and cfg.bucket(active) < b:
         t0 = time.perf_counter()
-        out += self._harvest(st, harvested)
+        out += self._harvest(st, harvested, prompt_lens)
         while cfg.bucket(active) < b:
           keep = np.flatnonzero(~done)
           keep = np.concatenate([keep, np.full((b // 2 - len(keep),), -1)]).astype(np.int32)
@@ -484,9 +494,9 @@ class Engine:
       if self.bandit is not None and self._uses_sd(b) and active <= cfg.sd_max_batch:
         self.bandit.update(active, strategy, produced, seconds)
       on_progress(active - int((~done).sum()), produced)
-    return out + self._harvest(st, harvested)
+    return out + self._harvest(st, harvested, prompt_lens)
 
-  def _harvest(self, st: RowState, harvested: np.ndarray) -> list[Sample]:
+  def _harvest(self, st: RowState, harvested: np.ndarray, prompt_lens: Sequence[int]) -> list[Sample]:
     """Host copies of the finished rows not yet taken (before compaction drops them)."""
     host = jax.device_get(dataclasses.replace(st, cache=None, drafter_cache=None, draft_feat=None))
     out = []
@@ -499,5 +509,7 @@ class Engine:
       out.append(Sample(prompt_index=int(host.prompt_index[r]), sample_index=int(host.sample_index[r]),
                         tokens=host.tokens[r, :k].copy(), logprobs=host.logprobs[r, :k].copy(),
                         finish_reason=FINISH_REASONS[host.finish[r]],
-                        hidden=None if host.hidden is None else np.asarray(host.hidden[r, :k])))
+                        hidden=None if host.hidden is None else np.asarray(host.hidden[r, :k]),
+                        prompt_hidden=None if host.prompt_hidden is None else
+                        np.asarray(host.prompt_hidden[r, :prompt_lens[rid]])))
     return out

@@ -1,0 +1,135 @@
+"""DataBuffer: pairing of captured features, segment isolation of packed rows, bounds, offset rule."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from tlt_jax.drafter import train
+from tlt_jax.drafter.buffer import BufferConfig, DataBuffer
+from tlt_jax.drafter.model import Drafter
+from tlt_jax.models import CausalLM, ModelConfig
+
+H = 16
+
+
+PROMPTS = [[5]]  # prompt 0: one token, so every slot of a sample is a response pair
+
+
+@dataclasses.dataclass
+class FakeSample:  # the fields of rollout.engine.Sample the buffer reads
+  prompt_index: int
+  sample_index: int
+  tokens: np.ndarray
+  hidden: np.ndarray
+  prompt_hidden: np.ndarray
+
+
+def sample(n, tag=0, seed=0, prompt_len=1, prompt_index=0):
+  """A response of n tokens; token values carry `tag` so batches show where they came from."""
+  rng = np.random.default_rng(seed)
+  return FakeSample(prompt_index, 0, np.full(n, tag, np.int32), rng.normal(size=(n, H)).astype(np.float32),
+                    rng.normal(size=(prompt_len, H)).astype(np.float32))
+
+
+def test_pairs_are_feature_t_token_t_plus_1_and_windows_cover_the_response():
+  buf = DataBuffer(BufferConfig(eval_every=0))
+  s = sample(11, seed=1)
+  s.tokens = np.arange(11, dtype=np.int32)
+  buf.add(0, [s], PROMPTS)
+  pairs = buf.batch(np.random.default_rng(0), rows=2, row_len=6)  # 10 pairs: windows of 6 and 4
+  real = pairs.segments > 0
+  assert real.sum() == 10 and pairs.weights.sum() == 10
+  got = {int(t): (h, nh) for t, h, nh in zip(pairs.tokens[real], pairs.hidden[real], pairs.next_hidden[real])}
+  for i in range(10):  # slot with token x_i holds hidden[i] and predicts hidden[i + 1]
+    np.testing.assert_array_equal(got[i][0], s.hidden[i])
+    np.testing.assert_array_equal(got[i][1], s.hidden[i + 1])
+  assert sorted(pairs.positions[real].tolist()) == sorted(list(range(6)) + list(range(4)))
+  assert not pairs.hidden[~real].any() and not pairs.next_hidden[~real].any()
+
+
+def test_packed_loss_is_the_pair_weighted_mean_of_per_sample_losses():
+  cfg = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=32, hidden_size=H, intermediate_size=32,
+                    num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, qk_norm=True, tie_word_embeddings=True)
+  target = CausalLM(cfg, rngs=nnx.Rngs(0))
+  drafter = Drafter(cfg, rngs=nnx.Rngs(1))
+  evaluate = train.make_eval_step(drafter, target)
+  dp, tp = nnx.state(drafter), nnx.state(target)
+  prompts = [[3, 4, 5], [6], [7, 8]]  # prompt slots are context: attended to, never trained on
+  samples = [sample(n, seed=n, prompt_len=len(p), prompt_index=i) for i, (n, p) in enumerate(zip((5, 9, 4), prompts))]
+  for i, s in enumerate(samples):
+    s.tokens = np.random.default_rng(i).integers(0, 32, len(s.tokens)).astype(np.int32)
+  metrics = lambda batch: {k: float(v) for k, v in evaluate(dp, tp, batch).items()}
+
+  def alone(s):
+    buf = DataBuffer(BufferConfig(eval_every=0))
+    buf.add(0, [s], prompts)
+    return metrics(buf.batch(np.random.default_rng(0), rows=1, row_len=24))
+
+  buf = DataBuffer(BufferConfig(eval_every=0))
+  buf.add(0, samples, prompts)
+  batch = buf.batch(np.random.default_rng(0), rows=1, row_len=24)
+  assert len(np.unique(batch.segments[0])) == 4  # three samples and padding share the row
+  packed = metrics(batch)
+  singles = [alone(s) for s in samples]
+  counts = np.asarray([m["pairs"] for m in singles])
+  assert packed["pairs"] == counts.sum() == 4 + 8 + 3  # response pairs only
+  for key in ("loss", "feature_loss", "logit_loss", "top1"):
+    np.testing.assert_allclose(packed[key], np.dot(counts, [m[key] for m in singles]) / counts.sum(), rtol=1e-5)
+
+
+def test_bound_evicts_oldest_first():
+  buf = DataBuffer(BufferConfig(max_pairs=30, eval_every=0, long_fraction=1.0))
+  for step in range(3):
+    for k in range(4):
+      buf.add(step, [sample(9, tag=10 * step + k)], PROMPTS)  # 8 pairs each
+      assert buf.num_pairs <= 30
+  assert [int(e.tokens[0]) for e in buf.entries] == [21, 22, 23]
+  with pytest.raises(ValueError, match="cannot add samples of the earlier step 1"):
+    buf.add(1, [sample(3)], PROMPTS)
+
+
+def test_offset_rule_mixes_this_step_with_the_previous_steps_long_samples():
+  buf = DataBuffer(BufferConfig(long_fraction=0.25, eval_every=0))
+  buf.add(0, [sample(40, tag=1)], PROMPTS)  # step 0: gone two steps later
+  buf.add(1, [sample(n, tag=n) for n in (3, 5, 30, 4, 6, 7, 25, 8)], PROMPTS)  # the longest quarter: 30 and 25
+  buf.add(2, [sample(4, tag=99)], PROMPTS)
+  assert sorted(len(e.tokens) for e in buf.entries if e.step == 1) == [25, 30]
+  seen = set()
+  for seed in range(20):
+    batch = buf.batch(np.random.default_rng(seed), rows=1, row_len=40)
+    seen |= set(batch.tokens[batch.segments > 0].tolist())
+  assert seen == {99, 30, 25}
+  assert buf.metadata() == {"step": 2, "entries": 3, "pairs": 3 + 29 + 24, "added": 10}
+
+
+def test_held_out_samples_are_not_trained_on():
+  buf = DataBuffer(BufferConfig(eval_every=3))
+  buf.add(0, [sample(5, tag=k) for k in range(1, 7)], PROMPTS)
+  assert [int(e.tokens[0]) for e in buf.held_out_entries()] == [3, 6]
+  batch = buf.batch(np.random.default_rng(0), rows=2, row_len=16)
+  assert set(batch.tokens[batch.segments > 0].tolist()) == {1, 2, 4, 5}
+  held = buf.eval_batch(rows=1, row_len=16)
+  assert set(held.tokens[held.segments > 0].tolist()) == {3, 6}
+  with pytest.raises(ValueError, match=r"sample \(prompt 0, sample 0\) has no hidden states"):
+    buf.add(0, [FakeSample(0, 0, np.zeros(3, np.int32), None, None)], PROMPTS)
+
+
+def test_prompt_slots_are_weightless_context_and_the_pairing_crosses_into_the_response():
+  buf = DataBuffer(BufferConfig(eval_every=0))
+  s = sample(4, seed=2, prompt_len=3)
+  s.tokens = np.asarray([20, 21, 22, 23], np.int32)
+  buf.add(0, [s], [[10, 11, 12]])
+  pairs = buf.batch(np.random.default_rng(0), rows=1, row_len=8)
+  n = 5  # slots t = 0..4 of x_0..x_6: (f_t, x_{t+1}) -> f_{t+1}; f_0..f_2 from the prompt, f_2 = hidden[0]
+  f = np.concatenate([s.prompt_hidden[:2], s.hidden])
+  np.testing.assert_array_equal(pairs.tokens[0, :n], [11, 12, 20, 21, 22])
+  np.testing.assert_array_equal(pairs.hidden[0, :n], f[:n])
+  np.testing.assert_array_equal(pairs.next_hidden[0, :n], f[1:n + 1])
+  np.testing.assert_array_equal(pairs.weights[0], [0, 0, 1, 1, 1, 0, 0, 0])
+  np.testing.assert_array_equal(pairs.positions[0, :n], np.arange(n))
+  short = buf.batch(np.random.default_rng(0), rows=4, row_len=2)  # the first window is all context: dropped
+  assert short.weights.sum() == 3 and (short.segments > 0).sum() == 3
+  with pytest.raises(ValueError, match=r"3 prompt and 4 response tokens but 2 and 4 hidden states"):
+    buf.add(0, [dataclasses.replace(s, prompt_hidden=s.prompt_hidden[:2])], [[10, 11, 12]])

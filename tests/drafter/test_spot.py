@@ -1,0 +1,96 @@
+"""Spot trainer on 8 simulated devices in 4 groups with skewed lengths: who trains, when it stops,
+one merged drafter, versions, losslessness, async selective checkpoints."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from tlt_jax.drafter.buffer import BufferConfig, DataBuffer
+from tlt_jax.drafter.model import Drafter
+from tlt_jax.drafter.spot import SpotConfig, SpotTrainer
+from tlt_jax.models import CausalLM, ModelConfig
+from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.sampling import SamplingParams
+
+CFG = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                  num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, tie_word_embeddings=True)
+ENGINE = EngineConfig(batch_buckets=(1, 2, 4), max_prompt_len=16, max_new_tokens=96, kv_block=16, segment_steps=4,
+                      compact=False, capture_hidden=True)  # no speculation: every group compiles its own engine
+SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=96, seed=7)
+
+
+def prompts_and_limits(seed):
+  rng = np.random.default_rng(seed)
+  prompts = [rng.integers(2, 64, rng.integers(3, 10)).tolist() for _ in range(8)]
+  # Groups 0-2 (prompts 0-5) stop after 6 tokens; group 3 runs the long tail.
+  return prompts, [len(p) + (6 if i < 6 else 96) for i, p in enumerate(prompts)]
+
+
+def tokens(samples):
+  return [(s.prompt_index, s.sample_index, s.tokens.tolist()) for s in samples]
+
+
+@pytest.fixture(scope="module")
+def policy():
+  return CausalLM(CFG, rngs=nnx.Rngs(0))
+
+
+def test_idle_groups_train_one_drafter_losslessly(policy, tmp_path):
+  drafter = Drafter(CFG, rngs=nnx.Rngs(1))
+  initial = jax.tree.map(np.asarray, nnx.state(drafter))
+  trainer = SpotTrainer(policy, drafter, ENGINE, SAMPLING, jax.devices(), 4, DataBuffer(BufferConfig(eval_every=4)),
+                        SpotConfig(learning_rate=1e-2, rows_per_device=1, row_len=32, eval_rows=2, timeout_s=300,
+                                   checkpoint_dir=str(tmp_path / "ckpt")))
+  plain = Engine(policy, EngineConfig(**{**ENGINE.__dict__, "capture_hidden": False}), SAMPLING)
+  for step in range(2):
+    prompts, limits = prompts_and_limits(step)
+    samples, metrics = trainer.rollout(prompts, 2, limits)
+    # Lossless: exactly what one plain engine samples, whatever the drafter and the sharding.
+    assert tokens(samples) == tokens(plain.generate(prompts, 2, limits).samples)
+    finished, end, rounds = trainer.last["finished"], trainer.last["end"], trainer.last["rounds"]
+    assert end == finished[3] == max(finished)  # the skewed group is the tail
+    assert rounds, "no drafter step ran in the tail"
+    for r in rounds:  # only groups that had finished train, and no round starts after the rollout ended
+      assert all(finished[g] <= r.start for g in r.groups) and 3 not in r.groups and r.start < end
+    assert metrics["drafter/steps"] == len(rounds) == metrics["spot/train_rounds"]
+    assert metrics["drafter/version"] == step + 1 and metrics["drafter/version_used"] == step
+    assert 0 < metrics["spot/harvested_device_s"] <= metrics["spot/idle_device_s"]
+    assert np.isfinite(metrics["drafter/loss"])
+    assert 0 <= metrics["drafter/top1"] <= 1 and metrics["spot/checkpoint_s"] > 0
+    # One merged drafter, pushed to every group's engine.
+    master = jax.tree.map(np.asarray, trainer.params)
+    pointer = lambda x: x.addressable_shards[0].data.unsafe_buffer_pointer()
+    for engine in trainer.engines:
+      jax.tree.map(np.testing.assert_array_equal, master, jax.tree.map(np.asarray, engine.drafter_params))
+      # The engines hold copies: the next update donates the master's buffers.
+      assert not set(map(pointer, jax.tree.leaves(engine.drafter_params))) & set(map(pointer,
+                                                                                    jax.tree.leaves(trainer.params)))
+    assert trainer.engine_versions == [step + 1] * 4
+  moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), initial, master)
+  assert all(jax.tree.leaves(moved))
+
+  # Async selective checkpoint of the last version: params + optimizer state only.
+  trainer.wait_for_checkpoints()
+  tree, meta = trainer.state_dict()
+  ckpt = trainer._checkpointer
+  assert ckpt.latest_version() == 2
+  params, opt_state, saved_meta = ckpt.restore(tree["params"], tree["opt_state"])
+  assert saved_meta == meta and meta["version"] == 2 and meta["rl_step"] == 1
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, params), master)
+  jax.tree.map(np.testing.assert_array_equal, *(jax.tree.map(np.asarray, x) for x in (opt_state, tree["opt_state"])))
+  trainer.load_state_dict(tree, {**meta, "version": 5})
+  assert trainer.engine_versions == [5] * 4
+  with pytest.raises(KeyError, match="'opt_state'"):
+    trainer.load_state_dict({"params": tree["params"]}, meta)
+
+
+def test_one_group_trains_in_the_gap(policy):
+  trainer = SpotTrainer(policy, Drafter(CFG, rngs=nnx.Rngs(1)), ENGINE, SAMPLING, jax.devices()[:2], 1,
+                        DataBuffer(BufferConfig(eval_every=0)), SpotConfig(rows_per_device=1, row_len=32, solo_steps=3))
+  prompts, limits = prompts_and_limits(0)
+  _, metrics = trainer.rollout(prompts[:2], 1, [len(p) + 10 for p in prompts[:2]])
+  assert metrics["drafter/steps"] == 3 and metrics["spot/train_rounds"] == 0 and metrics["spot/gap_s"] > 0
+  assert metrics["spot/idle_device_s"] == 0 and metrics["drafter/version"] == 1
+  with pytest.raises(ValueError, match="8 devices do not split into groups=3"):
+    SpotTrainer(policy, Drafter(CFG, rngs=nnx.Rngs(1)), ENGINE, SAMPLING, jax.devices(), 3, DataBuffer())

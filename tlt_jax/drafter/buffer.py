@@ -1,0 +1,167 @@
+"""DataBuffer: the drafter's online training data, as the rollout captured it (no recomputation).
+
+An entry is one finished sequence x_0..x_{L-1} (prompt x_0..x_{P-1}, response x_P..) with the
+target features f_0..f_{L-2} the rollout computed anyway (`Sample.prompt_hidden` and
+`Sample.hidden` from an engine with `capture_hidden`). Slot t holds the EAGLE pair
+(f_t, x_{t+1}) and predicts f_{t+1} (the pairing the reference's online trainer gets off by
+one); slots whose x_{t+1} is a prompt token are context with weight 0, as in offline
+distillation, so the drafter learns with the prompt in its attention as it drafts. A sequence
+longer than a row is cut into windows of `row_len` slots; positions restart at 0 per window,
+which RoPE (relative) does not see.
+
+One-step offset: step s trains on the samples of step s finished so far (the short ones finish
+first) plus the longest `long_fraction` of step s-1's samples, so long sequences are in the
+mix before this step's own long ones are done. Everything older is dropped when a step starts.
+
+Bounded: at most `max_pairs` pairs are held; beyond that the oldest entries go first (step s-1
+before step s, earlier before later). Every `eval_every`-th sample added is held out of training
+for the held-out top-1 metric.
+
+Batches are packed with `packing.pack` over pair indices, into fixed-shape `train.Pairs` whose
+segment ids keep packed samples from attending to each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from tlt_jax.drafter.train import Pairs
+from tlt_jax.packing import pack
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferConfig:
+  max_pairs: int = 1 << 18  # bound on stored pairs (each: H features + a token)
+  long_fraction: float = 0.25  # the longest part of the previous step kept for the offset rule
+  eval_every: int = 16  # every n-th sample added is held out (0: none)
+
+  def __post_init__(self):
+    if self.max_pairs < 1:
+      raise ValueError(f"buffer max_pairs must be positive, got {self.max_pairs}")
+    if not 0 <= self.long_fraction <= 1:
+      raise ValueError(f"buffer long_fraction must be in [0, 1], got {self.long_fraction}")
+    if self.eval_every < 0:
+      raise ValueError(f"buffer eval_every must be >= 0, got {self.eval_every}")
+
+
+@dataclasses.dataclass
+class Entry:
+  step: int
+  tokens: np.ndarray  # int32 [L-1]: x_1..x_{L-1}
+  hidden: np.ndarray  # [L-1, H]: f_0..f_{L-2}; hidden[i] produced tokens[i]
+  first: int  # slots before this one are prompt context (weight 0): P - 1
+  held_out: bool
+
+  @property
+  def pairs(self) -> int:
+    """Slots (context included): the last feature has no successor."""
+    return len(self.tokens) - 1
+
+  @property
+  def response_pairs(self) -> int:
+    return self.pairs - self.first
+
+
+class DataBuffer:
+  """Responses with their captured features, per RL step; see the module docstring."""
+
+  def __init__(self, config: BufferConfig = BufferConfig()):
+    self.config = config
+    self.step = -1
+    self.entries: list[Entry] = []
+    self.added = 0  # samples ever added (drives the held-out choice)
+
+  @property
+  def num_pairs(self) -> int:
+    return sum(e.pairs for e in self.entries)
+
+  def add(self, step: int, samples: Sequence, prompts: Sequence[Sequence[int]]) -> None:
+    """Adds finished rollout `samples` of RL step `step` (engine `Sample`s with `hidden` and
+    `prompt_hidden`; `prompts[s.prompt_index]` is the prompt of sample s)."""
+    if step < self.step:
+      raise ValueError(f"buffer is at step {self.step}; cannot add samples of the earlier step {step}")
+    if step > self.step:
+      self._advance(step)
+    for s in samples:
+      if s.hidden is None or s.prompt_hidden is None:
+        raise ValueError(f"sample (prompt {s.prompt_index}, sample {s.sample_index}) has no hidden states: "
+                         "the rollout engine needs capture_hidden=True")
+      prompt = prompts[s.prompt_index]
+      if len(s.hidden) != len(s.tokens) or len(s.prompt_hidden) != len(prompt):
+        raise ValueError(f"sample (prompt {s.prompt_index}, sample {s.sample_index}): {len(prompt)} prompt and "
+                         f"{len(s.tokens)} response tokens but {len(s.prompt_hidden)} and {len(s.hidden)} "
+                         "hidden states")
+      self.added += 1
+      if len(s.tokens) < 2:  # no response pair
+        continue
+      held_out = self.config.eval_every > 0 and self.added % self.config.eval_every == 0
+      tokens = np.concatenate([np.asarray(prompt[1:], np.int32), np.asarray(s.tokens, np.int32)])
+      hidden = np.concatenate([np.asarray(s.prompt_hidden[:-1]), np.asarray(s.hidden)])  # f_{P-1} is hidden[0]
+      self.entries.append(Entry(step, tokens, hidden, len(prompt) - 1, held_out))
+    total = self.num_pairs
+    while total > self.config.max_pairs:
+      total -= self.entries.pop(0).pairs
+
+  def _advance(self, step: int) -> None:
+    """Keeps the longest `long_fraction` of the current step's training entries as the offset."""
+    previous = [e for e in self.entries if e.step == self.step and not e.held_out] if step == self.step + 1 else []
+    keep = int(round(len(previous) * self.config.long_fraction))
+    order = sorted(range(len(previous)), key=lambda i: -previous[i].response_pairs)[:keep]
+    self.entries = [previous[i] for i in sorted(order)]  # insertion order: eviction stays oldest-first
+    self.step = step
+
+  def training_entries(self) -> list[Entry]:
+    """What `batch` samples from: this step's finished samples + the previous step's long ones."""
+    return [e for e in self.entries if not e.held_out]
+
+  def held_out_entries(self) -> list[Entry]:
+    return [e for e in self.entries if e.held_out and e.step == self.step]
+
+  def batch(self, rng: np.random.Generator, rows: int, row_len: int) -> Pairs:
+    """`rows` packed rows of `row_len` pairs drawn at random (without replacement) from the training entries."""
+    entries = self.training_entries()
+    if not entries:
+      raise ValueError(f"the drafter buffer has no training samples at step {self.step}")
+    chosen, room = [], rows * row_len
+    for i in rng.permutation(len(entries)):
+      chosen.append(entries[i])
+      room -= entries[i].pairs
+      if room <= 0:
+        break
+    return self._pack(chosen, rows, row_len, rng)
+
+  def eval_batch(self, rows: int, row_len: int) -> Pairs | None:
+    """The current step's held-out samples packed into at most `rows` rows (None when there are none)."""
+    entries = self.held_out_entries()
+    return self._pack(entries, rows, row_len, None) if entries else None
+
+  @staticmethod
+  def _pack(entries: Sequence[Entry], rows: int, row_len: int, rng: np.random.Generator | None) -> Pairs:
+    tokens = np.concatenate([e.tokens[:-1] for e in entries])
+    hidden = np.concatenate([e.hidden[:-1] for e in entries])
+    next_hidden = np.concatenate([e.hidden[1:] for e in entries])
+    starts = np.cumsum([0] + [e.pairs for e in entries])
+    # Pack slot indices into the arrays above: a window is a (context, trained) pair of index lists.
+    windows = []
+    for e, start, end in zip(entries, starts[:-1], starts[1:]):
+      for a in range(start, end, row_len):
+        b = min(a + row_len, end)
+        first = min(max(start + e.first, a), b)  # a window inside the prompt is all context (dropped)
+        windows.append((list(range(a, first)), list(range(first, b))))
+    planes = pack(windows, row_len)
+    take = np.arange(planes.shape[1]) if rng is None else rng.permutation(planes.shape[1])
+    planes = planes[:, np.sort(take[:rows])]
+    planes = np.pad(planes, ((0, 0), (0, rows - planes.shape[1]), (0, 0)))
+    index, positions, segments, trained = planes
+    real = segments > 0
+    zero_pad = lambda x: np.where(real[..., None], x, 0).astype(hidden.dtype)
+    return Pairs(tokens=np.where(real, tokens[index], 0).astype(np.int32), positions=positions, segments=segments,
+                 weights=(real & (trained > 0)).astype(np.float32), hidden=zero_pad(hidden[index]), aux=(),
+                 next_hidden=zero_pad(next_hidden[index]))
+
+  def metadata(self) -> dict:
+    """JSON-able summary for checkpoints and metrics (the data itself is regenerated by the next rollout)."""
+    return {"step": self.step, "entries": len(self.entries), "pairs": self.num_pairs, "added": self.added}

@@ -1,0 +1,338 @@
+"""Spot trainer: a data-parallel rollout over device groups that trains the drafter on the idle ones.
+
+The devices are split into G groups; each group runs its own `Engine` on a sub-mesh of its
+devices over a contiguous shard of the prompts (host threads drive the groups; `prompt_offset`
+keeps every sample's RNG keys global, so the samples are exactly those of one engine). The
+caller's thread is the scheduler and tracks each group as BUSY (decoding its shard), IDLE (done,
+its samples, with the prompt and response features the engine captured, are in the buffer)
+or TRAINING. While any group is BUSY, every round takes all
+groups that are not BUSY (a set that only grows), computes one gradient per group on its own
+devices from its own buffer batch, averages them weighted by pairs and applies ONE optimizer
+update to the single master drafter: synchronous data parallelism over the idle groups, so
+there is one drafter, never per-worker replicas that drift apart. Rounds stop at the first
+boundary after the LAST group finishes (the rollout's end, not the trainer's own work). The
+updated drafter then goes to every group's engine with a new version number, for the next
+rollout; the running tail keeps the drafter it started with. With one group there is no idle
+group: the trainer runs `solo_steps` steps in the gap after the rollout and says so in metrics.
+
+API (one call per RL step):
+  trainer = SpotTrainer(policy, drafter, engine_config, sampling, devices, groups, buffer, SpotConfig())
+  samples, metrics = trainer.rollout(prompts, num_samples, max_total_len)
+  trainer.set_policy_params(nnx.state(policy))          # after each actor update
+  tree, meta = trainer.state_dict(); trainer.load_state_dict(tree, meta)   # RL checkpoints
+`samples` are engine `Sample`s in (prompt_index, sample_index) order; `metrics` is a flat dict
+of floats: drafter/{steps,loss,top1,eval_loss,version,version_used}, rollout/accept_len,
+spot/{groups,idle_device_s,harvested_device_s,train_rounds,overrun_s,gap_s,checkpoint_s,wall_s}.
+`tree` (orbax-saveable) holds the drafter params and optimizer state; `meta` is JSON-able.
+Executables (every group's engine and gradient step, the update, the evaluation) are compiled
+before the first rollout starts decoding; no round compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from tlt_jax import sharding
+from tlt_jax.drafter import checkpoint, train
+from tlt_jax.drafter.buffer import DataBuffer
+from tlt_jax.drafter.model import Drafter
+from tlt_jax.models.transformer import CausalLM
+from tlt_jax.rollout.bandit import Bandit
+from tlt_jax.rollout.engine import Engine, EngineConfig, Sample
+from tlt_jax.rollout.sampling import SamplingParams
+
+BUSY, IDLE, TRAINING = "busy", "idle", "training"
+
+
+@dataclasses.dataclass(frozen=True)
+class SpotConfig:
+  enabled: bool = True  # False: the same sharded rollout, no drafter training (baselines, ablations)
+  learning_rate: float = 1e-3
+  warmup_steps: int = 20  # linear warmup: a fresh Adam's first steps would jolt a pre-trained drafter
+  rows_per_device: int = 2  # packed rows per device in a gradient step
+  row_len: int = 128  # pairs per packed row
+  solo_steps: int = 8  # with one group: drafter steps in the gap after each rollout
+  eval_rows: int = 8  # packed rows of held-out samples for drafter/top1
+  seed: int = 0
+  checkpoint_dir: str | None = None  # async selective checkpoints (params + optimizer) after each push
+  timeout_s: float = 3600.0  # a rollout group that has not finished by then is an error, not a hang
+
+  def __post_init__(self):
+    for key in ("rows_per_device", "row_len", "eval_rows"):
+      if getattr(self, key) < 1:
+        raise ValueError(f"spot config {key} must be positive, got {getattr(self, key)}")
+    for key in ("solo_steps", "warmup_steps"):
+      if getattr(self, key) < 0:
+        raise ValueError(f"spot config {key} must be >= 0, got {getattr(self, key)}")
+
+
+@dataclasses.dataclass
+class Round:
+  """One synchronous drafter update over the groups in `groups`."""
+
+  start: float
+  end: float
+  groups: tuple[int, ...]
+  metrics: dict[str, float]
+
+
+class SpotTrainer:
+  """See the module docstring."""
+
+  def __init__(self, policy: CausalLM, drafter: Drafter, engine_config: EngineConfig, sampling: SamplingParams,
+               devices: Sequence[jax.Device], groups: int, buffer: DataBuffer, config: SpotConfig = SpotConfig(),
+               make_bandit: Callable[[], Bandit] | None = None):
+    devices = list(devices)
+    if groups < 1 or len(devices) % groups:
+      raise ValueError(f"{len(devices)} devices do not split into groups={groups} equal device groups")
+    if not engine_config.capture_hidden:
+      raise ValueError("the spot trainer trains on captured features: engine_config.capture_hidden must be True")
+    if drafter.feature_layers:
+      raise ValueError(f"online training of EAGLE-3 drafters (feature_layers={drafter.feature_layers}) is not "
+                       "supported: the engine captures only the last hidden state")
+    self.config, self.buffer = config, buffer
+    per = len(devices) // groups
+    self.meshes = [sharding.make_mesh({"data": per}, devices[g * per:(g + 1) * per]) for g in range(groups)]
+    self.engines = [Engine(policy, engine_config, sampling, mesh=m, drafter=drafter,
+                           bandit=make_bandit() if make_bandit else None) for m in self.meshes]
+    warmup = optax.linear_schedule(0.0, config.learning_rate, max(config.warmup_steps, 1))
+    self.optimizer = train.make_optimizer(warmup)
+    self._grad = train.make_grad_step(drafter, policy)
+    self._eval = train.make_eval_step(drafter, policy)
+    self._apply = jax.jit(lambda p, s, g: train.apply_gradients(self.optimizer, p, s, g), donate_argnums=(0, 1))
+    self._hidden = (policy.config.hidden_size, policy.model.embed_tokens.embedding.dtype)
+    self.params = self._on_group(0, nnx.state(drafter))  # the master drafter lives on group 0's devices
+    self._home = sharding.param_shardings(self.params, self.meshes[0])
+    self.opt_state = jax.device_put(self.optimizer.init(self.params), self._replicated(0))
+    self.last: dict = {}  # the latest rollout's schedule: finish times, rounds, end (for tests and logs)
+    self.version = 0
+    self.rl_step = -1
+    self._rng = np.random.default_rng(config.seed)
+    self._compiled: dict | None = None
+    self._checkpointer = checkpoint.AsyncDrafterCheckpointer(config.checkpoint_dir) if config.checkpoint_dir else None
+    self.set_policy_params(nnx.state(policy))
+    self._push()
+
+  # ---- placement ----
+
+  def _replicated(self, g: int) -> NamedSharding:
+    return NamedSharding(self.meshes[g], P())
+
+  def _on_group(self, g: int, state: nnx.State) -> nnx.State:
+    """A copy of `state` on group g (never an alias: the update step donates the master params)."""
+    return jax.device_put(state, sharding.param_shardings(state, self.meshes[g]), may_alias=False)
+
+  def _rows(self, g: int) -> int:
+    return self.config.rows_per_device * self.meshes[g].size
+
+  def _batch_sharding(self, g: int, pairs: train.Pairs):
+    return jax.tree.map(lambda x: sharding.array_sharding(x.shape, ("batch",) + (None,) * (x.ndim - 1),
+                                                          self.meshes[g]), pairs)
+
+  def set_policy_params(self, state: nnx.State) -> None:
+    """New policy weights (after an actor update) into every group's engine and gradient step."""
+    for g, engine in enumerate(self.engines):  # copies: the caller may donate its params to the next update
+      engine.set_params(self._on_group(g, state))
+
+  def _push(self) -> None:
+    for g, engine in enumerate(self.engines):
+      engine.set_drafter_params(self._on_group(g, self.params))
+    self.engine_versions = [self.version] * len(self.engines)
+
+  # ---- compiled once ----
+
+  def _abstract_pairs(self, rows: int) -> train.Pairs:
+    h, dtype = self._hidden
+    i32, f32 = np.int32, np.float32
+    s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)
+    t = self.config.row_len
+    return train.Pairs(tokens=s((rows, t), i32), positions=s((rows, t), i32), segments=s((rows, t), i32),
+                       weights=s((rows, t), f32), hidden=s((rows, t, h), dtype), aux=(),
+                       next_hidden=s((rows, t, h), dtype))
+
+  def _compile(self) -> dict:
+    if self._compiled is None:
+      shaped = lambda tree, shardings: jax.tree.map(
+          lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings)
+      like = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+      grads = []
+      for g, engine in enumerate(self.engines):
+        pairs = self._abstract_pairs(self._rows(g))
+        grads.append(self._grad.lower(like(self._on_group(g, self.params)), like(engine.params),
+                                      shaped(pairs, self._batch_sharding(g, pairs)))
+                     .compile())
+      apply = self._apply.lower(like(self.params), like(self.opt_state), like(self.params)).compile()
+      pairs = self._abstract_pairs(self.config.eval_rows)
+      evaluate = self._eval.lower(like(self.params), like(self.engines[0].params),
+                                  shaped(pairs, self._batch_sharding(0, pairs))).compile()
+      self._compiled = {"grad": grads, "apply": apply, "eval": evaluate}
+    return self._compiled
+
+  # ---- one RL step ----
+
+  def rollout(self, prompts: Sequence[Sequence[int]], num_samples: int = 1,
+              max_total_len: Sequence[int] | int | None = None) -> tuple[list[Sample], dict[str, float]]:
+    """Samples every prompt on the group engines while idle groups train the drafter (module docstring)."""
+    G = len(self.engines)
+    if len(prompts) < G:
+      raise ValueError(f"{len(prompts)} prompts cannot be sharded over groups={G} device groups")
+    for i, p in enumerate(prompts):  # checked here: the engines compile before they would check
+      if not 0 < len(p) <= self.engines[0].config.max_prompt_len:
+        raise ValueError(f"prompt {i} has {len(p)} tokens; need 1..{self.engines[0].config.max_prompt_len} "
+                         "(max_prompt_len)")
+    self.rl_step += 1
+    bounds = np.linspace(0, len(prompts), G + 1).astype(int)
+    limit = lambda a, b: list(max_total_len[a:b]) if isinstance(max_total_len, Sequence) else max_total_len
+    for g, engine in enumerate(self.engines):
+      a, b = bounds[g], bounds[g + 1]
+      engine.prepare(min((b - a) * num_samples, engine.config.batch_buckets[-1]), [len(p) for p in prompts[a:b]])
+    compiled = self._compile()
+    version_used = min(self.engine_versions)
+
+    state, results, errors, finished = [BUSY] * G, [None] * G, [None] * G, [0.0] * G
+    cond = threading.Condition()
+
+    def work(g):
+      a, b = bounds[g], bounds[g + 1]
+      try:
+        results[g] = self.engines[g].generate(prompts[a:b], num_samples, limit(a, b), prompt_offset=int(a))
+        with cond:
+          self.buffer.add(self.rl_step, results[g].samples, prompts)
+      except BaseException as e:  # re-raised by the scheduler
+        errors[g] = e
+      with cond:
+        finished[g] = time.perf_counter()
+        state[g] = IDLE
+        cond.notify_all()
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=work, args=(g,), name=f"rollout-group-{g}", daemon=True) for g in range(G)]
+    for t in threads:
+      t.start()
+    rounds: list[Round] = []
+    deadline = start + self.config.timeout_s
+    while True:
+      with cond:
+        ready = lambda: BUSY not in state or (any(s != BUSY for s in state) and self._trainable()
+                                              and self.config.enabled)
+        if not cond.wait_for(ready, timeout=max(deadline - time.perf_counter(), 0.0)) or (
+            BUSY in state and time.perf_counter() > deadline):
+          raise TimeoutError(f"rollout groups {[g for g in range(G) if state[g] == BUSY]} did not finish within "
+                             f"timeout_s={self.config.timeout_s}")
+        if BUSY not in state:
+          break
+        groups = tuple(g for g in range(G) if state[g] != BUSY)
+        for g in groups:
+          state[g] = TRAINING
+        batches = [self.buffer.batch(self._rng, self._rows(g), self.config.row_len) for g in groups]
+      rounds.append(self._round(compiled, groups, batches))
+    end = max(finished)
+    for t in threads:
+      t.join()
+    for e in errors:
+      if e is not None:
+        raise e
+    stop = time.perf_counter()
+    gap_s = 0.0
+    if G == 1 and self.config.enabled and self._trainable():
+      for _ in range(self.config.solo_steps):
+        rounds.append(self._round(compiled, (0,), [self.buffer.batch(self._rng, self._rows(0), self.config.row_len)]))
+      gap_s = time.perf_counter() - stop
+    checkpoint_s = 0.0
+    if rounds:
+      self.version += 1
+      self._push()
+      if self._checkpointer is not None:
+        t0 = time.perf_counter()
+        self._checkpointer.save(self.version, self.params, self.opt_state, self.metadata())
+        checkpoint_s = time.perf_counter() - t0  # what the step waits for; the write goes on in the background
+    self.last = {"finished": finished, "end": end, "rounds": rounds, "checkpoint_s": checkpoint_s}
+    samples = sorted((s for r in results for s in r.samples), key=lambda s: (s.prompt_index, s.sample_index))
+    return samples, self._metrics(results, rounds, finished, start, end, stop, gap_s, version_used)
+
+  def _trainable(self) -> bool:
+    return bool(self.buffer.training_entries())
+
+  def _round(self, compiled, groups: tuple[int, ...], batches: list[train.Pairs]) -> Round:
+    """One synchronous update: a gradient per group on its devices, pair-weighted mean, one apply."""
+    t0 = time.perf_counter()
+    outs = []
+    for g, batch in zip(groups, batches):  # dispatched without waiting: the groups compute in parallel
+      params = jax.device_put(self.params, sharding.param_shardings(self.params, self.meshes[g]))
+      outs.append(compiled["grad"][g](params, self.engines[g].params,
+                                      jax.device_put(batch, self._batch_sharding(g, batch))))
+    weights = np.asarray([float(m["pairs"]) for _, m in outs])
+    total = max(weights.sum(), 1.0)
+    grads = jax.tree.map(lambda *gs: sum(w / total * x for w, x in zip(weights, gs)),
+                         *[jax.device_put(g, self._home) for g, _ in outs])
+    self.params, self.opt_state = compiled["apply"](self.params, self.opt_state, grads)
+    metrics = {k: float(np.dot(weights, [float(m[k]) for _, m in outs]) / total) for k in ("loss", "top1")}
+    jax.block_until_ready(self.params)
+    return Round(t0, time.perf_counter(), groups, {**metrics, "pairs": float(weights.sum())})
+
+  def _metrics(self, results, rounds: list[Round], finished, start, end, stop, gap_s, version_used) -> dict[str, float]:
+    sizes = [m.size for m in self.meshes]
+    G = len(sizes)
+    overlap = lambda r, g: max(0.0, min(r.end, end) - max(r.start, finished[g]))
+    passes = sum(r.metrics.verify_passes for r in results)
+    spec_tokens = sum(s.tokens for r in results for s in r.metrics.segments if s.strategy)
+    out = {
+        "spot/groups": float(G),
+        "spot/wall_s": stop - start,
+        "spot/idle_device_s": sum((end - finished[g]) * sizes[g] for g in range(G)),
+        "spot/harvested_device_s": sum(overlap(r, g) * sizes[g] for r in rounds for g in r.groups),
+        "spot/train_rounds": float(sum(r.start < end for r in rounds)),
+        "spot/overrun_s": max([r.end - end for r in rounds if r.start < end] + [0.0]),
+        "spot/gap_s": gap_s,  # one group: training time added after the rollout
+        "spot/checkpoint_s": self.last["checkpoint_s"],
+        "drafter/steps": float(len(rounds)),
+        "drafter/version": float(self.version),
+        "drafter/version_used": float(version_used),
+        "rollout/accept_len": spec_tokens / max(passes, 1),
+        "rollout/tokens": float(sum(r.metrics.tokens for r in results)),
+    }
+    if rounds:
+      n = sum(r.metrics["pairs"] for r in rounds)
+      out["drafter/loss"] = sum(r.metrics["loss"] * r.metrics["pairs"] for r in rounds) / max(n, 1.0)
+      out["drafter/loss_last"] = rounds[-1].metrics["loss"]
+    held = self.buffer.eval_batch(self.config.eval_rows, self.config.row_len)
+    if held is not None:
+      held = jax.device_put(held, self._batch_sharding(0, held))
+      m = self._compiled["eval"](self.params, self.engines[0].params, held)
+      out["drafter/eval_loss"], out["drafter/top1"] = float(m["loss"]), float(m["top1"])
+    return out
+
+  # ---- checkpoints ----
+
+  def metadata(self) -> dict:
+    return {"version": self.version, "rl_step": self.rl_step, "buffer": self.buffer.metadata()}
+
+  def state_dict(self) -> tuple[dict, dict]:
+    """(orbax-saveable pytree: drafter params and optimizer state, JSON-able metadata)."""
+    return {"params": self.params, "opt_state": self.opt_state}, self.metadata()
+
+  def load_state_dict(self, tree: dict, metadata: dict) -> None:
+    """Restores what `state_dict` returned and pushes the drafter to every engine."""
+    for key in ("params", "opt_state"):
+      if key not in tree:
+        raise KeyError(f"spot trainer state has no {key!r}")
+    for key in ("version", "rl_step"):
+      if key not in metadata:
+        raise KeyError(f"spot trainer metadata has no {key!r}")
+    self.params = self._on_group(0, tree["params"])
+    self.opt_state = jax.device_put(tree["opt_state"], self._replicated(0), may_alias=False)
+    self.version, self.rl_step = int(metadata["version"]), int(metadata["rl_step"])
+    self._push()
+
+  def wait_for_checkpoints(self) -> None:
+    if self._checkpointer is not None:
+      self._checkpointer.wait()
