@@ -108,7 +108,13 @@ def base() -> ml_collections.ConfigDict:
   c.drafter.warmup_steps = 200  # offline distillation on the SFT data when no drafter exists
   c.drafter.learning_rate = 3e-3
   c.drafter.batch_rows = 16
-  c.drafter.row_len = 256
+  c.drafter.row_len = 256  # packed row length of warm-up and online training
+  c.drafter.online = True  # spot training on idle rollout groups (False: the drafter stays frozen)
+  c.drafter.online_learning_rate = 1e-3
+  c.drafter.online_warmup_steps = 20
+  c.drafter.online_rows_per_device = 2
+  c.drafter.solo_steps = 8  # one rollout group: drafter steps in the gap after each rollout
+  c.drafter.buffer_pairs = 1 << 18  # bound of the online data buffer
 
   c.rl = ml_collections.ConfigDict()
   c.rl.learning_rate = 1e-4

@@ -180,8 +180,13 @@ class SpotTrainer:
   # ---- one RL step ----
 
   def rollout(self, prompts: Sequence[Sequence[int]], num_samples: int = 1,
-              max_total_len: Sequence[int] | int | None = None) -> tuple[list[Sample], dict[str, float]]:
-    """Samples every prompt on the group engines while idle groups train the drafter (module docstring)."""
+              max_total_len: Sequence[int] | int | None = None,
+              prompt_offset: int = 0) -> tuple[list[Sample], dict[str, float]]:
+    """Samples every prompt on the group engines while idle groups train the drafter (module docstring).
+
+    `prompt_offset` shifts the prompts' global indices (RNG keys; an RL loop passes the number of
+    prompts sampled so far); the returned samples' `prompt_index` counts from 0 within `prompts`.
+    """
     G = len(self.engines)
     if len(prompts) < G:
       raise ValueError(f"{len(prompts)} prompts cannot be sharded over groups={G} device groups")
@@ -204,7 +209,9 @@ class SpotTrainer:
     def work(g):
       a, b = bounds[g], bounds[g + 1]
       try:
-        results[g] = self.engines[g].generate(prompts[a:b], num_samples, limit(a, b), prompt_offset=int(a))
+        out = self.engines[g].generate(prompts[a:b], num_samples, limit(a, b), prompt_offset=int(prompt_offset + a))
+        results[g] = dataclasses.replace(out, samples=[dataclasses.replace(s, prompt_index=s.prompt_index - prompt_offset)
+                                                       for s in out.samples])
         with cond:
           self.buffer.add(self.rl_step, results[g].samples, prompts)
       except BaseException as e:  # re-raised by the scheduler

@@ -31,14 +31,18 @@ from tlt_jax import config as config_lib
 from tlt_jax import metrics as metrics_lib
 from tlt_jax import packing
 from tlt_jax import sft
+from tlt_jax import sharding
 from tlt_jax.drafter import checkpoint as drafter_checkpoint
+from tlt_jax.drafter import export
+from tlt_jax.drafter.buffer import BufferConfig, DataBuffer
+from tlt_jax.drafter.spot import SpotConfig, SpotTrainer
 from tlt_jax.drafter import train as drafter_train
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, hf
 from tlt_jax.rl import actor as actor_lib
 from tlt_jax.rl import datasets, grpo, rewards, tokenizer as tokenizer_lib
 from tlt_jax.rollout.bandit import Bandit
-from tlt_jax.rollout.engine import Engine, EngineConfig, Rollout
+from tlt_jax.rollout.engine import Engine, EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 
 
@@ -87,30 +91,20 @@ def load_prompts(config, tok) -> datasets.Dataset:
                              reward=config.data.reward)
 
 
-def engine_config(config, strategies=(), largest_bucket: int | None = None, compact: bool = True) -> EngineConfig:
+def engine_config(config, strategies=(), largest_bucket: int | None = None, compact: bool = True,
+                  capture_hidden: bool = False) -> EngineConfig:
   r = config.rollout
   buckets = tuple(2**i for i in range((largest_bucket or r.batch_buckets).bit_length()))
   return EngineConfig(batch_buckets=buckets, max_prompt_len=config.data.max_prompt_len, max_new_tokens=r.max_new_tokens,
                       segment_steps=r.segment_steps, kv_block=r.kv_block, strategies=tuple(strategies),
                       sd_max_batch=r.sd_max_batch, compilation_cache_dir=r.compilation_cache_dir or None,
-                      compact=compact, attention=config.kernels.attention)
+                      compact=compact, attention=config.kernels.attention, capture_hidden=capture_hidden)
 
 
 def sampling_params(config, tok) -> SamplingParams:
   r = config.rollout
   return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                         stop_token_ids=(tok.eos_token_id,), seed=config.seed)
-
-
-def rollout_summary(rollout: Rollout, sd_max_batch: int) -> dict[str, float]:
-  """Speed and tail figures of one rollout."""
-  m = rollout.metrics
-  tail_s = sum(s.seconds for s in m.segments if s.active_rows <= sd_max_batch)
-  out = {"rollout/tokens_per_s": m.tokens_per_s, "rollout/tail_share": tail_s / max(m.decode_s, 1e-9),
-         "rollout/sd_s": m.sd_s, "rollout/accept_len": m.accept_len}
-  for arm in sorted({s.strategy or "off" for s in m.segments}):
-    out[f"bandit/{arm}"] = sum((s.strategy or "off") == arm for s in m.segments)
-  return out
 
 
 class Trainer:
@@ -125,12 +119,25 @@ class Trainer:
       raise ValueError(f"{len(self.prompts)} prompts, fewer than config.rollout.prompts_per_step="
                        f"{c.rollout.prompts_per_step}")
     strategies = config_lib.strategies(c) if c.rollout.speculative else ()
-    drafter = load_drafter(c, self.policy, self.tok) if strategies else None
-    self.bandit = Bandit(strategies, thresholds=config_lib.ints(c.rollout.bandit_thresholds),
-                         epsilon=c.rollout.bandit_epsilon, window=c.rollout.bandit_window,
-                         seed=c.seed) if strategies else None
-    self.engine = Engine(self.policy, engine_config(c, strategies), sampling_params(c, self.tok), drafter=drafter,
-                         bandit=self.bandit)
+    devices = jax.devices()
+    sampling = sampling_params(c, self.tok)
+    if strategies:  # TLT: group engines with tail SD + bandit; idle groups train the drafter
+      drafter = load_drafter(c, self.policy, self.tok)
+      self.drafter_graphdef = nnx.graphdef(drafter)
+      d = c.drafter
+      make_bandit = lambda: Bandit(strategies, thresholds=config_lib.ints(c.rollout.bandit_thresholds),
+                                   epsilon=c.rollout.bandit_epsilon, window=c.rollout.bandit_window, seed=c.seed)
+      self.spot = SpotTrainer(
+          self.policy, drafter, engine_config(c, strategies, capture_hidden=True), sampling, devices,
+          c.rollout.groups, DataBuffer(BufferConfig(max_pairs=d.buffer_pairs)),
+          SpotConfig(enabled=d.online, learning_rate=d.online_learning_rate, warmup_steps=d.online_warmup_steps,
+                     rows_per_device=d.online_rows_per_device, row_len=d.row_len, solo_steps=d.solo_steps,
+                     seed=c.seed), make_bandit)
+      self.engines = self.spot.engines
+    else:  # the baseline: one plain engine, data-parallel over the same devices
+      self.spot = None
+      mesh = sharding.make_mesh({"data": len(devices)}) if len(devices) > 1 else None
+      self.engines = [Engine(self.policy, engine_config(c), sampling, mesh=mesh)]
     optimizer = actor_lib.make_optimizer(c.rl.learning_rate, c.rl.warmup_steps, c.rl.weight_decay,
                                          c.rl.max_grad_norm)
     self.actor = actor_lib.Actor(self.policy, optimizer, micro_batch_rows=c.rl.micro_batch_rows,
@@ -138,6 +145,7 @@ class Trainer:
                                  remat=c.rl.remat, logits_chunk=c.rl.logits_chunk,
                                  attention_block=c.rl.attention_block or None)
     self.ref_params = jax.tree.map(jnp.copy, self.actor.params) if self.actor.uses_ref else None
+    self._push_policy()
     self.step = 0
     self.checkpoints = checkpoint_lib.Checkpoints(os.path.join(c.workdir, "checkpoints"), c.checkpoint.every,
                                                   c.checkpoint.keep)
@@ -152,20 +160,41 @@ class Trainer:
     arrays = {"policy": self.actor.params, "opt_state": self.actor.opt_state}
     if self.ref_params is not None:
       arrays["ref"] = self.ref_params
+    if self.spot is not None:
+      arrays["drafter"] = self.spot.state_dict()[0]
     return arrays
 
   def _meta(self) -> dict:
-    return {"step": self.step, "bandit": None if self.bandit is None else self.bandit.state_dict()}
+    return {"step": self.step, "bandits": [e.bandit.state_dict() for e in self.engines if e.bandit is not None],
+            "drafter": None if self.spot is None else self.spot.state_dict()[1]}
 
   def _restore(self, step: int) -> None:
     arrays, meta = self.checkpoints.restore(step, self._arrays())
     self.actor.params, self.actor.opt_state = arrays["policy"], arrays["opt_state"]
     self.ref_params = arrays.get("ref")
-    self.engine.set_params(self.actor.params)
-    if self.bandit is not None and meta["bandit"] is not None:
-      self.bandit.load_state_dict(meta["bandit"])
+    if self.spot is not None:
+      self.spot.load_state_dict(arrays["drafter"], meta["drafter"])
+    for engine, state in zip([e for e in self.engines if e.bandit is not None], meta["bandits"]):
+      engine.bandit.load_state_dict(state)
     self.step = meta["step"]
+    self._push_policy()
     logging.info("resumed from %s at step %d", self.checkpoints.directory, self.step)
+
+  def _push_policy(self) -> None:
+    """The actor's params into the rollout (the group engines get copies; the drafter reads them live)."""
+    if self.spot is not None:
+      self.spot.set_policy_params(self.actor.params)
+    else:
+      self.engines[0].set_params(self.actor.params)
+
+  def _rollout(self, prompts, offset: int):
+    """Samples (prompt_index counted within `prompts`) and the rollout's metrics."""
+    g = self.config.rollout.num_samples
+    if self.spot is not None:
+      return self.spot.rollout(prompts, g, prompt_offset=offset)
+    rollout = self.engines[0].generate(prompts, num_samples=g, prompt_offset=offset)
+    samples = [dataclasses.replace(s, prompt_index=s.prompt_index - offset) for s in rollout.samples]
+    return samples, rollout.metrics.summary()
 
   # ---- one step ----
 
@@ -184,10 +213,9 @@ class Trainer:
     indices, offset = self._batch_prompts(self.step)
     examples = [self.prompts[i] for i in indices]
     g = c.rollout.num_samples
-    rollout = self.engine.generate([ex.prompt_ids for ex in examples], num_samples=g, prompt_offset=offset)
+    samples, rollout_metrics = self._rollout([ex.prompt_ids for ex in examples], offset)
     rollout_s = time.perf_counter() - start
 
-    samples = rollout.samples
     texts = [self.tok.decode(s.tokens, skip_special_tokens=True) for s in samples]
     scores, reward_stats = rewards.score_batch(
         examples[0].reward, texts, [examples[s.prompt_index].ground_truth for s in samples],
@@ -202,7 +230,7 @@ class Trainer:
 
     t_train = time.perf_counter()
     train_stats = self._update(examples, samples, adv, keep)
-    self.engine.set_params(self.actor.params)
+    self._push_policy()
     train_s = time.perf_counter() - t_train
 
     self.step += 1
@@ -212,7 +240,7 @@ class Trainer:
               "response_length/p90": float(np.percentile(lengths, 90)), "response_length/max": int(lengths.max()),
               "response_length/truncated": int(sum(s.finish_reason == "length" for s in samples)),
               "groups_kept": int(groups_kept.sum()), "samples_trained": int(keep.sum()),
-              **train_stats, **rollout_summary(rollout, c.rollout.sd_max_batch),
+              **train_stats, **rollout_metrics,
               "time/rollout_s": rollout_s, "time/train_s": train_s, "time/step_s": time.perf_counter() - start}
     if self.checkpoints.save(self.step, self._arrays(), self._meta()):
       self.saved_step = self.step
@@ -261,8 +289,13 @@ class Trainer:
     return records
 
   def export(self) -> None:
-    """The trained policy as a Hugging Face directory: <workdir>/export/policy."""
-    hf.save_pretrained(self.actor.model(), os.path.join(self.config.workdir, "export", "policy"), tokenizer=self.tok)
+    """The trained policy as a Hugging Face directory (<workdir>/export/policy) and the drafter as
+    an EAGLE checkpoint for serving engines (<workdir>/export/drafter)."""
+    out = os.path.join(self.config.workdir, "export")
+    policy = self.actor.model()
+    hf.save_pretrained(policy, os.path.join(out, "policy"), tokenizer=self.tok)
+    if self.spot is not None:
+      export.export_eagle(policy, nnx.merge(self.drafter_graphdef, self.spot.params), os.path.join(out, "drafter"))
 
   def close(self) -> None:
     self.checkpoints.close()
