@@ -29,6 +29,9 @@ class ExecutablePool:
     except KeyError:
       raise KeyError(f"no compiled executable for {key}: the pool must be prepared before the rollout") from None
 
+  def keys(self) -> list[Hashable]:
+    return list(self._executables)
+
   def __len__(self) -> int:
     return len(self._executables)
 
