@@ -499,6 +499,7 @@ class Engine:
           keep = np.flatnonzero(~done)
           keep = np.concatenate([keep, np.full((b // 2 - len(keep),), -1)]).astype(np.int32)
           st = pool[("halve", b // 2, b)](st, keep)
+          done = np.concatenate([done[keep[keep >= 0]], np.ones((b // 2 - (keep >= 0).sum(),), bool)])
           b //= 2
         done, generated, passes = jax.device_get((st.done, st.num_generated, st.passes))
         metrics.compact_s += time.perf_counter() - t0
