@@ -13,10 +13,13 @@ table as CSV next to it. The counterpart of the reference's bench_sd.
 
 Adaptive mode (`--adaptive`): one long-tailed rollout of `--rows` problems (compaction on,
 speculation once at most `--sd_max_batch` rows are active), run with plain decoding, with each
-fixed strategy, and with the BEG-MAB bandit over all of them plus SD off; records
-{mode, tokens_per_s, speedup, accept_len, sd_share} (whole-rollout tokens/s, median of three
-rollouts after a warm-up one; the bandit keeps learning across them) and the bandit's plays
-and median rewards per bucket.
+fixed strategy, and with the BEG-MAB bandit over all of them plus SD off. A warm-up round runs
+every mode once (compilation; the bandit's first plays), then `--repeats` timed rounds run every
+mode once each, interleaved so that load on the machine hits all modes alike. Records
+{mode, tokens_per_s, speedup, accept_len, sd_share} (whole-rollout tokens/s, the median
+round's) and, for the bandit, its ratio to the best and the worst fixed mode (plain included),
+its plays during warm-up and the timed rounds, the median round's rollout summary, and its
+plays and median rewards per bucket (it keeps learning across all rounds).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ _ADAPTIVE = flags.DEFINE_bool("adaptive", False, "Bandit vs every fixed strategy
 _ROWS = flags.DEFINE_integer("rows", 64, "Rows of the adaptive mode's rollout.", lower_bound=1)
 _SD_MAX_BATCH = flags.DEFINE_integer("sd_max_batch", 32, "Adaptive mode: speculate at most this many active rows.",
                                      lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Adaptive mode: timed rounds after the warm-up round.", lower_bound=1)
 
 
 def _timed(engine: Engine, prompts, repeats: int = 3):
@@ -70,7 +74,7 @@ def _rollout_speed(engine: Engine, prompts) -> tuple[float, float]:
 
 
 def run_adaptive(model, drafter: Drafter, prompts, strategies, temperature, max_new_tokens, seed, stop_ids,
-                 sd_max_batch):
+                 sd_max_batch, repeats):
   """Plain vs each fixed strategy vs the bandit on one long-tailed rollout."""
   buckets = tuple(2**i for i in range(int(np.ceil(np.log2(len(prompts)))) + 1))
   base = EngineConfig(batch_buckets=buckets, max_prompt_len=max(map(len, prompts)), max_new_tokens=max_new_tokens,
@@ -83,15 +87,29 @@ def run_adaptive(model, drafter: Drafter, prompts, strategies, temperature, max_
             for s in strategies]
   modes.append(("bandit", Engine(model, EngineConfig(**{**base.__dict__, "strategies": tuple(strategies)}), params,
                                  drafter=drafter, bandit=bandit)))
-  records = []
-  for name, engine in tqdm(modes, desc="bench --adaptive", file=sys.stderr):
-    runs = _timed(engine, prompts)
-    m = runs[int(np.argsort([r.tokens / r.wall_s for r in runs])[len(runs) // 2])]
-    records.append({"mode": name, "tokens_per_s": round(m.tokens / m.wall_s, 2), "accept_len": round(m.accept_len, 3),
+  runs = {name: [] for name, _ in modes}
+  with tqdm(total=len(modes) * (repeats + 1), desc="bench --adaptive", file=sys.stderr) as bar:
+    for round_ in range(repeats + 1):  # round 0 is the warm-up
+      for name, engine in modes:
+        m = engine.generate(prompts).metrics
+        if round_:
+          runs[name].append(m)
+        bar.update()
+      if not round_:
+        warmup_plays = sum(arm["plays"] for b in bandit.stats().values() for arm in b.values())
+  records, median = [], {}
+  for name, _ in modes:
+    ms = runs[name]
+    median[name] = m = ms[int(np.argsort([r.tokens_per_s for r in ms])[len(ms) // 2])]
+    records.append({"mode": name, "tokens_per_s": round(m.tokens_per_s, 2), "accept_len": round(m.accept_len, 3),
                     "sd_share": round(m.sd_s / m.wall_s, 3)})
   for r in records:
     r["speedup"] = round(r["tokens_per_s"] / records[0]["tokens_per_s"], 3)
-  records[-1]["bandit"] = bandit.stats()
+  fixed = [r["tokens_per_s"] for r in records[:-1]]
+  total_plays = sum(arm["plays"] for b in bandit.stats().values() for arm in b.values())
+  records[-1].update(vs_best_fixed=round(records[-1]["tokens_per_s"] / max(fixed), 3),
+                     vs_worst_fixed=round(records[-1]["tokens_per_s"] / min(fixed), 3), warmup_plays=warmup_plays,
+                     timed_plays=total_plays - warmup_plays, summary=median["bandit"].summary(), bandit=bandit.stats())
   return records
 
 
@@ -141,7 +159,7 @@ def main(argv):
   stop = set(model.config.stop_token_ids) | {tokenizer.eos_token_id}
   if _ADAPTIVE.value:
     records = run_adaptive(model, drafter, prompts, strategies, _TEMPERATURE.value, _MAX_NEW.value, _SEED.value,
-                           sorted(stop), _SD_MAX_BATCH.value)
+                           sorted(stop), _SD_MAX_BATCH.value, _REPEATS.value)
   else:
     records = run(model, drafter, prompts, batch_sizes, strategies, _TEMPERATURE.value, _MAX_NEW.value, _SEED.value,
                   sorted(stop))

@@ -236,24 +236,44 @@ def test_speculative_first_three_tokens_follow_plain_sampling(drafter_kind):
 
 
 def test_bandit_picks_strategies_losslessly_without_compiling(models):
+  """Two strategies with 3 verify tokens share one verify executable per bucket (at the deeper
+  one's depth); the bandit plays every arm, outputs equal plain greedy ones, nothing compiles."""
   from tlt_jax.rollout.bandit import Bandit
   model = models["qwen3"]
-  strategies = (Strategy.parse("2_1_3"), Strategy.parse("2_2_4"))
+  strategies = (Strategy.parse("3_1_3"), Strategy.parse("2_2_3"))
   config = EngineConfig(**{**CONFIG.__dict__, "strategies": strategies, "sd_max_batch": 4})
   params = SamplingParams(temperature=0, max_new_tokens=48, stop_token_ids=(STOP,))
   bandit = Bandit(strategies, epsilon=0.1)
   engine = Engine(model, config, params, drafter=Drafter(model.config, rngs=nnx.Rngs(5)), bandit=bandit)
   ps = prompts(4, seed=12)
   engine.prepare(len(ps), [len(p) for p in ps])
+  kinds = [k[0] for k in engine.pool.keys()]
+  assert kinds.count("verify") == 3 and kinds.count("draft") == 6  # buckets 1, 2, 4
+  assert {k for k in engine.pool.keys() if k[0] == "verify"} == {("verify", b, 3) for b in (1, 2, 4)}
+  stats = engine.pool.stats()
+  assert stats["executables"] == len(kinds) and stats["compile_s"] > 0 and stats["memory_bytes"] > 0
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
       lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
-  rollout = engine.generate(ps)
+  rollouts = [engine.generate(ps) for _ in range(2)]  # the bandit persists across rollouts
   assert not compiles, "the rollout compiled something"
-  assert sample_set(rollout) == sample_set(Engine(model, CONFIG, params).generate(ps))
-  plays = {arm: sum(b[arm]["plays"] for b in bandit.stats().values()) for arm in ("off", "2_1_3", "2_2_4")}
+  expected = sample_set(Engine(model, CONFIG, params).generate(ps))
+  assert all(sample_set(r) == expected for r in rollouts)
+  plays = {arm: sum(b[arm]["plays"] for b in bandit.stats().values()) for arm in ("off", "3_1_3", "2_2_3")}
   assert all(n > 0 for n in plays.values())  # every arm, SD off included, was tried
-  assert sum(plays.values()) == len(rollout.metrics.segments)
+  summaries = [r.metrics.summary() for r in rollouts]
+  assert summaries[0]["rollout/sd_s"] > 0  # unseen arms first: the first rollout speculates
+  assert sum(v for s in summaries for k, v in s.items() if k.startswith("bandit/")) == sum(plays.values())
+  for r, summary in zip(rollouts, summaries):
+    m = r.metrics
+    assert summary["rollout/tokens"] == sum(len(s.tokens) for s in r.samples)
+    assert summary["rollout/sd_s"] + summary["rollout/plain_s"] == pytest.approx(m.decode_s)
+    assert 0 <= summary["rollout/sd_share"] < 1
+    assert summary["rollout/accept_len"] >= 1 or summary["rollout/sd_s"] == 0
+    # Speculative plays are single steps; a plain segment's steps are its longest row's.
+    assert all(s.steps == 1 for s in m.segments if s.strategy)
+    assert sum(v for k, v in summary.items() if k.startswith("rollout/steps/")) == sum(s.steps for s in m.segments)
+    assert all(isinstance(v, (int, float)) for v in summary.values())
   with pytest.raises(ValueError, match="need a bandit"):
     Engine(model, config, params, drafter=Drafter(model.config, rngs=nnx.Rngs(5)))
 

@@ -1,11 +1,15 @@
 """BEG-MAB: a bucketed epsilon-greedy bandit choosing the decoding strategy per active-batch bucket.
 
-Active batch sizes fall into buckets (TLT: [1], [2, 4], [5, 20], [21, ...]); each bucket keeps,
-per arm, a sliding window of rewards (tokens emitted per second of a segment, measured after a
-device sync). `choose` plays unseen arms first, then explores a uniformly random arm with
-probability epsilon, else exploits the arm with the highest MEDIAN windowed reward. Unlike the
-reference, every bucket also holds the "SD off" arm (`None`), so speculation switches itself off
-wherever it loses. The state is a plain JSON-able dict (checkpointed with the run).
+Active batch sizes fall into buckets (TLT: [1], [2, 4], [5, 20], [21, ...]). A play's reward is
+the tokens it emitted per second of wall time, measured after a device sync. Each bucket keeps
+a sliding window of rewards: each arm's last `window` rewards, among the bucket's last
+`window x arms` plays. `choose` plays arms with no reward in the window first, then explores a
+uniformly random arm with probability epsilon, else exploits the arm with the highest MEDIAN
+windowed reward. The bucket-wide horizon makes rarely played arms' rewards expire too: a
+strategy that got better (a drafter trained further) is re-learnt within about two windows of
+plays, and an arm the bucket never chooses any more is retried once per horizon.
+Unlike the reference, every bucket also holds the "SD off" arm (`None`), so speculation switches
+itself off wherever it loses. The state is a plain JSON-able dict (checkpointed with the run).
 """
 
 from __future__ import annotations
@@ -29,56 +33,71 @@ class Bandit:
       raise ValueError(f"bucket thresholds must increase from 1, got {list(thresholds)}")
     if not 0 <= epsilon <= 1:
       raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
+    if window < 1:
+      raise ValueError(f"window must be >= 1, got {window}")
     self.arms: tuple[Arm, ...] = (None, *strategies)
     self.thresholds = tuple(thresholds)
     self.epsilon, self.window = epsilon, window
     self._rng = np.random.default_rng(seed)
-    self._rewards = [[collections.deque(maxlen=window) for _ in self.arms] for _ in self.thresholds]
-    self._plays = np.zeros((len(self.thresholds), len(self.arms)), np.int64)
+    # Per bucket: the last window x arms plays as (arm index, reward).
+    self._plays_window = [collections.deque(maxlen=window * len(self.arms)) for _ in self.thresholds]
+    self._plays = np.zeros((len(self.thresholds), len(self.arms)), np.int64)  # lifetime counts
 
   def bucket(self, active_rows: int) -> int:
     return bisect.bisect_right(self.thresholds, active_rows) - 1
 
+  def label(self, bucket: int) -> str:
+    """'1', '2-4', '5-20', '21+' for the default thresholds."""
+    lo = self.thresholds[bucket]
+    if bucket + 1 == len(self.thresholds):
+      return f"{lo}+"
+    hi = self.thresholds[bucket + 1] - 1
+    return str(lo) if hi == lo else f"{lo}-{hi}"
+
+  def _medians(self, bucket: int) -> list[float | None]:
+    """Median windowed reward per arm; None for an arm with no play in the window."""
+    rewards = [[] for _ in self.arms]
+    for a, r in self._plays_window[bucket]:
+      rewards[a].append(r)
+    return [float(np.median(r[-self.window:])) if r else None for r in rewards]
+
   def choose(self, active_rows: int) -> Arm:
-    rewards = self._rewards[self.bucket(active_rows)]
-    unseen = [i for i, r in enumerate(rewards) if not r]
-    if unseen:
-      return self.arms[unseen[0]]
+    medians = self._medians(self.bucket(active_rows))
+    if None in medians:
+      return self.arms[medians.index(None)]
     if self._rng.random() < self.epsilon:
       return self.arms[self._rng.integers(len(self.arms))]
-    return self.arms[int(np.argmax([np.median(r) for r in rewards]))]
+    return self.arms[int(np.argmax(medians))]
 
   def update(self, active_rows: int, arm: Arm, tokens: int, seconds: float) -> None:
     b, a = self.bucket(active_rows), self.arms.index(arm)
-    self._rewards[b][a].append(tokens / max(seconds, 1e-9))
+    self._plays_window[b].append((a, tokens / max(seconds, 1e-9)))
     self._plays[b, a] += 1
 
   def stats(self) -> dict[str, dict[str, dict[str, float]]]:
-    """Per bucket ("5-20"), per arm ("off" or the strategy name): plays and median reward."""
+    """Per bucket label, per arm ("off" or the strategy name): lifetime plays and windowed median reward."""
     out = {}
-    for b, lo in enumerate(self.thresholds):
-      hi = self.thresholds[b + 1] - 1 if b + 1 < len(self.thresholds) else None
-      label = f"{lo}+" if hi is None else str(lo) if hi == lo else f"{lo}-{hi}"
-      out[label] = {
-          _name(arm): {"plays": int(self._plays[b, a]),
-                       "median_tokens_per_s": float(np.median(self._rewards[b][a])) if self._rewards[b][a] else 0.0}
-          for a, arm in enumerate(self.arms)}
+    for b in range(len(self.thresholds)):
+      out[self.label(b)] = {
+          _name(arm): {"plays": int(self._plays[b, a]), "median_tokens_per_s": m or 0.0}
+          for a, (arm, m) in enumerate(zip(self.arms, self._medians(b)))}
     return out
 
   def state_dict(self) -> dict[str, Any]:
-    return {"arms": [_name(a) for a in self.arms], "thresholds": list(self.thresholds),
-            "rewards": [[list(r) for r in bucket] for bucket in self._rewards], "plays": self._plays.tolist(),
+    """JSON-able: arm names, thresholds, window contents, lifetime plays, the RNG's state."""
+    return {"arms": [_name(a) for a in self.arms], "thresholds": list(self.thresholds), "window": self.window,
+            "plays_window": [[[a, r] for a, r in w] for w in self._plays_window], "plays": self._plays.tolist(),
             "rng": self._rng.bit_generator.state}
 
   def load_state_dict(self, state: dict[str, Any]) -> None:
-    if state["arms"] != [_name(a) for a in self.arms] or state["thresholds"] != list(self.thresholds):
-      raise ValueError(f"bandit state for arms {state['arms']} / buckets {state['thresholds']} does not match "
-                       f"{[_name(a) for a in self.arms]} / {list(self.thresholds)}")
-    for bucket, saved in zip(self._rewards, state["rewards"]):
-      for window, rewards in zip(bucket, saved):
-        window.clear()
-        window.extend(rewards)
-    self._plays = np.asarray(state["plays"], np.int64)
+    mine = {"arms": [_name(a) for a in self.arms], "thresholds": list(self.thresholds), "window": self.window}
+    theirs = {k: state.get(k) for k in mine}
+    if theirs != mine:
+      raise ValueError(f"bandit state for {theirs} does not match this bandit's {mine}")
+    for w, saved in zip(self._plays_window, state["plays_window"]):
+      w.clear()
+      w.extend((int(a), float(r)) for a, r in saved)
+    self._plays = np.asarray(state["plays"], np.int64).reshape(self._plays.shape)
     self._rng.bit_generator.state = state["rng"]
 
 

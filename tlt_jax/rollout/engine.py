@@ -3,16 +3,25 @@
 Functional core: `RowState` (KV caches, last token, per-row counters, outputs) goes through pure
 functions compiled ahead of time for every batch bucket: `init`, `prefill` (a chunk of unique
 prompts, copied into each of their sample rows: GRPO groups share one prefill), `segment`
-(up to `segment_steps` steps in a `lax.while_loop`) and `halve` (compaction into the next
-smaller bucket). Imperative shell: `Engine.generate` regains control between segments,
+(up to `segment_steps` plain steps in a `lax.while_loop`), `draft` and `verify` (one
+speculative step, in two executables) and `halve` (compaction into the next smaller bucket).
+Imperative shell: `Engine.generate` regains control after each segment or speculative step,
 harvests finished rows, and when the active rows fit a smaller bucket it compacts them, so the
 long tail runs a small executable instead of dragging finished rows along.
 
-One step function serves plain and speculative decoding: a plain step verifies the one-node
-tree (the last token), a speculative step drafts an EAGLE-2 tree first; both accept with
+One verify function serves plain and speculative decoding: a plain step verifies the one-node
+tree (the last token), a speculative step verifies the tree `draft` built; both accept with
 `speculative.accept`. With a drafter attached, every step also feeds the drafter the committed
 (feature, token) pairs, so its cache is current whenever the tail switches speculation on
 (costing one drafter layer per plain step instead of a re-prefill at the switch).
+
+In the tail (at most `sd_max_batch` active rows) the arm, SD off or a strategy, is chosen
+before every play: SD off plays one fused plain segment (on a dispatch-bound backend the fused
+loop is what makes plain decoding fast), a strategy plays one speculative step. The host syncs
+after each play, so its wall time and emitted tokens give the bandit a reward per speculative
+step. A speculative step is a draft executable per (bucket, strategy) and a verify executable
+per (bucket, verify tokens), shared by the strategies with that verify count (TLT's memory trick
+for its CUDA graphs).
 
 Every executable a rollout needs is compiled before it starts (the JAX counterpart of TLT's
 CUDA-graph pool); a rollout itself never compiles.
@@ -118,12 +127,16 @@ class Sample:
 
 @dataclasses.dataclass
 class SegmentRecord:
+  """One play of the decode loop between host syncs: a fused plain segment or one speculative step."""
+
   bucket: int
   active_rows: int
   tokens: int
   seconds: float
   strategy: str | None = None  # None: plain decoding
   passes: int = 0  # row-steps: target forward passes summed over active rows
+  steps: int = 1  # decode steps (target forward passes of the batch)
+  tail: bool = False  # speculation was an option (the arm was chosen, SD off included)
 
 
 @dataclasses.dataclass
@@ -158,6 +171,22 @@ class RolloutMetrics:
     """Mean tokens emitted per speculative verify pass (bonus included); 0 without speculation."""
     return sum(s.tokens for s in self.segments if s.strategy) / max(self.verify_passes, 1)
 
+  def summary(self) -> dict[str, float | int]:
+    """Flat metrics record: times, tokens/s, acceptance, SD share, steps per batch bucket, and
+    how often each arm ("off" or a strategy) was played in the tail per batch bucket."""
+    out = {"rollout/tokens": self.tokens, "rollout/tokens_per_s": self.tokens_per_s, "rollout/wall_s": self.wall_s,
+           "rollout/prefill_s": self.prefill_s, "rollout/decode_s": self.decode_s, "rollout/compact_s": self.compact_s,
+           "rollout/sd_s": self.sd_s, "rollout/plain_s": self.decode_s - self.sd_s,
+           "rollout/sd_share": self.sd_s / max(self.wall_s, 1e-9), "rollout/accept_len": self.accept_len,
+           "rollout/verify_passes": self.verify_passes}
+    for s in self.segments:
+      key = f"rollout/steps/b{s.bucket}"
+      out[key] = out.get(key, 0) + s.steps
+      if s.tail:
+        key = f"bandit/b{s.bucket}/arm_{s.strategy or 'off'}"
+        out[key] = out.get(key, 0) + 1
+    return out
+
 
 @dataclasses.dataclass
 class Rollout:
@@ -190,6 +219,10 @@ class Engine:
     if bandit is not None and bandit.arms != (None, *config.strategies):
       raise ValueError(f"the bandit's arms must be SD off + the engine's strategies {names}")
     self.config, self.sampling, self.mesh, self.bandit = config, params, mesh, bandit
+    # One verify executable per verify-token count: it accepts paths as deep as its deepest strategy's.
+    self._verify_depth = {}
+    for s in config.strategies:
+      self._verify_depth[s.verify_tokens] = max(s.depth, self._verify_depth.get(s.verify_tokens, 0))
     if config.compilation_cache_dir:
       jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -294,20 +327,28 @@ class Engine:
     return dataclasses.replace(st, drafter_cache=dcache, draft_feat=jnp.where(sel[:, None], fed.draft_feat,
                                                                                 st.draft_feat))
 
-  def _step(self, model, drafter, st: RowState, strategy: Strategy | None) -> RowState:
-    """One plain (strategy None) or speculative step for every active row."""
+  def _draft(self, params, drafter_params, st: RowState, strategy: Strategy):
+    """Drafts every row's EAGLE-2 tree; the drafter cache gets the tree levels past its lengths."""
+    model, drafter = self._models(params, drafter_params)
+    kv_block = self.config.kv_block
+
+    def draft_fn(cache, feats, tokens, positions, mask):
+      return drafter(model, feats, tokens, positions, cache, mask, kv_block=kv_block,
+                     attention=self.config.attention)
+
+    tree, dcache = speculative.draft_tree(draft_fn, model.logits, st.draft_feat, st.last_token, st.drafter_cache,
+                                          strategy)
+    return dataclasses.replace(st, drafter_cache=dcache), tree
+
+  def _verify(self, params, drafter_params, st: RowState, tree: speculative.Tree, depth: int) -> RowState:
+    model, drafter = self._models(params, drafter_params)
+    return self._verify_step(model, drafter, st, tree, depth)
+
+  def _verify_step(self, model, drafter, st: RowState, tree: speculative.Tree, depth: int) -> RowState:
+    """Verifies `tree` (paths at most `depth` below the root) for every active row, commits the
+    accepted path and feeds it to the drafter; with the one-node tree this is a plain step."""
     active = ~st.done
     kv_block = self.config.kv_block
-    if strategy is None:
-      tree, depth = speculative.root_only(st.last_token), 0
-    else:
-      def draft_fn(cache, feats, tokens, positions, mask):
-        return drafter(model, feats, tokens, positions, cache, mask, kv_block=kv_block,
-                       attention=self.config.attention)
-
-      tree, dcache = speculative.draft_tree(draft_fn, model.logits, st.draft_feat, st.last_token, st.drafter_cache,
-                                            strategy)
-      st, depth = dataclasses.replace(st, drafter_cache=dcache), strategy.depth
     layers = drafter.feature_layers if drafter is not None else ()
     out = transformer.verify(model, tree.tokens, st.cache.lengths[:, None] + tree.depths, tree.mask, st.cache,
                              kv_block=kv_block, attention=self.config.attention, hidden_layers=layers)
@@ -321,10 +362,11 @@ class Engine:
     features = drafter.target_features(out.hidden, out.aux_hidden)[rows, acc.nodes]
     return self._feed_drafter(model, drafter, st, features, acc.tokens, acc.count, kv_block)
 
-  def _segment(self, params, drafter_params, st: RowState, strategy: Strategy | None):
-    """Up to `segment_steps` steps; stops early once every row is done."""
+  def _segment(self, params, drafter_params, st: RowState):
+    """Up to `segment_steps` plain steps; stops early once every row is done."""
     model, drafter = self._models(params, drafter_params)
-    step = lambda carry: (carry[0] + 1, self._step(model, drafter, carry[1], strategy))
+    plain = lambda st: self._verify_step(model, drafter, st, speculative.root_only(st.last_token), 0)
+    step = lambda carry: (carry[0] + 1, plain(carry[1]))
     cond = lambda carry: (carry[0] < self.config.segment_steps) & ~jnp.all(carry[1].done)
     return jax.lax.while_loop(cond, step, (jnp.int32(0), st))[1]
 
@@ -348,22 +390,31 @@ class Engine:
       return state
     # On a mesh the executables take the state with the shardings `init` gives it.
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
-                        self._state_shardings(state))
+                        self._shardings(state))
 
-  def _state_shardings(self, state: RowState):
+  def _abstract_tree(self, b: int, verify_tokens: int) -> speculative.Tree:
+    i32 = jax.ShapeDtypeStruct((b, verify_tokens), jnp.int32)
+    return speculative.Tree(i32, i32, i32, jax.ShapeDtypeStruct((b, verify_tokens, verify_tokens), jnp.bool_))
+
+  def _shardings(self, out):
+    """Rows split over the mesh's batch axis: row states (caches by the cache rules), trees, tuples."""
     if self.mesh is None:
       return None
+    if isinstance(out, tuple):
+      return tuple(self._shardings(o) for o in out)
     batch = lambda x: sharding.array_sharding(x.shape, ("batch",) + (None,) * (x.ndim - 1), self.mesh)
-    shardings = jax.tree.map(batch, dataclasses.replace(state, cache=None, drafter_cache=None))
+    if not isinstance(out, RowState):
+      return jax.tree.map(batch, out)
+    shardings = jax.tree.map(batch, dataclasses.replace(out, cache=None, drafter_cache=None))
     cache = lambda c: None if c is None else sharding.cache_shardings(c, self.mesh)
-    return dataclasses.replace(shardings, cache=cache(state.cache), drafter_cache=cache(state.drafter_cache))
+    return dataclasses.replace(shardings, cache=cache(out.cache), drafter_cache=cache(out.drafter_cache))
 
-  def _compile(self, key, fn, args, out_bucket, donate=()):
+  def _compile(self, key, fn, args, out, donate=()):
+    """Compiles `fn` for the abstract `args` into the pool; `out` is its abstract output (for shardings)."""
     def build():
       abstract = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
                                a) for a in args]
-      out_state = self._state_shardings(self._abstract_state(out_bucket))
-      jitted = jax.jit(fn, donate_argnums=donate, out_shardings=out_state)
+      jitted = jax.jit(fn, donate_argnums=donate, out_shardings=self._shardings(out))
       if self.mesh is None:
         return jitted.lower(*abstract).compile()
       with jax.set_mesh(self.mesh):  # activation constraints, and Pallas kernels run per device
@@ -374,32 +425,31 @@ class Engine:
     cfg = self.config
     return bool(cfg.strategies) and bucket <= cfg.bucket(min(cfg.sd_max_batch, cfg.batch_buckets[-1]))
 
-  def _pick(self, bucket: int, active: int) -> Strategy | None:
-    """Plain decoding outside the tail; in it the single strategy, or the bandit's choice."""
-    if not self._uses_sd(bucket) or active > self.config.sd_max_batch:
-      return None
-    return self.config.strategies[0] if self.bandit is None else self.bandit.choose(active)
-
   def prepare(self, rows: int, prompt_lens: Sequence[int] = ()) -> None:
     """Compiles everything a rollout of `rows` rows needs (no-op for what the pool holds)."""
     cfg = self.config
     b0 = cfg.bucket(rows)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     params = (self.params, self.drafter_params)
-    self._compile(("init", b0), self._init, [i32(b0)] * 4, b0)
+    state = self._abstract_state
+    self._compile(("init", b0), self._init, [i32(b0)] * 4, state(b0))
     p = min(cfg.prefill_batch, b0)
     for t in sorted({self._prompt_bucket(n) for n in prompt_lens} or set(cfg.prompt_buckets)):
-      self._compile(("prefill", b0, p, t), self._prefill,
-                    [*params, self._abstract_state(b0), i32(p, t), i32(p), i32(b0)], b0, donate=(2,))
+      self._compile(("prefill", b0, p, t), self._prefill, [*params, state(b0), i32(p, t), i32(p), i32(b0)], state(b0),
+                    donate=(2,))
     for b in cfg.batch_buckets:
       if b > b0 or (b < b0 and not cfg.compact):  # without compaction only b0 runs
         continue
-      strategies = [None] + (list(cfg.strategies) if self._uses_sd(b) else [])
-      for strategy in strategies:
-        self._compile(("segment", b, strategy), functools.partial(self._segment, strategy=strategy),
-                      [*params, self._abstract_state(b)], b, donate=(2,))
+      self._compile(("segment", b), self._segment, [*params, state(b)], state(b), donate=(2,))
+      if self._uses_sd(b):
+        for s in cfg.strategies:
+          self._compile(("draft", b, s), functools.partial(self._draft, strategy=s), [*params, state(b)],
+                        (state(b), self._abstract_tree(b, s.verify_tokens)), donate=(2,))
+        for v, depth in self._verify_depth.items():
+          self._compile(("verify", b, v), functools.partial(self._verify, depth=depth),
+                        [*params, state(b), self._abstract_tree(b, v)], state(b), donate=(2,))
       if b > 1 and cfg.compact:
-        self._compile(("halve", b // 2, b), self._halve, [self._abstract_state(b), i32(b // 2)], b // 2)
+        self._compile(("halve", b // 2, b), self._halve, [state(b), i32(b // 2)], state(b // 2))
 
   def _prompt_bucket(self, n: int) -> int:
     return next(t for t in self.config.prompt_buckets if t >= n)
@@ -460,7 +510,8 @@ class Engine:
       slot = {i: k for k, i in enumerate(chunk)}
       row_prompt = pad([slot.get(i, -1) for i, _ in rows], -1)
       st = pool[("prefill", b, p, t)](self.params, self.drafter_params, st, tokens, lengths, row_prompt)
-    done = np.asarray(st.done)
+    # Host copies of the per-row counters, refreshed by every play's sync.
+    done, generated, passes = jax.device_get((st.done, st.num_generated, st.passes))
     metrics.prefill_s += time.perf_counter() - t0
     metrics.tokens += len(rows)
     on_progress(int(done[:len(rows)].sum()), len(rows))
@@ -478,20 +529,27 @@ class Engine:
           st = pool[("halve", b // 2, b)](st, keep)
           done = np.concatenate([done[keep[keep >= 0]], np.ones((b // 2 - (keep >= 0).sum(),), bool)])
           b //= 2
-        jax.block_until_ready(st)
+        done, generated, passes = jax.device_get((st.done, st.num_generated, st.passes))
         metrics.compact_s += time.perf_counter() - t0
-      strategy = self._pick(b, active)
+      tail = self._uses_sd(b) and active <= cfg.sd_max_batch
+      strategy = None
+      if tail:
+        strategy = cfg.strategies[0] if self.bandit is None else self.bandit.choose(active)
       t0 = time.perf_counter()
-      before = np.asarray(st.num_generated).sum(), np.asarray(st.passes).sum()
-      st = pool[("segment", b, strategy)](self.params, self.drafter_params, st)
-      done = np.asarray(st.done)
-      produced = int(np.asarray(st.num_generated).sum() - before[0])
+      if strategy is None:
+        st = pool[("segment", b)](self.params, self.drafter_params, st)
+      else:
+        st, tree = pool[("draft", b, strategy)](self.params, self.drafter_params, st)
+        st = pool[("verify", b, strategy.verify_tokens)](self.params, self.drafter_params, st, tree)
+      before = generated, passes
+      done, generated, passes = jax.device_get((st.done, st.num_generated, st.passes))  # waits for the play
       seconds = time.perf_counter() - t0
+      produced = int(generated.sum() - before[0].sum())
       metrics.decode_s += seconds
       metrics.tokens += produced
       metrics.segments.append(SegmentRecord(b, active, produced, seconds, strategy and strategy.name,
-                                            int(np.asarray(st.passes).sum() - before[1])))
-      if self.bandit is not None and self._uses_sd(b) and active <= cfg.sd_max_batch:
+                                            int(passes.sum() - before[1].sum()), int((passes - before[1]).max()), tail))
+      if self.bandit is not None and tail:
         self.bandit.update(active, strategy, produced, seconds)
       on_progress(active - int((~done).sum()), produced)
     return out + self._harvest(st, harvested, prompt_lens)
