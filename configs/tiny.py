@@ -26,5 +26,21 @@ def get_config():
   c.model.head_dim = 32
   c.model.intermediate_size = 384
   c.model.max_position_embeddings = 1024
+
+  # Two simulated CPU devices, one rollout group each: a group that finishes its share trains
+  # the drafter while the other decodes its tail.
+  c.mesh.cpu_devices = 2
+  c.rollout.groups = 2
+  c.rollout.prompts_per_step = 32  # x 8 samples = 256 rollouts per step, 128 per group
+  c.rollout.batch_buckets = 128
+  c.rollout.max_new_tokens = 256
+  c.rollout.strategies = "5_2_8"  # the bandit plays it against SD off per batch-size bucket
+  c.rollout.sd_max_batch = 16
+  c.rollout.compilation_cache_dir = "runs/xla_cache"  # later runs skip compiling
+  c.drafter.warmup_steps = 200
+  c.rl.row_len = 384
+  c.rl.learning_rate = 1e-4
+  c.rl.warmup_steps = 10
+  c.rl.mini_batches = 4
   c.lock()
   return c

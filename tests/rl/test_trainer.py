@@ -41,6 +41,7 @@ def _config(workdir, steps, cache_dir):
   # A random policy never answers right; the overlong penalty makes rewards differ within a group.
   c.rl.overlong_buffer = 24
   c.checkpoint.every = 2
+  c.rollout.groups = 1
   return c
 
 
@@ -57,7 +58,7 @@ def policy_dir(tmp_path_factory):
 def _run(workdir, steps, policy_dir, cache_dir):
   c = _config(workdir, steps, cache_dir)
   c.policy.path = policy_dir
-  trainer = Trainer(c)
+  trainer = Trainer(c, devices=jax.devices()[:1])
   try:
     trainer.run()
     return trainer.actor.params
@@ -86,3 +87,43 @@ def test_resume_continues_exactly(tmp_path, policy_dir):
   assert os.path.isdir(tmp_path / "straight" / "tensorboard")
   exported = nnx.state(hf.from_pretrained(str(tmp_path / "straight" / "export" / "policy")))
   assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), exported, straight)))
+
+
+def test_tlt_step_trains_the_drafter_on_idle_groups_and_checkpoints_it(tmp_path, policy_dir):
+  c = _config(tmp_path / "tlt", 2, tmp_path / "xla_cache")
+  c.policy.path = policy_dir
+  c.rollout.speculative = True
+  c.rollout.groups = 2
+  c.rollout.strategies = "2_1_3"
+  c.rollout.sd_max_batch = 4
+  c.drafter.path = str(tmp_path / "drafter")  # absent: warmed up on the tiny task, then saved there
+  c.drafter.warmup_steps = 4
+  c.drafter.row_len = 64
+  c.drafter.online_rows_per_device = 1
+  c.drafter.online_warmup_steps = 1
+  c.checkpoint.every = 1
+  # A random policy's drafter warm-up needs the tiny world's tokenizer; policy.path holds it.
+  c.policy.path = ""
+  os.makedirs(tmp_path / "tlt", exist_ok=True)
+  os.symlink(policy_dir, tmp_path / "tlt" / "policy")
+  trainer = Trainer(c, devices=jax.devices()[:2])
+  try:
+    records = trainer.run()
+    version = trainer.spot.version
+    drafter = trainer.spot.state_dict()[0]["params"]
+  finally:
+    trainer.close()
+  assert os.path.exists(tmp_path / "drafter" / "drafter_config.json")
+  assert version >= 1 and records[-1]["drafter/version"] == version
+  assert all(r["spot/groups"] == 2 for r in records)
+  assert os.path.exists(tmp_path / "tlt" / "export" / "drafter" / "model.safetensors")
+  # A restart restores the drafter and the bandits with the policy.
+  c.steps = 2
+  again = Trainer(c, devices=jax.devices()[:2])
+  try:
+    assert again.step == 2 and again.spot.version == version
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), again.spot.state_dict()[0]["params"], drafter)
+    assert all(jax.tree.leaves(same))
+    assert all(e.bandit is not None for e in again.engines)
+  finally:
+    again.close()

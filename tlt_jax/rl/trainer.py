@@ -110,7 +110,8 @@ def sampling_params(config, tok) -> SamplingParams:
 class Trainer:
   """Builds everything from a config (see tlt_jax.config) and runs RL steps."""
 
-  def __init__(self, config: ml_collections.ConfigDict):
+  def __init__(self, config: ml_collections.ConfigDict, devices: list[jax.Device] | None = None):
+    """`devices`: what the rollout runs on (default: all; split into config.rollout.groups groups)."""
     config_lib.check(config)
     self.config = c = config
     self.policy, self.tok = load_policy(c)
@@ -119,7 +120,7 @@ class Trainer:
       raise ValueError(f"{len(self.prompts)} prompts, fewer than config.rollout.prompts_per_step="
                        f"{c.rollout.prompts_per_step}")
     strategies = config_lib.strategies(c) if c.rollout.speculative else ()
-    devices = jax.devices()
+    devices = list(devices or jax.devices())
     sampling = sampling_params(c, self.tok)
     if strategies:  # TLT: group engines with tail SD + bandit; idle groups train the drafter
       drafter = load_drafter(c, self.policy, self.tok)
@@ -136,7 +137,7 @@ class Trainer:
       self.engines = self.spot.engines
     else:  # the baseline: one plain engine, data-parallel over the same devices
       self.spot = None
-      mesh = sharding.make_mesh({"data": len(devices)}) if len(devices) > 1 else None
+      mesh = sharding.make_mesh({"data": len(devices)}, devices) if len(devices) > 1 else None
       self.engines = [Engine(self.policy, engine_config(c), sampling, mesh=mesh)]
     optimizer = actor_lib.make_optimizer(c.rl.learning_rate, c.rl.warmup_steps, c.rl.weight_decay,
                                          c.rl.max_grad_norm)
