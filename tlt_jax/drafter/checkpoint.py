@@ -13,14 +13,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from tlt_jax import files
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
 from tlt_jax.models.config import ModelConfig
@@ -44,21 +43,11 @@ def save_drafter(drafter: Drafter, directory: str) -> None:
   params = nnx.state(drafter, nnx.Param)
   config = {"format_version": FORMAT_VERSION, "feature_layers": list(drafter.feature_layers),
             "dtype": drafter.fc.kernel.get_value().dtype.name, "target": _target_fields(drafter.config)}
-  directory = os.path.abspath(directory)
-  parent = os.path.dirname(directory)
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(directory), dir=parent)
-  try:
+  with files.atomic_directory(directory) as tmp:
     with ocp.StandardCheckpointer() as checkpointer:
       checkpointer.save(os.path.join(tmp, PARAMS_DIR), params)
     with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
       json.dump(config, f, indent=2)
-    if os.path.exists(directory):
-      shutil.rmtree(directory)
-    os.replace(tmp, directory)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
 
 
 def read_drafter_config(directory: str) -> dict[str, Any]:

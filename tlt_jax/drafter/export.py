@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import jax
 import numpy as np
 import safetensors.numpy
 from flax import nnx
 
+from tlt_jax import files
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
 from tlt_jax.models.transformer import CausalLM
@@ -66,18 +65,8 @@ def eagle_config(target: CausalLM, dtype: str) -> dict:
 def export_eagle(target: CausalLM, drafter: Drafter, out_dir: str) -> dict[str, tuple[int, ...]]:
   """Writes `out_dir` (replacing it) atomically; returns the tensor shapes written."""
   tensors = {k: np.ascontiguousarray(v) for k, v in eagle_tensors(target, drafter).items()}
-  out_dir = os.path.abspath(out_dir)
-  parent = os.path.dirname(out_dir)
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out_dir), dir=parent)
-  try:
+  with files.atomic_directory(out_dir) as tmp:
     safetensors.numpy.save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
       json.dump(eagle_config(target, tensors["fc.weight"].dtype.name), f, indent=2)
-    if os.path.exists(out_dir):
-      shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
   return {k: v.shape for k, v in tensors.items()}

@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import tempfile
 from typing import Any
 
 import jax
@@ -22,7 +20,7 @@ import safetensors.flax
 from absl import logging
 from flax import nnx
 
-from tlt_jax import sharding
+from tlt_jax import files, sharding
 from tlt_jax.models.config import ConfigError, ModelConfig
 from tlt_jax.models.transformer import CausalLM
 
@@ -158,10 +156,7 @@ def save_pretrained(model: CausalLM, out_dir: str, tokenizer=None, max_shard_byt
       size = 0
     shards[-1].append(item)
     size += nbytes
-  parent = os.path.dirname(os.path.abspath(out_dir))
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out_dir), dir=parent)
-  try:
+  with files.atomic_directory(out_dir) as tmp:
     cpu = jax.devices("cpu")[0]
     weight_map = {}
     for i, shard in enumerate(shards):
@@ -180,9 +175,3 @@ def save_pretrained(model: CausalLM, out_dir: str, tokenizer=None, max_shard_byt
       json.dump({**cfg.to_hf(), "torch_dtype": dtype}, f, indent=2)
     if tokenizer is not None:
       tokenizer.save_pretrained(tmp)
-    if os.path.exists(out_dir):
-      shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
