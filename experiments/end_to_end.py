@@ -23,6 +23,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 from absl import app, flags  # pylint: disable=wrong-import-position
 from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
+from tlt_jax import config as config_lib  # pylint: disable=wrong-import-position
 from tlt_jax.rl.trainer import Trainer  # pylint: disable=wrong-import-position
 
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "..", "configs",
@@ -38,6 +39,7 @@ def main(argv):
   del argv
   out = _OUT.value
   os.makedirs(out, exist_ok=True)
+  config_lib.setup_devices(_CONFIG.value)
   trainers = {}
   for name, speculative in (("tlt", True), ("baseline", False)):
     c = _CONFIG.value.copy_and_resolve_references()

@@ -7,7 +7,11 @@ names the key, and `check` rejects values that would fail later (naming the key)
 
 from __future__ import annotations
 
+import os
+
+import jax
 import ml_collections
+from absl import logging
 
 from tlt_jax.kernels import tree_attention
 from tlt_jax.rl import grpo
@@ -190,3 +194,20 @@ def config_value(config, key: str):
     config = config[part]
   return config
 
+
+def setup_devices(config) -> None:
+  """Simulated CPU devices and the multi-process runtime, before any computation."""
+  cpu_devices = config.mesh.dry_run_devices if config.dry_run else config.mesh.cpu_devices
+  if cpu_devices:  # only the CPU backend's device count: on an accelerator host this changes nothing
+    jax.config.update("jax_num_cpu_devices", cpu_devices)
+  d = config.distributed
+  if d.enabled or _multi_host_environment():
+    kwargs = {}
+    if d.coordinator_address:  # else jax finds them in the Slurm / Kubernetes / Cloud TPU environment
+      kwargs = dict(coordinator_address=d.coordinator_address, num_processes=d.num_processes, process_id=d.process_id)
+    jax.distributed.initialize(**kwargs)
+    logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+
+
+def _multi_host_environment() -> bool:
+  return int(os.environ.get("SLURM_NTASKS", "1")) > 1 or "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")

@@ -14,7 +14,6 @@ import json
 import os
 import sys
 
-import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -40,24 +39,6 @@ except flags.Error as error:  # an ill-typed override of the default config
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Same as --config.dry_run=True.")
 
 
-def setup_devices(config) -> None:
-  """Simulated CPU devices and the multi-process runtime, before any computation."""
-  cpu_devices = config.mesh.dry_run_devices if config.dry_run else config.mesh.cpu_devices
-  if cpu_devices:  # only the CPU backend's device count: on an accelerator host this changes nothing
-    jax.config.update("jax_num_cpu_devices", cpu_devices)
-  d = config.distributed
-  if d.enabled or _multi_host_environment():
-    kwargs = {}
-    if d.coordinator_address:  # else jax finds them in the Slurm / Kubernetes / Cloud TPU environment
-      kwargs = dict(coordinator_address=d.coordinator_address, num_processes=d.num_processes, process_id=d.process_id)
-    jax.distributed.initialize(**kwargs)
-    logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
-
-
-def _multi_host_environment() -> bool:
-  return int(os.environ.get("SLURM_NTASKS", "1")) > 1 or "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
-
-
 class _QuietOrbax(logging.logging.Filter):
   """orbax logs every save at INFO; keep its warnings only."""
 
@@ -76,7 +57,7 @@ def main(argv):
     config_lib.check(config)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  setup_devices(config)
+  config_lib.setup_devices(config)
   if config.dry_run:
     from tlt_jax import dry_run  # pylint: disable=import-outside-toplevel
     print(json.dumps(dry_run.run(config), indent=2))
