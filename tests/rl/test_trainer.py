@@ -62,7 +62,7 @@ def policy_dir(tmp_path_factory):
 def _run(workdir, steps, policy_dir, cache_dir):
   c = _config(workdir, steps, cache_dir)
   c.policy.path = policy_dir
-  trainer = Trainer(c, devices=jax.devices()[:1])
+  trainer = Trainer(c, devices=jax.devices()[:2])  # the plain engine data-parallel over 2 devices
   try:
     trainer.run()
     return trainer.actor.params

@@ -138,7 +138,10 @@ class Trainer:
     else:  # the baseline: one plain engine, data-parallel over the same devices
       self.spot = None
       mesh = sharding.make_mesh({"data": len(devices)}, devices) if len(devices) > 1 else None
-      self.engines = [Engine(self.policy, engine_config(c), sampling, mesh=mesh)]
+      self._rollout_shardings = None if mesh is None else sharding.param_shardings(nnx.state(self.policy), mesh)
+      # As many rows at once as the TLT groups together.
+      largest = c.rollout.batch_buckets * c.rollout.groups
+      self.engines = [Engine(self.policy, engine_config(c, largest_bucket=largest), sampling, mesh=mesh)]
     optimizer = actor_lib.make_optimizer(c.rl.learning_rate, c.rl.warmup_steps, c.rl.weight_decay,
                                          c.rl.max_grad_norm)
     self.actor = actor_lib.Actor(self.policy, optimizer, micro_batch_rows=c.rl.micro_batch_rows,
@@ -185,6 +188,8 @@ class Trainer:
     """The actor's params into the rollout (the group engines get copies; the drafter reads them live)."""
     if self.spot is not None:
       self.spot.set_policy_params(self.actor.params)
+    elif self._rollout_shardings is not None:
+      self.engines[0].set_params(jax.device_put(self.actor.params, self._rollout_shardings))
     else:
       self.engines[0].set_params(self.actor.params)
 
