@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
 
 from tlt_jax import sharding
 from tlt_jax.kernels import tree_attention
@@ -223,9 +224,10 @@ class Engine:
     self._verify_depth = {}
     for s in config.strategies:
       self._verify_depth[s.verify_tokens] = max(s.depth, self._verify_depth.get(s.verify_tokens, 0))
-    if config.compilation_cache_dir:
+    if config.compilation_cache_dir and jax.config.jax_compilation_cache_dir != config.compilation_cache_dir:
       jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+      compilation_cache.reset_cache()  # JAX opens the cache once per process: make it open the new dir
     self.model_config = model.config
     self.graphdef, self.params = nnx.split(model)
     self.drafter_graphdef, self.drafter_params = nnx.split(drafter) if drafter is not None else (None, None)
