@@ -61,3 +61,15 @@ def test_low_variance_kl():
   kl = 0.5 * (np.exp(-0.5) + 0.5 - 1.0)
   np.testing.assert_allclose(stats["kl"], kl, rtol=1e-6)
   np.testing.assert_allclose(loss, 0.1 * kl, rtol=1e-6)
+
+
+def test_trained_samples_dynamic_sampling_and_overlong_filter():
+  rewards = np.array([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
+  truncated = np.array([[False, True, False], [False, False, False], [True, False, False]])
+  np.testing.assert_array_equal(grpo.trained_samples(rewards, truncated, False, False), np.ones(9, bool))
+  np.testing.assert_array_equal(grpo.trained_samples(rewards, truncated, True, False),
+                                [1, 1, 1, 0, 0, 0, 1, 1, 1])
+  np.testing.assert_array_equal(grpo.trained_samples(rewards, truncated, True, True),
+                                [1, 0, 1, 0, 0, 0, 0, 1, 1])
+  np.testing.assert_array_equal(grpo.trained_samples(rewards, truncated, False, True),
+                                [1, 0, 1, 1, 1, 1, 0, 1, 1])

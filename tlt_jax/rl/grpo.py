@@ -36,6 +36,17 @@ def keep_groups(rewards_GxN: np.ndarray) -> np.ndarray:
   return r.max(axis=1) > r.min(axis=1)
 
 
+def trained_samples(rewards_GxN: np.ndarray, truncated_GxN: np.ndarray, dynamic_sampling: bool,
+                    overlong_filter: bool) -> np.ndarray:
+  """[G * N] bool: the samples that enter the loss (DAPO dynamic sampling, overlong filtering)."""
+  keep = np.ones(np.shape(rewards_GxN), bool)
+  if dynamic_sampling:
+    keep &= keep_groups(rewards_GxN)[:, None]
+  if overlong_filter:
+    keep &= ~np.asarray(truncated_GxN, bool)
+  return keep.reshape(-1)
+
+
 def overlong_penalty(lengths: Sequence[int], max_len: int, buffer_len: int) -> np.ndarray:
   """DAPO's soft overlong punishment: 0 up to max_len - buffer_len, then linear down to -1 at max_len."""
   x = np.asarray(lengths, np.float64)

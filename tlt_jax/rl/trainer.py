@@ -229,10 +229,8 @@ class Trainer:
     lengths = np.asarray([len(s.tokens) for s in samples])
     shaped = scores + grpo.overlong_penalty(lengths, c.rollout.max_new_tokens, c.rl.overlong_buffer)
     adv = grpo.advantages(shaped.reshape(-1, g), normalize_std=c.rl.normalize_std).reshape(-1)
-    groups_kept = grpo.keep_groups(shaped.reshape(-1, g)) if c.rl.dynamic_sampling else np.ones(len(examples), bool)
-    keep = np.repeat(groups_kept, g)
-    if c.rl.overlong_filter:
-      keep &= np.asarray([s.finish_reason != "length" for s in samples])
+    truncated = np.asarray([s.finish_reason == "length" for s in samples]).reshape(-1, g)
+    keep = grpo.trained_samples(shaped.reshape(-1, g), truncated, c.rl.dynamic_sampling, c.rl.overlong_filter)
 
     t_train = time.perf_counter()
     train_stats = self._update(examples, samples, adv, keep)
@@ -245,7 +243,7 @@ class Trainer:
               "response_length/median": float(np.median(lengths)),
               "response_length/p90": float(np.percentile(lengths, 90)), "response_length/max": int(lengths.max()),
               "response_length/truncated": int(sum(s.finish_reason == "length" for s in samples)),
-              "groups_kept": int(groups_kept.sum()), "samples_trained": int(keep.sum()),
+              "groups_kept": int(keep.reshape(-1, g).any(axis=1).sum()), "samples_trained": int(keep.sum()),
               **train_stats, **rollout_metrics,
               "time/rollout_s": rollout_s, "time/train_s": train_s, "time/step_s": time.perf_counter() - start}
     if self.checkpoints.save(self.step, self._arrays(), self._meta()):
