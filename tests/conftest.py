@@ -12,6 +12,7 @@ import functools  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 from tlt_jax.models import transformer  # noqa: E402
 
@@ -27,6 +28,11 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
 }
 VOCAB = 96
+
+# Property-based tests try the same examples on every run (reproducible CI), with no per-example
+# deadline (the machine is shared) and no example database written into the tree.
+settings.register_profile("tlt", deadline=None, derandomize=True, database=None)
+settings.load_profile("tlt")
 
 
 def build_hf_model(family: str, seed: int = 0):
