@@ -187,7 +187,7 @@ def check(config: ml_collections.ConfigDict) -> None:
   def need(ok: bool, key: str, why: str):
     if not ok:
       raise ValueError(f"config.{key}={config_value(config, key)!r}: {why}")
-  for key, value in _leaves(config):
+  for key, value in leaves(config):
     need(value is not None, key, "must be set")
   for key, low in _AT_LEAST.items():
     need(config_value(config, key) >= low, key, f"must be >= {low}")
@@ -215,6 +215,9 @@ def check(config: ml_collections.ConfigDict) -> None:
       ints(config_value(config, key))
     except ValueError:
       raise ValueError(f"config.{key}={config_value(config, key)!r}: must be comma-separated integers") from None
+  layers = list(ints(config.drafter.feature_layers))
+  need(not layers or (len(layers) == 3 and layers == sorted(set(layers)) and layers[0] >= 0), "drafter.feature_layers",
+       "EAGLE-3 needs three increasing target layers (low,mid,high), or none")
   thresholds = ints(config.rollout.bandit_thresholds)
   need(thresholds[:1] == (1,) and all(a < b for a, b in zip(thresholds, thresholds[1:])), "rollout.bandit_thresholds",
        "must increase from 1")
@@ -225,10 +228,11 @@ def check(config: ml_collections.ConfigDict) -> None:
        "must divide rl.row_len")
 
 
-def _leaves(config, prefix=""):
+def leaves(config, prefix=""):
+  """(dotted key, value) of every leaf."""
   for key, value in config.items():
     if isinstance(value, ml_collections.ConfigDict):
-      yield from _leaves(value, f"{prefix}{key}.")
+      yield from leaves(value, f"{prefix}{key}.")
     else:
       yield prefix + key, value
 

@@ -34,7 +34,7 @@ try:  # the default config is loaded, and command-line overrides applied, right 
   _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Experiment config file (get_config()).")
 except (KeyError, AttributeError) as error:
   raise _unknown_key(error, sys.argv) from None
-except flags.Error as error:  # an ill-typed override of the default config
+except (flags.Error, ValueError) as error:  # an ill-typed override of the default config, or an unparsable key
   raise SystemExit(f"FATAL {error}") from None
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Same as --config.dry_run=True.")
 
@@ -79,7 +79,7 @@ def _parse_flags(argv):
     return flags.FLAGS(argv)
   except (KeyError, AttributeError) as e:  # overrides of a --config=FILE are applied here
     raise _unknown_key(e, argv) from None
-  except flags.Error as e:
+  except (flags.Error, ValueError) as e:
     raise SystemExit(f"FATAL {e}") from None
 
 
