@@ -21,12 +21,12 @@ COUNTS = (  # must be >= 1
     "data.max_prompt_len", "sft.num_problems", "sft.batch_rows", "sft.eval_max_new_tokens", "rollout.prompts_per_step",
     "rollout.num_samples", "rollout.max_new_tokens", "rollout.groups", "rollout.segment_steps", "rollout.kv_block",
     "rollout.sd_max_batch", "rollout.bandit_window", "drafter.batch_rows", "drafter.online_rows_per_device",
-    "drafter.buffer_pairs", "rl.mini_batches", "rl.micro_batch_rows", "rl.logits_chunk", "checkpoint.every",
-    "checkpoint.keep")
+    "drafter.buffer_pairs", "rl.mini_batches", "rl.micro_batch_rows", "rl.logits_chunk", "eval.size",
+    "eval.num_samples", "checkpoint.every", "checkpoint.keep")
 NON_NEGATIVE_INTS = (
     "steps", "mesh.cpu_devices", "model.vocab_size", "sft.steps", "sft.warmup_steps", "sft.eval_size", "rollout.top_k",
     "drafter.warmup_steps", "drafter.online_warmup_steps", "drafter.solo_steps", "rl.warmup_steps",
-    "rl.attention_block", "rl.overlong_buffer")
+    "rl.attention_block", "rl.overlong_buffer", "eval.every")
 NON_NEGATIVE_FLOATS = (
     "mesh.device_memory_gb", "sft.learning_rate", "sft.weight_decay", "rollout.temperature", "drafter.learning_rate",
     "drafter.online_learning_rate", "rl.learning_rate", "rl.weight_decay", "rl.clip_high", "rl.kl_coef")
@@ -113,12 +113,19 @@ def test_fuzz_ill_typed_values_are_rejected_by_name(key, value):
     assign(config, key, value)
 
 
-# Imports the heavy modules (jax, the rewards) once, then runs `python -m tlt_jax.main ARG` for each
-# argument in a fork, exiting as the interpreter would (a string SystemExit is printed, anything
-# else is a traceback) but without its slow teardown: the CLI's own code path at a fraction of the cost.
+# Imports what tlt_jax/main.py imports (jax, the rewards, ...) once, then runs `python -m tlt_jax.main
+# ARG` for each argument in a fork, exiting as the interpreter would (a string SystemExit is printed,
+# anything else is a traceback) but without its slow teardown: the CLI's own code path, cheaply.
 _FORKING_MAIN = """
-import os, runpy, sys, traceback
+import ast, importlib, os, runpy, sys, traceback
 import tlt_jax.config
+for node in ast.parse(open(importlib.util.find_spec("tlt_jax.main").origin).read()).body:
+  for alias in getattr(node, "names", ()) if isinstance(node, (ast.Import, ast.ImportFrom)) else ():
+    name = f"{node.module}.{alias.name}" if isinstance(node, ast.ImportFrom) else alias.name
+    try:
+      importlib.import_module(name)
+    except ImportError:  # `from module import attribute`
+      importlib.import_module(node.module)
 def let_through(config):  # a bad value must never start a run
   print("check() let it through", file=sys.stderr)
   sys.exit(3)

@@ -140,6 +140,13 @@ def base() -> ml_collections.ConfigDict:
   c.rl.overlong_filter = False  # truncated responses do not enter the loss
   c.rl.overlong_buffer = 0  # DAPO soft overlong penalty over the last this-many tokens (0: off)
 
+  # Held-out evaluation: the same prompts and sampling keys every time, so evaluations compare.
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every = 0  # > 0: before the first step, every this many steps and after the last (0: off)
+  c.eval.path = ""  # held-out prompt file; "" = eval.size procedural problems of another seed
+  c.eval.size = 128  # prompts (the first this many of eval.path)
+  c.eval.num_samples = 4  # responses per prompt, sampled like the rollout's
+
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 5  # steps
   c.checkpoint.keep = 2
@@ -170,7 +177,8 @@ _AT_LEAST = {
     "drafter.solo_steps": 0, "drafter.buffer_pairs": 1,
     "rl.learning_rate": 0, "rl.warmup_steps": 0, "rl.weight_decay": 0, "rl.mini_batches": 1,
     "rl.micro_batch_rows": 1, "rl.row_len": 2, "rl.logits_chunk": 1, "rl.attention_block": 0, "rl.clip_low": 0,
-    "rl.clip_high": 0, "rl.kl_coef": 0, "rl.overlong_buffer": 0, "checkpoint.every": 1, "checkpoint.keep": 1,
+    "rl.clip_high": 0, "rl.kl_coef": 0, "rl.overlong_buffer": 0, "eval.every": 0, "eval.size": 1, "eval.num_samples": 1,
+    "checkpoint.every": 1, "checkpoint.keep": 1,
 }
 _ABOVE = {"model.rope_theta": 0, "task.tail_alpha": 0, "rollout.top_p": 0, "rl.max_grad_norm": 0}
 _AT_MOST = {"rollout.top_p": 1, "rollout.bandit_epsilon": 1}
@@ -226,6 +234,8 @@ def check(config: ml_collections.ConfigDict) -> None:
   need(config.rl.clip_low < 1, "rl.clip_low", "must be < 1")
   need(not config.rl.attention_block or config.rl.row_len % config.rl.attention_block == 0, "rl.attention_block",
        "must divide rl.row_len")
+  need(not config.eval.every or config.eval.path or not config.data.path, "eval.path",
+       "needs a held-out prompt file when data.path is set and eval.every > 0")
 
 
 def leaves(config, prefix=""):
