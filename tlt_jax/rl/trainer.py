@@ -153,9 +153,10 @@ class Trainer:
     self.step = 0
     self.checkpoints = checkpoint_lib.Checkpoints(os.path.join(c.workdir, "checkpoints"), c.checkpoint.every,
                                                   c.checkpoint.keep)
-    self.saved_step = latest = self.checkpoints.latest_step()
-    if latest is not None:
-      self._restore(latest)
+    self.saved_step = None
+    restored = self.checkpoints.restore_latest(self._arrays())
+    if restored is not None:
+      self._restore(*restored)
     self.metrics = metrics_lib.Writer(c.workdir, resume_step=self.step)
 
   # ---- checkpoints ----
@@ -172,17 +173,16 @@ class Trainer:
     return {"step": self.step, "bandits": [e.bandit.state_dict() for e in self.engines if e.bandit is not None],
             "drafter": None if self.spot is None else self.spot.state_dict()[1]}
 
-  def _restore(self, step: int) -> None:
-    arrays, meta = self.checkpoints.restore(step, self._arrays())
+  def _restore(self, step: int, arrays, meta: dict) -> None:
     self.actor.params, self.actor.opt_state = arrays["policy"], arrays["opt_state"]
     self.ref_params = arrays.get("ref")
     if self.spot is not None:
       self.spot.load_state_dict(arrays["drafter"], meta["drafter"])
     for engine, state in zip([e for e in self.engines if e.bandit is not None], meta["bandits"]):
       engine.bandit.load_state_dict(state)
-    self.step = meta["step"]
+    self.step = self.saved_step = meta["step"]
     self._push_policy()
-    logging.info("resumed from %s at step %d", self.checkpoints.directory, self.step)
+    logging.info("resumed from %s at step %d", os.path.join(self.checkpoints.directory, str(step)), self.step)
 
   def _push_policy(self) -> None:
     """The actor's params into the rollout (the group engines get copies; the drafter reads them live)."""
