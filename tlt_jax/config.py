@@ -139,6 +139,8 @@ def base() -> ml_collections.ConfigDict:
   c.rl.dynamic_sampling = True  # drop groups whose rewards are all equal
   c.rl.overlong_filter = False  # truncated responses do not enter the loss
   c.rl.overlong_buffer = 0  # DAPO soft overlong penalty over the last this-many tokens (0: off)
+  # Updates with a non-finite loss or gradient are skipped; this many in a row stop the run (diverged).
+  c.rl.max_skipped_updates = 3
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 5  # steps
@@ -181,6 +183,7 @@ def check(config: ml_collections.ConfigDict) -> None:
   need(config.rl.loss_aggregation in grpo.AGGREGATIONS, "rl.loss_aggregation", f"must be one of {grpo.AGGREGATIONS}")
   need(config.rl.mini_batches >= 1, "rl.mini_batches", "must be >= 1")
   need(config.rl.micro_batch_rows >= 1, "rl.micro_batch_rows", "must be >= 1")
+  need(config.rl.max_skipped_updates >= 1, "rl.max_skipped_updates", "must be >= 1")
   need(config.rl.row_len >= config.data.max_prompt_len + config.rollout.max_new_tokens, "rl.row_len",
        "must hold data.max_prompt_len + rollout.max_new_tokens")
   need(0 <= config.rl.clip_low < 1 and config.rl.clip_high >= 0, "rl.clip_low", "need 0 <= clip_low < 1, clip_high >= 0")

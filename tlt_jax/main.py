@@ -6,12 +6,18 @@
 
 Every key is listed with its default in tlt_jax/config.py; an unknown or ill-typed key is
 rejected with its name. Resumes from <workdir>/checkpoints when there are any.
+
+SIGTERM or Ctrl-C: the step in flight finishes, a checkpoint is written, and the run exits 0
+saying where it stopped and how to resume; a second signal abandons the step (the run resumes
+from the last checkpoint). A killed run resumes from its newest complete checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
+import signal
 import sys
 
 from absl import app, flags, logging
@@ -46,6 +52,22 @@ class _QuietOrbax(logging.logging.Filter):
     return record.levelno >= logging.logging.WARNING or "orbax" not in record.pathname
 
 
+class _StopSignal:
+  """SIGTERM / SIGINT handler: the first asks the trainer to stop after the step in flight, a second
+  abandons that step (KeyboardInterrupt)."""
+
+  def __init__(self):
+    self.reason: str | None = None
+
+  def __call__(self, signum, frame):
+    del frame
+    if self.reason is not None:
+      raise KeyboardInterrupt(signal.Signals(signum).name)
+    self.reason = signal.Signals(signum).name
+    logging.warning("%s: stopping after the step in flight, then writing a checkpoint (send it again to abandon "
+                    "the step)", self.reason)
+
+
 def main(argv):
   logging.get_absl_handler().addFilter(_QuietOrbax())
   if len(argv) > 1:
@@ -62,12 +84,28 @@ def main(argv):
     from tlt_jax import dry_run  # pylint: disable=import-outside-toplevel
     print(json.dumps(dry_run.run(config), indent=2))
     return
-  from tlt_jax.rl.trainer import Trainer  # pylint: disable=import-outside-toplevel
-  trainer = Trainer(config)
+  from tlt_jax.rl.trainer import NonFiniteUpdates, Trainer  # pylint: disable=import-outside-toplevel
+  stop = _StopSignal()
+  for signum in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(signum, stop)
+  resume = shlex.join(["python", "-m", "tlt_jax.main", *sys.argv[1:]])
+  trainer = None
   try:
-    records = trainer.run()
+    trainer = Trainer(config)
+    records = trainer.run(stop=lambda: stop.reason)
+  except KeyboardInterrupt:
+    where = trainer.checkpoint_path if trainer is not None else None
+    raise SystemExit(f"abandoned the step in flight; the last checkpoint is {where or 'none'}; resume with: "
+                     f"{resume}") from None
+  except NonFiniteUpdates as e:
+    raise SystemExit(f"FATAL {e}") from None
   finally:
-    trainer.close()
+    if trainer is not None:
+      trainer.close()
+  if trainer.stopped:
+    print(f"stopped by {trainer.stopped} after step {trainer.step} of {config.steps}; checkpoint "
+          f"{trainer.checkpoint_path}; resume with: {resume}")
+    return
   if records:
     first, last = records[0], records[-1]
     print(json.dumps({"steps": trainer.step, "reward_first": first["reward/mean"], "reward_last": last["reward/mean"],

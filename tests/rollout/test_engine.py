@@ -300,3 +300,22 @@ def test_pallas_kernels_give_the_greedy_tokens_of_transformers(models, hf_dirs):
     rollout = engine.generate(ps, max_total_len=limits)
     assert {s.strategy for s in rollout.metrics.segments} == {None, "2_2_4"}, attention
     assert [s.tokens.tolist() for s in rollout.samples] == expected, attention
+
+
+def test_nan_drafter_turns_speculation_off_losslessly(models, caplog):
+  """A drafter with NaN params: the guard sees it at the prefill's feed, the tail decodes plain,
+  greedy outputs equal plain decoding, a warning and the metric say so."""
+  model = models["qwen3"]
+  drafter = Drafter(model.config, rngs=nnx.Rngs(3))
+  params = SamplingParams(temperature=0, max_new_tokens=32, stop_token_ids=(STOP,))
+  engine = Engine(model, with_sd(CONFIG, "3_2_6"), params, drafter=drafter)
+  ps = prompts(3, seed=21)
+  good = engine.generate(ps)
+  assert not good.metrics.drafter_nonfinite and good.metrics.verify_passes > 0
+  engine.set_drafter_params(jax.tree.map(lambda x: np.full(x.shape, np.nan, x.dtype), engine.drafter_params))
+  with caplog.at_level("WARNING"):
+    bad = engine.generate(ps)
+  assert sample_set(bad) == sample_set(good) == sample_set(Engine(model, CONFIG, params).generate(ps))
+  assert bad.metrics.drafter_nonfinite and bad.metrics.summary()["rollout/drafter_nonfinite"] == 1
+  assert not any(s.strategy for s in bad.metrics.segments)
+  assert "speculation is off for the rest of this rollout" in caplog.text
