@@ -11,9 +11,9 @@ long tail runs a small executable instead of dragging finished rows along.
 
 One verify function serves plain and speculative decoding: a plain step verifies the one-node
 tree (the last token), a speculative step verifies the tree `draft` built; both accept with
-`speculative.accept`. With a drafter attached, every step also feeds the drafter the committed
-(feature, token) pairs, so its cache is current whenever the tail switches speculation on
-(costing one drafter layer per plain step instead of a re-prefill at the switch).
+`speculative.accept`. With a drafter attached, the committed (feature, token) pairs are fed to it
+after every speculative step and at the end of every plain segment (one chunked drafter pass for
+the segment's steps), so its cache is current whenever the tail switches speculation on.
 
 In the tail (at most `sd_max_batch` active rows) the arm, SD off or a strategy, is chosen
 before every play: SD off plays one fused plain segment (on a dispatch-bound backend the fused
@@ -357,33 +357,54 @@ class Engine:
 
   def _verify(self, params, drafter_params, st: RowState, tree: speculative.Tree, depth: int) -> RowState:
     model, drafter = self._models(params, drafter_params)
-    return self._verify_step(model, drafter, st, tree, depth)
+    st, pairs = self._verify_step(model, drafter, st, tree, depth)
+    return st if pairs is None else self._feed_drafter(model, drafter, st, *pairs, self.config.kv_block)
 
-  def _verify_step(self, model, drafter, st: RowState, tree: speculative.Tree, depth: int) -> RowState:
-    """Verifies `tree` (paths at most `depth` below the root) for every active row, commits the
-    accepted path and feeds it to the drafter; with the one-node tree this is a plain step."""
+  def _verify_step(self, model, drafter, st: RowState, tree: speculative.Tree, depth: int):
+    """Verifies `tree` (paths at most `depth` below the root) for every active row and commits the
+    accepted path; with the one-node tree this is a plain step. Returns the state and, with a
+    drafter, the committed pairs for it (features [B, M, H], tokens [B, M], count [B])."""
     active = ~st.done
-    kv_block = self.config.kv_block
     layers = drafter.feature_layers if drafter is not None else ()
     out = transformer.verify(model, tree.tokens, st.cache.lengths[:, None] + tree.depths, tree.mask, st.cache,
-                             kv_block=kv_block, attention=self.config.attention, hidden_layers=layers)
+                             kv_block=self.config.kv_block, attention=self.config.attention, hidden_layers=layers)
     acc = speculative.accept(out.logits, tree, active, st.num_generated, st.max_new, st.prompt_index,
                              st.sample_index, self.sampling, depth)
     cache = speculative.commit(out.cache, acc.nodes, acc.count)
     rows = jnp.arange(acc.nodes.shape[0])[:, None]
     st = self._record(dataclasses.replace(st, cache=cache), active, acc, out.hidden[rows, acc.nodes])
     if drafter is None:
-      return st
-    features = drafter.target_features(out.hidden, out.aux_hidden)[rows, acc.nodes]
-    return self._feed_drafter(model, drafter, st, features, acc.tokens, acc.count, kv_block)
+      return st, None
+    return st, (drafter.target_features(out.hidden, out.aux_hidden)[rows, acc.nodes], acc.tokens, acc.count)
 
   def _segment(self, params, drafter_params, st: RowState):
-    """Up to `segment_steps` plain steps; stops early once every row is done."""
+    """Up to `segment_steps` plain steps; stops early once every row is done.
+
+    With a drafter, the segment's committed pairs are collected and fed to it in ONE call at the
+    end (a chunk of up to `segment_steps` positions, like a prefill), so plain decoding pays one
+    drafter pass per segment instead of one per step, and the drafter cache is current at every
+    play boundary, ready for the bandit to switch speculation on.
+    """
     model, drafter = self._models(params, drafter_params)
-    plain = lambda st: self._verify_step(model, drafter, st, speculative.root_only(st.last_token), 0)
-    step = lambda carry: (carry[0] + 1, plain(carry[1]))
-    cond = lambda carry: (carry[0] < self.config.segment_steps) & ~jnp.all(carry[1].done)
-    return jax.lax.while_loop(cond, step, (jnp.int32(0), st))[1]
+    n, b = self.config.segment_steps, st.last_token.shape[0]
+    rows = jnp.arange(b)
+
+    def step(carry):
+      i, st, pairs = carry
+      st, new = self._verify_step(model, drafter, st, speculative.root_only(st.last_token), 0)
+      if pairs is not None:  # append each row's committed pair (0 or 1 of them) at its own count
+        feats, tokens, count = pairs
+        at = jnp.where(new[2] > 0, count, n)  # n: dropped
+        pairs = (feats.at[rows, at].set(new[0][:, 0].astype(feats.dtype), mode="drop"),
+                 tokens.at[rows, at].set(new[1][:, 0], mode="drop"), count + new[2])
+      return i + 1, st, pairs
+
+    pairs = None
+    if drafter is not None:
+      pairs = (jnp.zeros((b, n, st.draft_feat.shape[-1]), self._dtype), jnp.zeros((b, n), jnp.int32), jnp.zeros((b,), jnp.int32))
+    cond = lambda carry: (carry[0] < n) & ~jnp.all(carry[1].done)
+    _, st, pairs = jax.lax.while_loop(cond, step, (jnp.int32(0), st, pairs))
+    return st if pairs is None else self._feed_drafter(model, drafter, st, *pairs, self.config.kv_block)
 
   @staticmethod
   def _halve(st: RowState, keep_b):
