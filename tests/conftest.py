@@ -84,7 +84,8 @@ def jit_verify(graphdef, state, tokens, positions, mask, cache):
 
 def tiny_rl_config(workdir, steps: int, cache_dir):
   """configs/tiny.py shrunk to about a second a step: a 2-layer policy, 2 prompts x 4 samples, the
-  plain rollout baseline on one group. Set `policy.path` to `tiny_policy_dir`."""
+  plain rollout baseline on one group, a held-out evaluation every 2 steps. Set `policy.path` to
+  `tiny_policy_dir`."""
   from configs import tiny
   c = tiny.get_config()
   c.unlock()
@@ -110,6 +111,9 @@ def tiny_rl_config(workdir, steps: int, cache_dir):
   c.checkpoint.every = 2
   c.rollout.groups = 1
   c.rl.mini_batches = 2
+  c.eval.every = 2
+  c.eval.size = 3
+  c.eval.num_samples = 2
   return c
 
 

@@ -142,7 +142,7 @@ def test_sigkill_and_sigterm_at_random_points_resume_exactly(tmp_path, straight,
   print(f"interruptions survived: {interruptions}")
 
   records = metrics.read(str(workdir / "metrics.jsonl"))
-  assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+  assert [r["step"] for r in records] == list(range(STEPS + 1))  # 0: the held-out evaluation before step 1
   strip = lambda r: {k: v for k, v in r.items() if not _timing(k)}
   params, expected = straight
   assert [strip(r) for r in records] == [strip(r) for r in expected]

@@ -142,6 +142,13 @@ def base() -> ml_collections.ConfigDict:
   # Updates with a non-finite loss or gradient are skipped; this many in a row stop the run (diverged).
   c.rl.max_skipped_updates = 3
 
+  # Held-out evaluation: the same prompts and sampling keys every time, so evaluations compare.
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every = 0  # > 0: before the first step, every this many steps and after the last (0: off)
+  c.eval.path = ""  # held-out prompt file; "" = eval.size procedural problems of another seed
+  c.eval.size = 128  # prompts (the first this many of eval.path)
+  c.eval.num_samples = 4  # responses per prompt, sampled like the rollout's
+
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 5  # steps
   c.checkpoint.keep = 2
@@ -189,6 +196,10 @@ def check(config: ml_collections.ConfigDict) -> None:
   need(0 <= config.rl.clip_low < 1 and config.rl.clip_high >= 0, "rl.clip_low", "need 0 <= clip_low < 1, clip_high >= 0")
   need(not config.rl.attention_block or config.rl.row_len % config.rl.attention_block == 0, "rl.attention_block",
        "must divide rl.row_len")
+  need(config.eval.every >= 0, "eval.every", "must be >= 0 (0: no evaluation)")
+  need(config.eval.size >= 1 and config.eval.num_samples >= 1, "eval.size", "eval.size and eval.num_samples must be >= 1")
+  need(not config.eval.every or config.eval.path or not config.data.path, "eval.path",
+       "needs a held-out prompt file when data.path is set and eval.every > 0")
   need(config.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
 
 

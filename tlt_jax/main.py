@@ -24,6 +24,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from tlt_jax import config as config_lib
+from tlt_jax import metrics
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.py")
 
@@ -108,8 +109,12 @@ def main(argv):
     return
   if records:
     first, last = records[0], records[-1]
-    print(json.dumps({"steps": trainer.step, "reward_first": first["reward/mean"], "reward_last": last["reward/mean"],
-                      "metrics": trainer.metrics.path}, indent=2))
+    summary = {"steps": trainer.step, "reward_first": first["reward/mean"], "reward_last": last["reward/mean"]}
+    evals = [r for r in metrics.read(trainer.metrics.path) if "eval/reward" in r]
+    if evals:  # the held-out reward over the whole run, resumed parts included
+      summary.update(eval_reward_first=evals[0]["eval/reward"], eval_reward_last=evals[-1]["eval/reward"],
+                     eval_steps=[r["step"] for r in evals])
+    print(json.dumps({**summary, "metrics": trainer.metrics.path}, indent=2))
 
 
 def _parse_flags(argv):

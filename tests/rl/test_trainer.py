@@ -41,9 +41,13 @@ def test_resume_continues_exactly(tmp_path, tiny_policy_dir, xla_cache):
   assert all(jax.tree.leaves(same))
   a = metrics.read(str(tmp_path / "straight" / "metrics.jsonl"))
   b = metrics.read(str(tmp_path / "resumed" / "metrics.jsonl"))
-  assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
+  assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 3, 4]
   strip = lambda r: {k: v for k, v in r.items() if not _timing(k)}
   assert [strip(r) for r in a] == [strip(r) for r in b]
+  # Held-out evaluations before the first step and every 2 steps, identical after the resume.
+  assert [r["step"] for r in a if "eval/reward" in r] == [0, 2, 4] and set(a[0]) == {"step", "eval/reward",
+      "eval/accuracy", "eval/response_length", "time/eval_s"}
+  a = a[1:]
   # The policy did train: rewards varied in some groups, so there were gradients and the parameters moved.
   assert all(r["train/updates"] == 2 for r in a) and any(r["train/grad_norm"] > 0 for r in a)
   initial = nnx.state(hf.from_pretrained(policy_dir))

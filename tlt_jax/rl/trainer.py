@@ -52,6 +52,8 @@ from tlt_jax.rollout.bandit import Bandit
 from tlt_jax.rollout.engine import Engine, EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 
+_EVAL_OFFSET = 1 << 30  # held-out sampling keys: prompt indices training never reaches
+
 
 def load_policy(config) -> tuple[CausalLM, object]:
   """The policy and its tokenizer: `policy.path`, else the tiny world's (SFT into the workdir if absent)."""
@@ -94,6 +96,18 @@ def load_prompts(config, tok) -> datasets.Dataset:
     return datasets.from_file(config.data.path, tok, max_prompt_len=config.data.max_prompt_len,
                               reward=config.data.reward)
   return datasets.from_tasks(config.task.family, tok, size=config.data.size, seed=config.seed + 2,
+                             difficulty=sft.difficulty(config), max_prompt_len=config.data.max_prompt_len,
+                             reward=config.data.reward)
+
+
+def load_eval_prompts(config, tok) -> datasets.Dataset:
+  """Held-out prompts: the first eval.size of eval.path, or eval.size procedural problems of a
+  seed the training prompts do not use."""
+  e = config.eval
+  if e.path:
+    data = datasets.from_file(e.path, tok, max_prompt_len=config.data.max_prompt_len, reward=config.data.reward)
+    return datasets.Dataset(data.examples[:e.size], data.skipped)
+  return datasets.from_tasks(config.task.family, tok, size=e.size, seed=config.seed + 1_000_003,
                              difficulty=sft.difficulty(config), max_prompt_len=config.data.max_prompt_len,
                              reward=config.data.reward)
 
@@ -148,11 +162,16 @@ class Trainer:
       self.engines = self.spot.engines
     else:  # the baseline: one plain engine, data-parallel over the same devices
       self.spot = None
+    if self.spot is None or c.eval.every:
+      # The baseline's rollouts and held-out evaluations: a plain engine data-parallel over all
+      # the devices, as many rows at once as the TLT groups together.
       mesh = sharding.make_mesh({"data": len(devices)}, devices) if len(devices) > 1 else None
-      self._rollout_shardings = None if mesh is None else sharding.param_shardings(nnx.state(self.policy), mesh)
-      # As many rows at once as the TLT groups together.
+      self._plain_shardings = None if mesh is None else sharding.param_shardings(nnx.state(self.policy), mesh)
       largest = c.rollout.batch_buckets * c.rollout.groups
-      self.engines = [Engine(self.policy, engine_config(c, largest_bucket=largest), sampling, mesh=mesh)]
+      self.plain_engine = Engine(self.policy, engine_config(c, largest_bucket=largest), sampling, mesh=mesh)
+      if self.spot is None:
+        self.engines = [self.plain_engine]
+    self.eval_prompts = load_eval_prompts(c, self.tok) if c.eval.every else None
     optimizer = actor_lib.make_optimizer(c.rl.learning_rate, c.rl.warmup_steps, c.rl.weight_decay,
                                          c.rl.max_grad_norm)
     self.actor = actor_lib.Actor(self.policy, optimizer, micro_batch_rows=c.rl.micro_batch_rows,
@@ -170,7 +189,9 @@ class Trainer:
     restored = self.checkpoints.restore_latest(self._arrays())
     if restored is not None:
       self._restore(*restored)
-    self.metrics = metrics_lib.Writer(c.workdir, resume_step=self.step)
+    # Nothing restored: records left by a run killed before its first checkpoint (its step-0
+    # evaluation) go too.
+    self.metrics = metrics_lib.Writer(c.workdir, resume_step=self.step if restored is not None else -1)
 
   # ---- checkpoints ----
 
@@ -203,10 +224,9 @@ class Trainer:
     """The actor's params into the rollout (the group engines get copies; the drafter reads them live)."""
     if self.spot is not None:
       self.spot.set_policy_params(self.actor.params)
-    elif self._rollout_shardings is not None:
-      self.engines[0].set_params(jax.device_put(self.actor.params, self._rollout_shardings))
-    else:
-      self.engines[0].set_params(self.actor.params)
+    if self.spot is None or self.eval_prompts is not None:
+      self.plain_engine.set_params(self.actor.params if self._plain_shardings is None else
+                                   jax.device_put(self.actor.params, self._plain_shardings))
 
   def _rollout(self, prompts, offset: int):
     """Samples (prompt_index counted within `prompts`) and the rollout's metrics."""
@@ -216,6 +236,28 @@ class Trainer:
     rollout = self.engines[0].generate(prompts, num_samples=g, prompt_offset=offset)
     samples = [dataclasses.replace(s, prompt_index=s.prompt_index - offset) for s in rollout.samples]
     return samples, rollout.metrics.summary()
+
+  # ---- held-out evaluation ----
+
+  def evaluate(self) -> dict[str, float]:
+    """Reward of the current policy on the held-out prompts (fixed sampling keys: evaluations at
+    different steps differ only by the policy)."""
+    start, e = time.perf_counter(), self.config.eval
+    examples = list(self.eval_prompts)
+    rollout = self.plain_engine.generate([ex.prompt_ids for ex in examples], num_samples=e.num_samples,
+                                         prompt_offset=_EVAL_OFFSET)
+    samples = rollout.samples
+    texts = [self.tok.decode(s.tokens, skip_special_tokens=True) for s in samples]
+    truth = [examples[s.prompt_index - _EVAL_OFFSET] for s in samples]
+    scores, _ = rewards.score_batch(examples[0].reward, texts, [ex.ground_truth for ex in truth],
+                                    [ex.metadata for ex in truth])
+    return {"eval/reward": float(scores.mean()), "eval/accuracy": float((scores >= 1.0).mean()),
+            "eval/response_length": float(np.median([len(s.tokens) for s in samples])),
+            "time/eval_s": time.perf_counter() - start}
+
+  def _eval_due(self) -> bool:
+    every = self.config.eval.every
+    return bool(every) and (self.step % every == 0 or self.step == self.config.steps)
 
   # ---- one step ----
 
@@ -261,6 +303,8 @@ class Trainer:
               "groups_kept": int(keep.reshape(-1, g).any(axis=1).sum()), "samples_trained": int(keep.sum()),
               **train_stats, **rollout_metrics,
               "time/rollout_s": rollout_s, "time/train_s": train_s, "time/step_s": time.perf_counter() - start}
+    if self._eval_due():
+      record.update(self.evaluate())
     if self.checkpoints.save(self.step, self._arrays(), self._meta()):
       self.saved_step = self.step
     self.metrics.write(self.step, record)
@@ -313,6 +357,8 @@ class Trainer:
     """
     total = self.config.steps if steps is None else steps
     records, reason = [], None
+    if self.step == 0 and self._eval_due() and total > 0:  # the starting point
+      self.metrics.write(0, self.evaluate())
     with tqdm(total=total, initial=self.step, desc="rl", unit="step") as bar:
       while self.step < total and not (reason := stop()):
         record = self.run_step()
