@@ -55,18 +55,24 @@ class _QuietOrbax(logging.logging.Filter):
 
 class _StopSignal:
   """SIGTERM / SIGINT handler: the first asks the trainer to stop after the step in flight, a second
-  abandons that step (KeyboardInterrupt)."""
+  abandons it: the process exits at once, as if killed (an exception raised from a handler can land
+  in a finalizer and be swallowed), and a restart redoes the step from the last complete checkpoint."""
 
-  def __init__(self):
+  def __init__(self, checkpoints: str, resume: str):
     self.reason: str | None = None
+    self.checkpoints, self.resume = checkpoints, resume
 
   def __call__(self, signum, frame):
     del frame
-    if self.reason is not None:
-      raise KeyboardInterrupt(signal.Signals(signum).name)
-    self.reason = signal.Signals(signum).name
-    logging.warning("%s: stopping after the step in flight, then writing a checkpoint (send it again to abandon "
-                    "the step)", self.reason)
+    name = signal.Signals(signum).name
+    if self.reason is None:
+      self.reason = name
+      logging.warning("%s: stopping after the step in flight, then writing a checkpoint (send it again to abandon "
+                      "the step)", name)
+      return
+    print(f"{name} again: abandoned the step in flight; resume with: {self.resume} (it continues from the newest "
+          f"complete checkpoint in {self.checkpoints})", file=sys.stderr, flush=True)
+    os._exit(128 + signum)  # pylint: disable=protected-access
 
 
 def main(argv):
@@ -86,23 +92,17 @@ def main(argv):
     print(json.dumps(dry_run.run(config), indent=2))
     return
   from tlt_jax.rl.trainer import NonFiniteUpdates, Trainer  # pylint: disable=import-outside-toplevel
-  stop = _StopSignal()
+  resume = shlex.join(["python", "-m", "tlt_jax.main", *sys.argv[1:]])
+  stop = _StopSignal(os.path.join(os.path.abspath(config.workdir), "checkpoints"), resume)
   for signum in (signal.SIGTERM, signal.SIGINT):
     signal.signal(signum, stop)
-  resume = shlex.join(["python", "-m", "tlt_jax.main", *sys.argv[1:]])
-  trainer = None
+  trainer = Trainer(config)
   try:
-    trainer = Trainer(config)
     records = trainer.run(stop=lambda: stop.reason)
-  except KeyboardInterrupt:
-    where = trainer.checkpoint_path if trainer is not None else None
-    raise SystemExit(f"abandoned the step in flight; the last checkpoint is {where or 'none'}; resume with: "
-                     f"{resume}") from None
   except NonFiniteUpdates as e:
     raise SystemExit(f"FATAL {e}") from None
   finally:
-    if trainer is not None:
-      trainer.close()
+    trainer.close()
   if trainer.stopped:
     print(f"stopped by {trainer.stopped} after step {trainer.step} of {config.steps}; checkpoint "
           f"{trainer.checkpoint_path}; resume with: {resume}")
