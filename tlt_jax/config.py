@@ -139,6 +139,8 @@ def base() -> ml_collections.ConfigDict:
   c.rl.dynamic_sampling = True  # drop groups whose rewards are all equal
   c.rl.overlong_filter = False  # truncated responses do not enter the loss
   c.rl.overlong_buffer = 0  # DAPO soft overlong penalty over the last this-many tokens (0: off)
+  # Updates with a non-finite loss or gradient are skipped; this many in a row stop the run (diverged).
+  c.rl.max_skipped_updates = 3
 
   # Held-out evaluation: the same prompts and sampling keys every time, so evaluations compare.
   c.eval = ml_collections.ConfigDict()
@@ -175,7 +177,7 @@ _AT_LEAST = {
     "drafter.warmup_steps": 0, "drafter.learning_rate": 0, "drafter.batch_rows": 1, "drafter.row_len": 2,
     "drafter.online_learning_rate": 0, "drafter.online_warmup_steps": 0, "drafter.online_rows_per_device": 1,
     "drafter.solo_steps": 0, "drafter.buffer_pairs": 1,
-    "rl.learning_rate": 0, "rl.warmup_steps": 0, "rl.weight_decay": 0, "rl.mini_batches": 1,
+    "rl.learning_rate": 0, "rl.warmup_steps": 0, "rl.weight_decay": 0, "rl.mini_batches": 1, "rl.max_skipped_updates": 1,
     "rl.micro_batch_rows": 1, "rl.row_len": 2, "rl.logits_chunk": 1, "rl.attention_block": 0, "rl.clip_low": 0,
     "rl.clip_high": 0, "rl.kl_coef": 0, "rl.overlong_buffer": 0, "eval.every": 0, "eval.size": 1, "eval.num_samples": 1,
     "checkpoint.every": 1, "checkpoint.keep": 1,

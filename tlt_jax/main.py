@@ -6,12 +6,18 @@
 
 Every key is listed with its default in tlt_jax/config.py; an unknown or ill-typed key is
 rejected with its name. Resumes from <workdir>/checkpoints when there are any.
+
+SIGTERM or Ctrl-C: the step in flight finishes, a checkpoint is written, and the run exits 0
+saying where it stopped and how to resume; a second signal abandons the step (the run resumes
+from the last checkpoint). A killed run resumes from its newest complete checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
+import signal
 import sys
 
 from absl import app, flags, logging
@@ -47,6 +53,28 @@ class _QuietOrbax(logging.logging.Filter):
     return record.levelno >= logging.logging.WARNING or "orbax" not in record.pathname
 
 
+class _StopSignal:
+  """SIGTERM / SIGINT handler: the first asks the trainer to stop after the step in flight, a second
+  abandons it: the process exits at once, as if killed (an exception raised from a handler can land
+  in a finalizer and be swallowed), and a restart redoes the step from the last complete checkpoint."""
+
+  def __init__(self, checkpoints: str, resume: str):
+    self.reason: str | None = None
+    self.checkpoints, self.resume = checkpoints, resume
+
+  def __call__(self, signum, frame):
+    del frame
+    name = signal.Signals(signum).name
+    if self.reason is None:
+      self.reason = name
+      logging.warning("%s: stopping after the step in flight, then writing a checkpoint (send it again to abandon "
+                      "the step)", name)
+      return
+    print(f"{name} again: abandoned the step in flight; resume with: {self.resume} (it continues from the newest "
+          f"complete checkpoint in {self.checkpoints})", file=sys.stderr, flush=True)
+    os._exit(128 + signum)  # pylint: disable=protected-access
+
+
 def main(argv):
   logging.get_absl_handler().addFilter(_QuietOrbax())
   if len(argv) > 1:
@@ -63,12 +91,22 @@ def main(argv):
     from tlt_jax import dry_run  # pylint: disable=import-outside-toplevel
     print(json.dumps(dry_run.run(config), indent=2))
     return
-  from tlt_jax.rl.trainer import Trainer  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rl.trainer import NonFiniteUpdates, Trainer  # pylint: disable=import-outside-toplevel
+  resume = shlex.join(["python", "-m", "tlt_jax.main", *sys.argv[1:]])
+  stop = _StopSignal(os.path.join(os.path.abspath(config.workdir), "checkpoints"), resume)
+  for signum in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(signum, stop)
   trainer = Trainer(config)
   try:
-    records = trainer.run()
+    records = trainer.run(stop=lambda: stop.reason)
+  except NonFiniteUpdates as e:
+    raise SystemExit(f"FATAL {e}") from None
   finally:
     trainer.close()
+  if trainer.stopped:
+    print(f"stopped by {trainer.stopped} after step {trainer.step} of {config.steps}; checkpoint "
+          f"{trainer.checkpoint_path}; resume with: {resume}")
+    return
   if records:
     first, last = records[0], records[-1]
     summary = {"steps": trainer.step, "reward_first": first["reward/mean"], "reward_last": last["reward/mean"]}

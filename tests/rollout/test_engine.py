@@ -333,3 +333,23 @@ def test_plain_segments_keep_the_drafter_cache_current(models):
     for r, n in enumerate(lengths):
       np.testing.assert_allclose(a[:, r, :n], b[:, r, :n], atol=1e-5)
   np.testing.assert_allclose(chunked.draft_feat, stepped.draft_feat, atol=1e-5)
+
+
+def test_nan_drafter_turns_speculation_off_losslessly(models, caplog):
+  """A drafter with NaN params: the guard sees it at the prefill's feed, the rollout decodes plain,
+  greedy outputs equal the finite drafter's (which equal plain decoding, tested above), and a
+  warning and the metric say so. One bucket, one prompt bucket: few executables to compile."""
+  model = models["qwen3"]
+  config = EngineConfig(**{**with_sd(CONFIG, "2_1_2", sd_max_batch=4).__dict__, "compact": False})
+  params = SamplingParams(temperature=0, max_new_tokens=16, stop_token_ids=(STOP,))
+  engine = Engine(model, config, params, drafter=Drafter(model.config, rngs=nnx.Rngs(3)))
+  ps = [p[:12] for p in prompts(3, seed=21)]
+  good = engine.generate(ps)
+  assert not good.metrics.drafter_nonfinite and good.metrics.verify_passes > 0
+  engine.set_drafter_params(jax.tree.map(lambda x: np.full(x.shape, np.nan, x.dtype), engine.drafter_params))
+  with caplog.at_level("WARNING"):
+    bad = engine.generate(ps)
+  assert sample_set(bad) == sample_set(good)
+  assert bad.metrics.drafter_nonfinite and bad.metrics.summary()["rollout/drafter_nonfinite"] == 1
+  assert not any(s.strategy for s in bad.metrics.segments)
+  assert "speculation is off for the rest of this rollout" in caplog.text
