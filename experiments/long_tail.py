@@ -57,9 +57,10 @@ def step_stats(rollouts, threshold: int) -> dict:
 
 
 def timeline(rollout) -> tuple[np.ndarray, np.ndarray]:
-  """(seconds since the rollout began, active rows) at each segment's start."""
+  """(seconds since the rollout began, active rows) at each segment's start, and at the last one's end."""
   starts = rollout.metrics.prefill_s + np.cumsum([0.0] + [s.seconds for s in rollout.metrics.segments])
-  return starts, np.asarray([s.active_rows for s in rollout.metrics.segments] + [0])
+  rows = [s.active_rows for s in rollout.metrics.segments]
+  return starts, np.asarray(rows + rows[-1:])
 
 
 def plot(lengths, steps, last, threshold, path):
@@ -76,7 +77,7 @@ def plot(lengths, steps, last, threshold, path):
   ks = [s["step"] for s in steps]
   axes[2].plot(ks, [s["tail_time_share"] for s in steps], "o-", label=f"decode time with <= {threshold} rows")
   axes[2].plot(ks, [s["idle_share"] for s in steps], "s--", label="idle device time (no spot training)")
-  axes[2].set(xlabel="RL step", ylabel="share", ylim=(0, 1), title="the tail's cost")
+  axes[2].set(xlabel="RL step", xticks=ks, ylabel="share", ylim=(0, 1), title="the tail's cost")
   axes[2].legend()
   fig.tight_layout()
   fig.savefig(path, dpi=100)

@@ -72,7 +72,7 @@ def plot(grid, sweep, path):
   ks = [r["top_k"] for r in sweep]
   axes[1].plot(ks, [r["accept_len"] for r in sweep], "o-", label="acceptance length")
   axes[1].plot(ks, [r["speedup"] for r in sweep], "s--", label="speedup")
-  axes[1].set(xscale="log", xticks=ks, xticklabels=ks, xlabel="draft top-k",
+  axes[1].set(xticks=ks, xlabel="draft top-k",
               title=f"top-k sweep (batch {_SWEEP_BATCH.value})")
   axes[1].legend()
   fig.tight_layout()
