@@ -21,6 +21,8 @@ import os
 import sys
 
 if importlib.util.find_spec("tlt_jax") is None:
+  if not REPO_URL:
+    raise RuntimeError("tlt_jax is not installed: set REPO_URL (parameters cell) to the repository's git URL")
   !git clone --depth 1 {REPO_URL} /content/tlt_jax
   !{sys.executable} -m pip install -q -e /content/tlt_jax
   sys.path.insert(0, "/content/tlt_jax")
@@ -59,7 +61,7 @@ def tiny_notebook():
           'SMOKE = False  # True: seconds-sized shapes, one RL step per arm (what the test suite runs)\n'
           'STEPS = 8  # RL steps per arm\n'
           'WORKDIR = "runs/colab_tiny"\n'
-          'REPO_URL = "https://github.com/tlt-jax/tlt_jax"  # the repository to clone when tlt_jax is not installed',
+          'REPO_URL = ""  # git URL of the tlt_jax repository, cloned and installed when tlt_jax is not importable',
           metadata={"tags": ["parameters"]}),
       v4.new_code_cell(SETUP),
       v4.new_markdown_cell(
@@ -129,7 +131,7 @@ def qwen_notebook():
           'MODEL_ID = "Qwen/Qwen2.5-0.5B-Instruct"\n'
           'WORK = "runs/colab_qwen"  # model, data, drafter and RL workdir (on Colab under /content)\n'
           'STEPS = 3  # RL steps\n'
-          'REPO_URL = "https://github.com/tlt-jax/tlt_jax"  # the repository to clone when tlt_jax is not installed',
+          'REPO_URL = ""  # git URL of the tlt_jax repository, cloned and installed when tlt_jax is not importable',
           metadata={"tags": ["parameters"]}),
       v4.new_code_cell(SETUP),
       v4.new_code_cell(
