@@ -84,8 +84,9 @@ def main(argv):
       "reward_mean": {name: float(np.mean([r["reward/mean"] for r in series[name]])) for name in trainers},
       "reward_first_last": {name: (series[name][0]["reward/mean"], series[name][-1]["reward/mean"])
                             for name in trainers},
-      "accept_len": {name: float(np.nanmean([r["rollout/accept_len"] for r in series[name]]))
-                     for name in ("tlt", "frozen")},
+      # Over the steps where SD ran (the bandit may play SD off for a whole rollout: 0 there).
+      "accept_len": {name: float(np.mean([r["rollout/accept_len"] for r in series[name] if r["rollout/accept_len"] > 0]
+                                         or [0.0])) for name in ("tlt", "frozen")},
   }
   with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2)
