@@ -151,7 +151,7 @@ def qwen_notebook():
       v4.new_code_cell(
           'import json\n\n'
           'os.makedirs(WORK, exist_ok=True)\n'
-          'if SMOKE:  # offline: the tiny world\'s policy and drafter (tlt_tiny.ipynb\'s, or built here) and its problems\n'
+          'if SMOKE:  # offline: the tiny world\'s policy and drafter (tlt_tiny.ipynb\'s or built here), problems\n'
           '  tiny_config = tiny.get_config("smoke")\n'
           '  tiny_config.unlock()\n'
           '  tiny_config.workdir = "runs/colab_tiny"\n'
@@ -183,7 +183,8 @@ def qwen_notebook():
           'else:\n'
           '  DRAFTER = os.path.join(WORK, "drafter")\n'
           '  if not os.path.isdir(DRAFTER):\n'
-          '    !{sys.executable} -m tlt_jax.train_drafter --model={MODEL_DIR} --prompts={DRAFTER_PROMPTS} --output={DRAFTER} --steps=400 --num_samples=4 --max_new_tokens=512 --row_len=768'),
+          '    args = f"--model={MODEL_DIR} --prompts={DRAFTER_PROMPTS} --output={DRAFTER} --num_samples=4"\n'
+          '    !{sys.executable} -m tlt_jax.train_drafter {args} --steps=400 --max_new_tokens=512 --row_len=768'),
       v4.new_markdown_cell(
           "## RL with TLT\n\n"
           "Each step: rollouts whose long tail decodes speculatively (the bandit picks a strategy or SD off "
@@ -200,7 +201,8 @@ def qwen_notebook():
           '  trainer.close()\n'
           'records = metrics.read(os.path.join(config.workdir, "metrics.jsonl"))\n'
           'for r in records:\n'
-          '  print(f"step {r[\'step\']}: reward {r[\'reward/mean\']:.3f}, acceptance length {r[\'rollout/accept_len\']:.2f}, "\n'
+          '  print(f"step {r[\'step\']}: reward {r[\'reward/mean\']:.3f}, "\n'
+          '        f"acceptance length {r[\'rollout/accept_len\']:.2f}, "\n'
           '        f"drafter version {r[\'drafter/version\']:.0f}, rollout {r[\'time/rollout_s\']:.1f} s")'),
       v4.new_markdown_cell(
           "## Speculative-decoding speedup\n\n"
@@ -210,15 +212,14 @@ def qwen_notebook():
           'from tlt_jax import bench\n'
           'from tlt_jax.drafter import checkpoint\n'
           'from tlt_jax.models import hf\n'
-          'from tlt_jax.rl import datasets as tlt_datasets\n'
-          'from tlt_jax.rollout.speculative import Strategy\n\n'
+          'from tlt_jax.rl import datasets as tlt_datasets\n\n'
           'policy_dir = os.path.join(config.workdir, "export", "policy")\n'
           'model = hf.from_pretrained(policy_dir, dtype=config.policy.dtype)\n'
           'tok = hf.load_tokenizer(policy_dir)\n'
           'drafter = checkpoint.load_drafter(DRAFTER, model.config)\n'
           'batch_sizes = [1] if SMOKE else [1, 4, 16]\n'
-          'prompts = [ex.prompt_ids for ex in tlt_datasets.from_file(DATA, tok, max_prompt_len=config.data.max_prompt_len)\n'
-          '           ][:max(batch_sizes)]\n'
+          'dataset = tlt_datasets.from_file(DATA, tok, max_prompt_len=config.data.max_prompt_len)\n'
+          'prompts = [ex.prompt_ids for ex in dataset][:max(batch_sizes)]\n'
           'grid = bench.run(model, drafter, prompts, batch_sizes, config_lib.strategies(config), temperature=1.0,\n'
           '                 max_new_tokens=8 if SMOKE else 512, seed=0, stop_ids=[tok.eos_token_id])\n'
           'for r in grid:\n'

@@ -53,7 +53,8 @@ def step_stats(rollouts, threshold: int) -> dict:
   tail = sum(s.seconds for _, r in rollouts for s in r.metrics.segments if s.active_rows <= threshold)
   tail_tokens = sum(s.tokens for _, r in rollouts for s in r.metrics.segments if s.active_rows <= threshold)
   tokens = sum(r.metrics.tokens for _, r in rollouts)
-  return {"decode_s": decode, "tail_time_share": tail / max(decode, 1e-9), "tail_token_share": tail_tokens / max(tokens, 1)}
+  return {"decode_s": decode, "tail_time_share": tail / max(decode, 1e-9),
+          "tail_token_share": tail_tokens / max(tokens, 1)}
 
 
 def timeline(rollout) -> tuple[np.ndarray, np.ndarray]:
