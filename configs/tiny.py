@@ -44,6 +44,8 @@ def get_config(variant: str = ""):
   c.rl.learning_rate = 1e-4
   c.rl.warmup_steps = 10
   c.rl.mini_batches = 4
+  c.eval.every = 10  # held-out reward before the first step, at step 10 and at the end
+  c.eval.size = 64
   if variant == "smoke":
     config_lib.smoke(c)
   elif variant:
