@@ -56,6 +56,7 @@ def main(argv):
     c.steps = _STEPS.value
     c.update_from_flattened_dict(overrides)
     c.checkpoint.every = 10**6  # no checkpoints in a timing run (the final one is written)
+    c.eval.every = 0  # nor held-out evaluations (their engine would compile in the first step)
     c.policy.path, c.drafter.path = policy_dir, drafter_dir  # all start from the same; each logs into its own
     c.workdir = os.path.join(out, name)
     trainers[name] = Trainer(c)

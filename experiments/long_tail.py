@@ -93,7 +93,7 @@ def main(argv):
   c.policy.path, c.drafter.path = starting_point.policy_and_drafter(c, out)
   c.steps = _STEPS.value
   c.rollout.speculative, c.rollout.sd_max_batch, c.drafter.online = True, 0, False
-  c.checkpoint.every = 10**6
+  c.checkpoint.every, c.eval.every = 10**6, 0  # a measuring run: no periodic checkpoints, no held-out evaluation
   c.workdir = os.path.join(out, "rl")
   trainer = Trainer(c)
   rollouts = []
