@@ -4,9 +4,10 @@
       [--threshold=16] --out=runs/long_tail
 
 A few RL steps of the config's recipe with plain decoding on TLT's layout (`rollout.groups`
-data-parallel groups; speculation never switches on, `rollout.sd_max_batch=0`) and no spot
-training (`drafter.online=False`), so devices whose group has finished sit idle until the last
-group is done. The policy (and drafter, whose engines it feeds) are the config's workdir's, else
+data-parallel groups; speculation may switch on only for a group's last row,
+`rollout.sd_max_batch=1`, the least the config allows) and no spot training
+(`drafter.online=False`), so devices whose group has finished sit idle until the last group is
+done. The policy (and drafter, whose engines it feeds) are the config's workdir's, else
 built into <out>/init. Per step it records every response length, the share of decode time spent
 with at most --threshold active rows (from the engines' per-segment records) and the idle
 device-seconds (`spot/idle_device_s`) as a share of the rollout's device-seconds. Writes
@@ -92,7 +93,7 @@ def main(argv):
   c = _CONFIG.value.copy_and_resolve_references()
   c.policy.path, c.drafter.path = starting_point.policy_and_drafter(c, out)
   c.steps = _STEPS.value
-  c.rollout.speculative, c.rollout.sd_max_batch, c.drafter.online = True, 0, False
+  c.rollout.speculative, c.rollout.sd_max_batch, c.drafter.online = True, 1, False
   c.checkpoint.every, c.eval.every = 10**6, 0  # a measuring run: no periodic checkpoints, no held-out evaluation
   c.workdir = os.path.join(out, "rl")
   trainer = Trainer(c)
