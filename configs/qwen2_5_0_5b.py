@@ -6,12 +6,14 @@
   python -m tlt_jax.train_drafter --model=/content/Qwen2.5-0.5B-Instruct --output=/content/qwen_0_5b_drafter
 
 colab/tlt_qwen2_5_0_5b.ipynb downloads the model and data and runs exactly these commands.
+`get_config("smoke")` is the same recipe at the tiny world's smoke shapes, for a tiny local policy on
+a CPU (the notebook's offline smoke mode).
 """
 
 from tlt_jax import config as config_lib
 
 
-def get_config():
+def get_config(variant: str = ""):
   c = config_lib.base()
   c.workdir = "runs/qwen2_5_0_5b"
   c.steps = 10
@@ -35,5 +37,11 @@ def get_config():
   c.rl.row_len = 256 + 1024
   c.rl.remat = True
   c.rl.kl_coef = 0.001
+  if variant == "smoke":
+    config_lib.smoke(c)
+    c.policy.dtype = "float32"
+    c.rl.remat = False
+  elif variant:
+    raise ValueError(f"configs/qwen2_5_0_5b.py: unknown variant {variant!r} (known: smoke)")
   c.lock()
   return c

@@ -3,6 +3,7 @@
   python -m tlt_jax.main                                   # this config is the default
   python -m tlt_jax.main --config=configs/tiny.py --config.rollout.speculative=False   # baseline
   python -m tlt_jax.sft --config=configs/tiny.py           # only the SFT warm start
+  python -m tlt_jax.main --config=configs/tiny.py:smoke    # seconds-sized shapes, one RL step
 
 Runs on a 2-core CPU in minutes with no downloads: SFT warm start of a 0.8M-parameter policy
 (unless <workdir>/policy exists), drafter warm-up (unless <workdir>/drafter exists), then GRPO/DAPO
@@ -13,7 +14,8 @@ reasoning RL.
 from tlt_jax import config as config_lib
 
 
-def get_config():
+def get_config(variant: str = ""):
+  """`variant="smoke"`: the same pipeline at seconds-sized shapes (notebook smoke runs, tests)."""
   c = config_lib.base()
   c.workdir = "runs/tiny"
   c.steps = 20
@@ -44,5 +46,9 @@ def get_config():
   c.rl.mini_batches = 4
   c.eval.every = 10  # held-out reward before the first step, at step 10 and at the end
   c.eval.size = 64
+  if variant == "smoke":
+    config_lib.smoke(c)
+  elif variant:
+    raise ValueError(f"configs/tiny.py: unknown variant {variant!r} (known: smoke)")
   c.lock()
   return c

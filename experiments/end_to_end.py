@@ -1,12 +1,17 @@
-"""End to end: RL step time and reward curves of TLT vs the plain-rollout baseline, in one run.
+"""End to end: RL step time and reward curves of TLT vs SD with a frozen drafter vs plain rollouts.
 
-  python experiments/end_to_end.py [--config=configs/tiny.py] [--steps=12] --out=runs/end_to_end
+  python experiments/end_to_end.py [--config=configs/tiny.py] [--config.workdir=runs/tiny] [--steps=6] \
+      --out=runs/end_to_end
 
-Two trainers from the same config (and the same SFT policy and drafter warm-up in the config's
-workdir), one with `rollout.speculative=False`, step alternately in one process, so both see the
-same machine conditions. Writes steps.csv (one row per trainer and step), curves.png (reward and
-step time per step) and summary.json, and prints the summary: the step-time ratio (baseline /
-TLT, first step excluded: it compiles) and the mean reward of each over the run.
+Three trainers from the same config, the same SFT policy and the same warmed-up drafter (the
+config's workdir's, else built into <out>/init), step alternately in one process, so all see the
+same machine conditions (the paper's Fig 11 / Fig 7 arms):
+  tlt       tail SD + bandit, the drafter spot-trained on idle rollout groups;
+  frozen    the same rollouts with `drafter.online=False` (the warm-up drafter never changes);
+  baseline  `rollout.speculative=False`: plain decoding, data-parallel over the same devices.
+Writes steps.csv (one row per trainer and step), curves.png (reward and step time per step) and
+summary.json, and prints the summary: step-time ratios (baseline / arm, first step excluded: it
+compiles) and the mean reward of each over the run.
 """
 
 from __future__ import annotations
@@ -23,14 +28,18 @@ import numpy as np  # pylint: disable=wrong-import-position
 from absl import app, flags  # pylint: disable=wrong-import-position
 from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
+import starting_point  # pylint: disable=wrong-import-position
 from tlt_jax import config as config_lib  # pylint: disable=wrong-import-position
 from tlt_jax.rl.trainer import Trainer  # pylint: disable=wrong-import-position
 
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "..", "configs",
                                                                  "tiny.py"), "Experiment config.")
-_STEPS = flags.DEFINE_integer("steps", 12, "RL steps per trainer.")
+_STEPS = flags.DEFINE_integer("steps", 6, "RL steps per trainer.")
 _OUT = flags.DEFINE_string("out", "runs/end_to_end", "Output directory.")
 
+ARMS = {"tlt": {"rollout.speculative": True, "drafter.online": True},
+        "frozen": {"rollout.speculative": True, "drafter.online": False},
+        "baseline": {"rollout.speculative": False}}
 KEYS = ("reward/mean", "reward/accuracy", "response_length/median", "response_length/max", "time/step_s",
         "time/rollout_s", "time/train_s", "rollout/tail_share", "rollout/accept_len")
 
@@ -40,15 +49,15 @@ def main(argv):
   out = _OUT.value
   os.makedirs(out, exist_ok=True)
   config_lib.setup_devices(_CONFIG.value)
+  policy_dir, drafter_dir = starting_point.policy_and_drafter(_CONFIG.value, out)
   trainers = {}
-  for name, speculative in (("tlt", True), ("baseline", False)):
+  for name, overrides in ARMS.items():
     c = _CONFIG.value.copy_and_resolve_references()
     c.steps = _STEPS.value
-    c.rollout.speculative = speculative
+    c.update_from_flattened_dict(overrides)
     c.checkpoint.every = 10**6  # no checkpoints in a timing run (the final one is written)
-    # Both read the policy and drafter from the config's workdir; each logs into its own.
-    c.policy.path = c.policy.path or os.path.join(c.workdir, "policy")
-    c.drafter.path = c.drafter.path or os.path.join(c.workdir, "drafter")
+    c.eval.every = 0  # nor held-out evaluations (their engine would compile in the first step)
+    c.policy.path, c.drafter.path = policy_dir, drafter_dir  # all start from the same; each logs into its own
     c.workdir = os.path.join(out, name)
     trainers[name] = Trainer(c)
   rows = []
@@ -65,17 +74,20 @@ def main(argv):
     writer.writeheader()
     writer.writerows(rows)
   series = {name: [r for r in rows if r["trainer"] == name] for name in trainers}
-  timed = lambda name, key: float(np.mean([r[key] for r in series[name][1:]]))
+  timed = lambda name, key: float(np.mean([r[key] for r in series[name][1:] or series[name]]))
   summary = {
       "steps": _STEPS.value,
       "step_s": {name: timed(name, "time/step_s") for name in trainers},
       "rollout_s": {name: timed(name, "time/rollout_s") for name in trainers},
-      "step_time_ratio": timed("baseline", "time/step_s") / timed("tlt", "time/step_s"),
-      "rollout_time_ratio": timed("baseline", "time/rollout_s") / timed("tlt", "time/rollout_s"),
+      "step_time_ratio": {name: timed("baseline", "time/step_s") / timed(name, "time/step_s") for name in trainers},
+      "rollout_time_ratio": {name: timed("baseline", "time/rollout_s") / timed(name, "time/rollout_s")
+                             for name in trainers},
       "reward_mean": {name: float(np.mean([r["reward/mean"] for r in series[name]])) for name in trainers},
       "reward_first_last": {name: (series[name][0]["reward/mean"], series[name][-1]["reward/mean"])
                             for name in trainers},
-      "tlt_accept_len": float(np.nanmean([r["rollout/accept_len"] for r in series["tlt"]])),
+      # Over the steps where SD ran (the bandit may play SD off for a whole rollout: 0 there).
+      "accept_len": {name: float(np.mean([r["rollout/accept_len"] for r in series[name] if r["rollout/accept_len"] > 0]
+                                         or [0.0])) for name in ("tlt", "frozen")},
   }
   with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2)

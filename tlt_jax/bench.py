@@ -43,10 +43,10 @@ from tlt_jax.rollout.engine import Engine, EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
 
-_MODEL = flags.DEFINE_string("model", None, "Hugging Face model directory of the target.", required=True)
-_DRAFTER = flags.DEFINE_string("drafter", None, "Drafter directory (train_drafter output) or 'random'.",
-                               required=True)
-_OUTPUT = flags.DEFINE_string("output", None, "Output JSON file (a CSV is written beside it).", required=True)
+# Required only when run as the CLI: experiments import this module for its measuring functions and flags.
+_MODEL = flags.DEFINE_string("model", None, "Hugging Face model directory of the target.")
+_DRAFTER = flags.DEFINE_string("drafter", None, "Drafter directory (train_drafter output) or 'random'.")
+_OUTPUT = flags.DEFINE_string("output", None, "Output JSON file (a CSV is written beside it).")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16", "32"], "Batch sizes.")
 _STRATEGIES = flags.DEFINE_list("strategies", ["4_1_5", "4_2_8", "6_4_16"], "depth_topk_verify strategies.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (0 = greedy).", lower_bound=0.0)
@@ -175,4 +175,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  flags.mark_flags_as_required(["model", "drafter", "output"])
   app.run(main)

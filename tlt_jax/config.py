@@ -155,6 +155,26 @@ def base() -> ml_collections.ConfigDict:
   return c
 
 
+def smoke(c: ml_collections.ConfigDict) -> None:
+  """Seconds-sized shapes (`get_config("smoke")` of a config file): a 2-layer tiny policy, short prompts
+  and responses, one RL step on one device (one rollout group). For notebook smoke runs and tests."""
+  c.steps = 1
+  c.model.hidden_size, c.model.num_layers, c.model.intermediate_size = 32, 2, 64
+  c.mesh.cpu_devices = 1
+  c.task.max_terms = 4
+  c.data.size = 64
+  c.data.max_prompt_len = 64
+  c.sft.num_problems, c.sft.steps, c.sft.batch_rows, c.sft.row_len, c.sft.warmup_steps = 256, 10, 4, 128, 2
+  r = c.rollout
+  r.groups, r.prompts_per_step, r.num_samples, r.max_new_tokens = 1, 1, 2, 24  # batch buckets 1 and 2
+  r.batch_buckets, r.segment_steps, r.kv_block, r.strategies, r.sd_max_batch = 2, 8, 32, "2_1_3", 2
+  d = c.drafter
+  d.warmup_steps, d.batch_rows, d.row_len, d.online_rows_per_device, d.online_warmup_steps, d.solo_steps = \
+      4, 4, 64, 1, 1, 2
+  c.rl.row_len, c.rl.micro_batch_rows, c.rl.mini_batches, c.rl.warmup_steps = 96, 4, 1, 0
+  c.eval.every = 0
+
+
 def ints(text: str) -> tuple[int, ...]:
   return tuple(int(x) for x in text.split(",") if x.strip())
 

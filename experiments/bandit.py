@@ -1,0 +1,81 @@
+"""BEG-MAB vs each fixed strategy vs SD off on long-tail rollouts: `tlt_jax.bench`'s adaptive mode, plotted.
+
+  python experiments/bandit.py [--config=configs/tiny.py] [--config.workdir=runs/tiny] --out=runs/bandit \
+      [--strategies=4_1_5,5_2_8,6_4_16 --rows=64 --repeats=5]   # tlt_jax.bench's flags
+
+The policy and drafter: the config's workdir's, else built into <out>/init. The measurement is
+`tlt_jax.bench.run_adaptive` (the same as `python -m tlt_jax.bench --adaptive`): one rollout of
+--rows problems of the task's own long-tailed difficulty, run with plain decoding, with each
+fixed strategy and with the bandit over SD off + all of them; a warm-up round, then --repeats
+interleaved timed rounds, the median round per mode. Writes bandit.json (bench's records),
+bandit.csv, bandit.png to --out and prints the summary.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
+from absl import app, flags  # pylint: disable=wrong-import-position
+from ml_collections import config_flags  # pylint: disable=wrong-import-position
+
+import starting_point  # pylint: disable=wrong-import-position
+from tlt_jax import bench  # pylint: disable=wrong-import-position
+from tlt_jax.drafter import checkpoint  # pylint: disable=wrong-import-position
+from tlt_jax.models import hf  # pylint: disable=wrong-import-position
+from tlt_jax.rl import datasets  # pylint: disable=wrong-import-position
+from tlt_jax.rollout.speculative import Strategy  # pylint: disable=wrong-import-position
+
+_CONFIG = config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "..", "configs",
+                                                                 "tiny.py"), "Config naming the workdir.")
+_OUT = flags.DEFINE_string("out", "runs/bandit", "Output directory.")
+FLAGS = flags.FLAGS  # tlt_jax.bench's: --strategies, --rows, --sd_max_batch, --repeats, --max_new_tokens, ...
+
+COLUMNS = ("mode", "tokens_per_s", "speedup", "accept_len", "sd_share", "vs_best_fixed", "vs_worst_fixed")
+
+
+def plot(records, path):
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  modes = [r["mode"] for r in records]
+  bars = ax.bar(modes, [r["tokens_per_s"] for r in records],
+                color=["gray"] + ["tab:blue"] * (len(records) - 2) + ["tab:orange"])
+  for bar, r in zip(bars, records):
+    label = f"{r['speedup']:.2f}x" + (f"\nL={r['accept_len']:.2f}" if r["accept_len"] else "")
+    ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+  ax.set(ylabel="tokens/s (whole rollout)", title="BEG-MAB vs fixed strategies vs plain")
+  ax.margins(y=0.2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+
+
+def main(argv):
+  del argv
+  out = _OUT.value
+  os.makedirs(out, exist_ok=True)
+  policy_dir, drafter_dir = starting_point.policy_and_drafter(_CONFIG.value, out)
+  model, tok = hf.from_pretrained(policy_dir), hf.load_tokenizer(policy_dir)
+  drafter = checkpoint.load_drafter(drafter_dir, model.config)
+  prompts = [ex.prompt_ids
+             for ex in datasets.from_tasks(_CONFIG.value.task.family, tok, size=FLAGS.rows, seed=FLAGS.seed)]
+  stop = sorted(set(model.config.stop_token_ids) | {tok.eos_token_id})
+  records = bench.run_adaptive(model, drafter, prompts, [Strategy.parse(s) for s in FLAGS.strategies],
+                               FLAGS.temperature, FLAGS.max_new_tokens, FLAGS.seed, stop, FLAGS.sd_max_batch,
+                               FLAGS.repeats)
+  with open(os.path.join(out, "bandit.json"), "w", encoding="utf-8") as f:
+    json.dump(records, f, indent=2)
+  with open(os.path.join(out, "bandit.csv"), "w", newline="", encoding="utf-8") as f:
+    writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(records)
+  plot(records, os.path.join(out, "bandit.png"))
+  for r in records:
+    print(json.dumps({k: r[k] for k in COLUMNS if k in r}))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,22 @@
+"""The SFT policy and warmed-up drafter an experiment starts from: a workdir's, else built into its --out."""
+
+from __future__ import annotations
+
+import os
+
+from tlt_jax.rl import trainer as trainer_lib
+
+
+def policy_and_drafter(config, out: str) -> tuple[str, str]:
+  """(policy dir, drafter dir): `policy.path` / `drafter.path` when set, else the config's workdir's
+  when its policy is there, else built into <out>/init as the trainer builds them (SFT warm start of
+  the tiny policy, drafter warm-up on its data)."""
+  c = config.copy_and_resolve_references()
+  if not c.policy.path and not os.path.exists(os.path.join(c.workdir, "policy", "config.json")):
+    c.workdir = os.path.join(out, "init")
+  policy_dir = c.policy.path or os.path.join(c.workdir, "policy")
+  drafter_dir = c.drafter.path or os.path.join(c.workdir, "drafter")
+  if not (os.path.exists(os.path.join(policy_dir, "config.json")) and os.path.exists(drafter_dir)):
+    policy, tok = trainer_lib.load_policy(c)
+    trainer_lib.load_drafter(c, policy, tok)
+  return policy_dir, drafter_dir
