@@ -68,7 +68,7 @@ def main(argv):
     records = trainer.run()
   finally:
     trainer.close()
-  if records:
+  if records and trainer.metrics is not None:  # process 0 of several
     first, last = records[0], records[-1]
     print(json.dumps({"steps": trainer.step, "reward_first": first["reward/mean"], "reward_last": last["reward/mean"],
                       "metrics": trainer.metrics.path}, indent=2))

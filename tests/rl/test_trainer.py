@@ -49,6 +49,29 @@ def _config(workdir, steps, cache_dir):
   return c
 
 
+def _tlt_config(workdir, steps, cache_dir, drafter_path):
+  """TLT on 2 rollout groups; the drafter at `drafter_path` (warmed up on the tiny task if absent)."""
+  c = _config(workdir, steps, cache_dir)
+  c.rollout.speculative = True
+  c.rollout.groups = 2
+  c.rollout.strategies = "2_1_3"
+  c.rollout.sd_max_batch = 4
+  c.drafter.path = str(drafter_path)
+  c.drafter.warmup_steps = 4
+  c.drafter.row_len = 64
+  c.drafter.online_rows_per_device = 1
+  c.drafter.online_warmup_steps = 1
+  c.checkpoint.every = 1
+  return c
+
+
+def _link_policy(workdir, policy_dir):
+  """A random policy's drafter warm-up needs the tiny world's tokenizer: the policy goes where the
+  trainer looks for the tiny one (config.policy.path stays empty)."""
+  os.makedirs(workdir, exist_ok=True)
+  os.symlink(policy_dir, os.path.join(workdir, "policy"))
+
+
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
   """A random tiny policy saved where the trainer looks for it (no SFT)."""
@@ -94,22 +117,8 @@ def test_resume_continues_exactly(tmp_path, policy_dir):
 
 
 def test_tlt_step_trains_the_drafter_on_idle_groups_and_checkpoints_it(tmp_path, policy_dir):
-  c = _config(tmp_path / "tlt", 2, tmp_path / "xla_cache")
-  c.policy.path = policy_dir
-  c.rollout.speculative = True
-  c.rollout.groups = 2
-  c.rollout.strategies = "2_1_3"
-  c.rollout.sd_max_batch = 4
-  c.drafter.path = str(tmp_path / "drafter")  # absent: warmed up on the tiny task, then saved there
-  c.drafter.warmup_steps = 4
-  c.drafter.row_len = 64
-  c.drafter.online_rows_per_device = 1
-  c.drafter.online_warmup_steps = 1
-  c.checkpoint.every = 1
-  # A random policy's drafter warm-up needs the tiny world's tokenizer; policy.path holds it.
-  c.policy.path = ""
-  os.makedirs(tmp_path / "tlt", exist_ok=True)
-  os.symlink(policy_dir, tmp_path / "tlt" / "policy")
+  c = _tlt_config(tmp_path / "tlt", 2, tmp_path / "xla_cache", tmp_path / "drafter")
+  _link_policy(tmp_path / "tlt", policy_dir)
   trainer = Trainer(c, devices=jax.devices()[:2])
   try:
     records = trainer.run()
