@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import ml_collections
@@ -34,8 +35,11 @@ def _overrides(config, base, prefix="--config."):
   return out
 
 
-def _launch(config, processes=2):
-  """`python -m tlt_jax.main` in `processes` processes of 8 / `processes` CPU devices; their logs."""
+def _launch(config, logdir, processes=2, timeout_s=600):
+  """`python -m tlt_jax.main` in `processes` processes of 8 / `processes` CPU devices; their logs.
+
+  A process that fails takes the others down at once (they would wait for it until jax.distributed
+  times out)."""
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
@@ -44,11 +48,23 @@ def _launch(config, processes=2):
   flags = _overrides(config, tiny.get_config()) + [
       "--config.distributed.enabled=True", f"--config.distributed.coordinator_address=localhost:{port}",
       f"--config.distributed.num_processes={processes}", f"--config.mesh.cpu_devices={8 // processes}"]
-  procs = [subprocess.Popen([sys.executable, "-m", "tlt_jax.main", *flags, f"--config.distributed.process_id={i}"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(processes)]
-  logs = [p.communicate(timeout=600)[0] for p in procs]
-  report = "".join(f"\n--- process {i} exited {p.returncode}:\n{log[-12000:]}" for i, (p, log) in enumerate(zip(procs, logs)))
+  paths = [os.path.join(logdir, f"process_{i}.log") for i in range(processes)]
+  procs = []
+  for i, path in enumerate(paths):
+    with open(path, "w", encoding="utf-8") as log:
+      procs.append(subprocess.Popen([sys.executable, "-m", "tlt_jax.main", *flags, f"--config.distributed.process_id={i}"],
+                                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+  deadline = time.monotonic() + timeout_s
+  while any(p.poll() is None for p in procs):
+    if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+      for p in procs:
+        p.kill()
+    time.sleep(0.2)
+  logs = []
+  for path in paths:
+    with open(path, encoding="utf-8") as f:
+      logs.append(f.read())
+  report = "".join(f"\n--- process {i} exited {p.returncode}:\n{log[-6000:]}" for i, (p, log) in enumerate(zip(procs, logs)))
   assert all(p.returncode == 0 for p in procs), report
   return logs
 
@@ -60,12 +76,12 @@ def test_two_processes_match_one(tmp_path, policy_dir):
   c = _tlt_config(two, 2, cache, drafter)
   c.seed = 1  # a random policy ends some responses early in both steps: rewards differ, gradients flow
   c.rl.micro_batch_rows = 8  # the 2-process update splits each micro-batch over the 8 devices
-  _launch(c)  # process 0 warms the drafter up while process 1 waits, then both run 2 steps
+  _launch(c, tmp_path)  # process 0 warms the drafter up while process 1 waits, then both run 2 steps
   records = metrics.read(str(two / "metrics.jsonl"))  # process 0's alone
   assert [r["step"] for r in records] == [1, 2] and all(r["spot/groups"] == 2 for r in records)
   assert records[-1]["drafter/version"] >= 1 and sorted(os.listdir(two / "checkpoints")) == ["1", "2"]
   os.rename(two / "export", tmp_path / "export")
-  logs = _launch(c)  # a fresh 2-process run restores step 2 (drafter and bandits too) and exports it again
+  logs = _launch(c, tmp_path)  # a fresh 2-process run restores step 2 (drafter and bandits too) and exports it again
   assert all("resumed from" in log and "at step 2" in log for log in logs)
   for part in ("policy/model.safetensors", "drafter/model.safetensors"):
     with open(two / "export" / part, "rb") as f, open(tmp_path / "export" / part, "rb") as g:
