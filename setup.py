@@ -32,7 +32,7 @@ setup(
         # torch is only used to build reference models with `transformers` in tests. Install the
         # CPU wheel first (`pip install torch==2.13.0`); this range is then already satisfied and
         # pip never pulls a CUDA build.
-        "test": ["pytest>=8", "scipy>=1.11", "torch>=2.4,<3"],
+        "test": ["pytest>=8", "scipy>=1.11", "torch>=2.4,<3", "hypothesis>=6.100,<7"],
         "gpu": ["jax[cuda12]"],
         "notebooks": ["jupyter", "nbclient>=0.10", "matplotlib>=3.8"],
     },

@@ -42,5 +42,7 @@ def get_config():
   c.rl.learning_rate = 1e-4
   c.rl.warmup_steps = 10
   c.rl.mini_batches = 4
+  c.eval.every = 10  # held-out reward before the first step, at step 10 and at the end
+  c.eval.size = 64
   c.lock()
   return c

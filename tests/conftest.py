@@ -1,4 +1,5 @@
-"""Shared fixtures: 8 simulated CPU devices and tiny random Hugging Face models of each family."""
+"""Shared fixtures: 8 simulated CPU devices, tiny random Hugging Face models of each family, and a
+hard-shrunk tiny RL config with its random policy and one compilation cache (trainer and CLI tests)."""
 
 import os
 
@@ -12,6 +13,7 @@ import functools  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 from tlt_jax.models import transformer  # noqa: E402
 
@@ -27,6 +29,11 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
 }
 VOCAB = 96
+
+# Property-based tests try the same examples on every run (reproducible CI), with no per-example
+# deadline (the machine is shared) and no example database written into the tree.
+settings.register_profile("tlt", deadline=None, derandomize=True, database=None)
+settings.load_profile("tlt")
 
 
 def build_hf_model(family: str, seed: int = 0):
@@ -79,3 +86,58 @@ def jit_decode(graphdef, state, tokens, cache):
 @functools.partial(jax.jit, static_argnums=0)
 def jit_verify(graphdef, state, tokens, positions, mask, cache):
   return transformer.verify(nnx.merge(graphdef, state), tokens, positions, mask, cache)
+
+
+def tiny_rl_config(workdir, steps: int, cache_dir):
+  """configs/tiny.py shrunk to about a second a step: a 2-layer policy, 2 prompts x 4 samples, the
+  plain rollout baseline on one group, a held-out evaluation every 2 steps. Set `policy.path` to
+  `tiny_policy_dir`."""
+  from configs import tiny
+  c = tiny.get_config()
+  c.unlock()
+  c.workdir = str(workdir)
+  c.steps = steps
+  c.model.hidden_size, c.model.num_layers, c.model.intermediate_size = 32, 2, 64
+  c.data.size = 64
+  c.data.max_prompt_len = 64
+  c.rollout.speculative = False
+  c.rollout.prompts_per_step = 2
+  c.rollout.num_samples = 4
+  c.rollout.max_new_tokens = 24
+  c.rollout.batch_buckets = 8
+  c.rollout.segment_steps = 8
+  c.rollout.kv_block = 32
+  c.rollout.compilation_cache_dir = str(cache_dir)
+  c.rl.row_len = 96
+  c.rl.micro_batch_rows = 4
+  c.rl.learning_rate = 1e-2
+  c.rl.dynamic_sampling = False
+  # A random policy never answers right; the overlong penalty makes rewards differ within a group.
+  c.rl.overlong_buffer = 24
+  c.checkpoint.every = 2
+  c.rollout.groups = 1
+  c.rl.mini_batches = 2
+  c.eval.every = 2
+  c.eval.size = 3
+  c.eval.num_samples = 2
+  return c
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory):
+  """A random tiny policy (`tiny_rl_config`'s shape) saved as a Hugging Face directory (no SFT)."""
+  from tlt_jax import sft
+  from tlt_jax.models import hf
+  from tlt_jax.rl import tokenizer as tokenizer_lib
+  c = tiny_rl_config("unused", 0, "unused")
+  tok = tokenizer_lib.build_tokenizer(c.model.max_position_embeddings)
+  path = tmp_path_factory.mktemp("policy")
+  hf.save_pretrained(sft.build_policy(c, tok), str(path), tokenizer=tok)
+  return str(path)
+
+
+@pytest.fixture(scope="session")
+def xla_cache(tmp_path_factory):
+  """One persistent compilation cache for the tiny trainer's tests (subprocesses included): the
+  same executables compile once per session."""
+  return str(tmp_path_factory.mktemp("xla_cache"))

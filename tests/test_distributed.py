@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from configs import tiny
-from tests.rl.test_trainer import _link_policy, _tlt_config, policy_dir  # noqa: F401 (the shared random policy)
+from tests.conftest import tiny_rl_config
 from tlt_jax import metrics
 from tlt_jax.models import hf
 from tlt_jax.rl.trainer import Trainer
@@ -69,26 +69,46 @@ def _launch(config, logdir, processes=2, timeout_s=600):
   return logs
 
 
-def test_two_processes_match_one(tmp_path, policy_dir):
-  cache, drafter, two, one = tmp_path / "xla_cache", tmp_path / "drafter", tmp_path / "two", tmp_path / "one"
-  _link_policy(two, policy_dir)
-  _link_policy(one, policy_dir)
-  c = _tlt_config(two, 2, cache, drafter)
+def _tlt_config(workdir, policy_dir, cache_dir, drafter_path):
+  """The trainer tests' tiny run with TLT on 2 rollout groups (one per process), 2 steps."""
+  c = tiny_rl_config(workdir, 2, cache_dir)
+  c.rollout.speculative = True
+  c.rollout.groups = 2
+  c.rollout.strategies = "2_1_3"
+  c.rollout.sd_max_batch = 4
+  c.drafter.path = str(drafter_path)  # absent at first: warmed up on the tiny task
+  c.drafter.warmup_steps = 4
+  c.drafter.row_len = 64
+  c.drafter.online_rows_per_device = 1
+  c.drafter.online_warmup_steps = 1
+  c.checkpoint.every = 1
+  c.eval.every = 0  # held-out evaluation is single-process only
   c.seed = 1  # a random policy ends some responses early in both steps: rewards differ, gradients flow
   c.rl.micro_batch_rows = 8  # the 2-process update splits each micro-batch over the 8 devices
+  # The drafter warm-up needs the tiny world's tokenizer: the policy goes where the trainer looks
+  # for the tiny one (policy.path stays empty).
+  os.makedirs(workdir, exist_ok=True)
+  os.symlink(policy_dir, os.path.join(workdir, "policy"))
+  return c
+
+
+def test_two_processes_match_one(tmp_path, tiny_policy_dir, xla_cache):
+  drafter, two, one = tmp_path / "drafter", tmp_path / "two", tmp_path / "one"
+  c = _tlt_config(two, tiny_policy_dir, xla_cache, drafter)
   _launch(c, tmp_path)  # process 0 warms the drafter up while process 1 waits, then both run 2 steps
   records = metrics.read(str(two / "metrics.jsonl"))  # process 0's alone
   assert [r["step"] for r in records] == [1, 2] and all(r["spot/groups"] == 2 for r in records)
   assert records[-1]["drafter/version"] >= 1 and sorted(os.listdir(two / "checkpoints")) == ["1", "2"]
   os.rename(two / "export", tmp_path / "export")
-  logs = _launch(c, tmp_path)  # a fresh 2-process run restores step 2 (drafter and bandits too) and exports it again
+  # A fresh 2-process run restores step 2 (drafter and bandits too) and exports it again.
+  logs = _launch(c, tmp_path)
   assert all("resumed from" in log and "at step 2" in log for log in logs)
   for part in ("policy/model.safetensors", "drafter/model.safetensors"):
     with open(two / "export" / part, "rb") as f, open(tmp_path / "export" / part, "rb") as g:
       assert f.read() == g.read(), part
 
-  c.workdir = str(one)
-  trainer = Trainer(c)  # 1 process, all 8 devices, the same rollout groups
+  # 1 process, all 8 devices, the same rollout groups.
+  trainer = Trainer(_tlt_config(one, tiny_policy_dir, xla_cache, drafter))
   try:
     reference = trainer.run()
     params = trainer.actor.params

@@ -1,7 +1,11 @@
 """Packing (prompt, response) sequences into rows: layout, truncation or dropping, isolation masks."""
 
+import re
+
 import numpy as np
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from tlt_jax import packing
 
@@ -40,3 +44,43 @@ def test_segment_mask_is_causal_within_samples():
   mask = np.asarray(packing.segment_mask(np.asarray([[1, 1, 2, 2, 0]])))[0]
   expected = np.asarray([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 0, 1]], bool)
   np.testing.assert_array_equal(mask, expected)
+
+
+# ---- property-based: random sequences and row lengths ----
+
+token_lists = lambda max_size: st.lists(st.integers(1, 50_000), max_size=max_size)
+
+
+@settings(max_examples=150)
+@given(st.lists(st.tuples(token_lists(12), token_lists(12)), min_size=1, max_size=12), st.integers(-1, 24),
+       st.booleans())
+def test_fuzz_every_token_lands_once_in_its_own_segment(sequences, row_len, truncate):
+  if row_len < 2:
+    with pytest.raises(ValueError, match=f"row_len must be at least 2, got {row_len}"):
+      packing.pack(sequences, row_len, truncate)
+    event("rejected: row_len < 2")
+    return
+  kept = {number: (p + r)[:row_len] for number, (p, r) in enumerate(sequences, 1)
+          if len(p) < row_len and r and (truncate or len(p) + len(r) <= row_len)}
+  if not kept:
+    with pytest.raises(ValueError, match=re.escape(f"row_len={row_len}")):
+      packing.pack(sequences, row_len, truncate, index=True)
+    event("rejected: nothing fits")
+    return
+  tokens, positions, segments, loss_mask, index = packing.pack(sequences, row_len, truncate, index=True)
+  found = {}
+  for r in range(tokens.shape[0]):
+    assert (np.diff(segments[r][segments[r] > 0]) >= 0).all() and (segments[r] > 0).any()  # no empty rows
+    for seg in np.unique(segments[r][segments[r] > 0]):
+      slots = np.flatnonzero(segments[r] == seg)
+      np.testing.assert_array_equal(slots, slots[0] + np.arange(len(slots)))  # contiguous: segments never mix
+      number = index[r, slots[0]]
+      assert (index[r, slots] == number).all() and number not in found  # one sequence, placed once
+      found[number] = tokens[r, slots].tolist()
+      np.testing.assert_array_equal(positions[r, slots], np.arange(len(slots)))  # positions restart
+      prompt_len = len(sequences[number - 1][0])
+      np.testing.assert_array_equal(loss_mask[r, slots], np.arange(len(slots)) >= prompt_len)
+    pad = segments[r] == 0
+    assert not (tokens[r, pad].any() or positions[r, pad].any() or loss_mask[r, pad].any() or index[r, pad].any())
+  assert found == kept
+  event("packed, some dropped" if len(kept) < len(sequences) else "packed, all kept")

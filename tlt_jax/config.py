@@ -139,6 +139,15 @@ def base() -> ml_collections.ConfigDict:
   c.rl.dynamic_sampling = True  # drop groups whose rewards are all equal
   c.rl.overlong_filter = False  # truncated responses do not enter the loss
   c.rl.overlong_buffer = 0  # DAPO soft overlong penalty over the last this-many tokens (0: off)
+  # Updates with a non-finite loss or gradient are skipped; this many in a row stop the run (diverged).
+  c.rl.max_skipped_updates = 3
+
+  # Held-out evaluation: the same prompts and sampling keys every time, so evaluations compare.
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every = 0  # > 0: before the first step, every this many steps and after the last (0: off)
+  c.eval.path = ""  # held-out prompt file; "" = eval.size procedural problems of another seed
+  c.eval.size = 128  # prompts (the first this many of eval.path)
+  c.eval.num_samples = 4  # responses per prompt, sampled like the rollout's
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 5  # steps
@@ -154,39 +163,90 @@ def strategies(config) -> tuple[Strategy, ...]:
   return tuple(Strategy.parse(s.strip()) for s in config.rollout.strategies.split(",") if s.strip())
 
 
+# Smallest valid value of each numeric key ('>' where a key must be strictly above it); NaN fails too.
+_AT_LEAST = {
+    "steps": 0, "mesh.cpu_devices": 0, "mesh.device_memory_gb": 0, "mesh.dry_run_devices": 1,
+    "model.vocab_size": 0, "model.hidden_size": 1, "model.num_layers": 1, "model.num_heads": 1,
+    "model.num_kv_heads": 1, "model.head_dim": 1, "model.intermediate_size": 1, "model.max_position_embeddings": 1,
+    "task.min_terms": 1, "data.size": 1, "data.max_prompt_len": 1,
+    "sft.num_problems": 1, "sft.steps": 0, "sft.batch_rows": 1, "sft.row_len": 2, "sft.learning_rate": 0,
+    "sft.warmup_steps": 0, "sft.weight_decay": 0, "sft.eval_size": 0, "sft.eval_max_new_tokens": 1,
+    "rollout.prompts_per_step": 1, "rollout.num_samples": 1, "rollout.temperature": 0, "rollout.top_k": 0,
+    "rollout.max_new_tokens": 1, "rollout.groups": 1, "rollout.segment_steps": 1, "rollout.kv_block": 1,
+    "rollout.sd_max_batch": 1, "rollout.bandit_epsilon": 0, "rollout.bandit_window": 1,
+    "drafter.warmup_steps": 0, "drafter.learning_rate": 0, "drafter.batch_rows": 1, "drafter.row_len": 2,
+    "drafter.online_learning_rate": 0, "drafter.online_warmup_steps": 0, "drafter.online_rows_per_device": 1,
+    "drafter.solo_steps": 0, "drafter.buffer_pairs": 1,
+    "rl.learning_rate": 0, "rl.warmup_steps": 0, "rl.weight_decay": 0, "rl.mini_batches": 1, "rl.max_skipped_updates": 1,
+    "rl.micro_batch_rows": 1, "rl.row_len": 2, "rl.logits_chunk": 1, "rl.attention_block": 0, "rl.clip_low": 0,
+    "rl.clip_high": 0, "rl.kl_coef": 0, "rl.overlong_buffer": 0, "eval.every": 0, "eval.size": 1, "eval.num_samples": 1,
+    "checkpoint.every": 1, "checkpoint.keep": 1,
+}
+_ABOVE = {"model.rope_theta": 0, "task.tail_alpha": 0, "rollout.top_p": 0, "rl.max_grad_norm": 0}
+_AT_MOST = {"rollout.top_p": 1, "rollout.bandit_epsilon": 1}
+_CHOICES = {
+    "policy.dtype": ("float32", "bfloat16"),
+    "data.reward": tuple(sorted(rewards.REWARDS)),
+    "kernels.attention": tree_attention.IMPLEMENTATIONS,
+    "rl.loss_aggregation": grpo.AGGREGATIONS,
+}
+
+
 def check(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the first bad key."""
   def need(ok: bool, key: str, why: str):
     if not ok:
       raise ValueError(f"config.{key}={config_value(config, key)!r}: {why}")
-  need(config.steps >= 0, "steps", "must be >= 0")
-  need(config.policy.dtype in ("float32", "bfloat16"), "policy.dtype", "must be float32 or bfloat16")
-  need(config.data.reward in rewards.REWARDS, "data.reward", f"must be one of {sorted(rewards.REWARDS)}")
-  need(config.rollout.num_samples >= 1, "rollout.num_samples", "must be >= 1")
-  need(config.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
-  need(config.rollout.temperature >= 0, "rollout.temperature", "must be >= 0")
+  for key, value in leaves(config):
+    need(value is not None, key, "must be set")
+  for key, low in _AT_LEAST.items():
+    need(config_value(config, key) >= low, key, f"must be >= {low}")
+  for key, low in _ABOVE.items():
+    need(config_value(config, key) > low, key, f"must be > {low}")
+  for key, high in _AT_MOST.items():
+    need(config_value(config, key) <= high, key, f"must be <= {high}")
+  for key, choices in _CHOICES.items():
+    need(config_value(config, key) in choices, key, f"must be one of {choices}")
+  for key in ("mesh.data", "mesh.fsdp", "mesh.tensor"):
+    need(config_value(config, key) == -1 or config_value(config, key) >= 1, key, "must be >= 1, or -1 (the rest)")
+  need(config.model.num_heads % config.model.num_kv_heads == 0, "model.num_heads",
+       "must be a multiple of model.num_kv_heads")
+  need(config.task.max_terms >= config.task.min_terms, "task.max_terms", "must be >= task.min_terms")
   b = config.rollout.batch_buckets
   need(b >= 1 and b & (b - 1) == 0, "rollout.batch_buckets", "must be a power of two")
   try:
-    strategies(config)
+    named = strategies(config)
   except ValueError as e:
     raise ValueError(f"config.rollout.strategies={config.rollout.strategies!r}: {e}") from None
+  need(named or not config.rollout.speculative, "rollout.strategies",
+       "must name at least one strategy when rollout.speculative (False: the plain baseline)")
   for key in ("rollout.bandit_thresholds", "drafter.feature_layers"):
     try:
       ints(config_value(config, key))
     except ValueError:
       raise ValueError(f"config.{key}={config_value(config, key)!r}: must be comma-separated integers") from None
-  need(config.kernels.attention in tree_attention.IMPLEMENTATIONS, "kernels.attention",
-       f"must be one of {tree_attention.IMPLEMENTATIONS}")
-  need(config.rl.loss_aggregation in grpo.AGGREGATIONS, "rl.loss_aggregation", f"must be one of {grpo.AGGREGATIONS}")
-  need(config.rl.mini_batches >= 1, "rl.mini_batches", "must be >= 1")
-  need(config.rl.micro_batch_rows >= 1, "rl.micro_batch_rows", "must be >= 1")
+  layers = list(ints(config.drafter.feature_layers))
+  need(not layers or (len(layers) == 3 and layers == sorted(set(layers)) and layers[0] >= 0), "drafter.feature_layers",
+       "EAGLE-3 needs three increasing target layers (low,mid,high), or none")
+  thresholds = ints(config.rollout.bandit_thresholds)
+  need(thresholds[:1] == (1,) and all(a < b for a, b in zip(thresholds, thresholds[1:])), "rollout.bandit_thresholds",
+       "must increase from 1")
   need(config.rl.row_len >= config.data.max_prompt_len + config.rollout.max_new_tokens, "rl.row_len",
        "must hold data.max_prompt_len + rollout.max_new_tokens")
-  need(0 <= config.rl.clip_low < 1 and config.rl.clip_high >= 0, "rl.clip_low", "need 0 <= clip_low < 1, clip_high >= 0")
+  need(config.rl.clip_low < 1, "rl.clip_low", "must be < 1")
   need(not config.rl.attention_block or config.rl.row_len % config.rl.attention_block == 0, "rl.attention_block",
        "must divide rl.row_len")
-  need(config.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
+  need(not config.eval.every or config.eval.path or not config.data.path, "eval.path",
+       "needs a held-out prompt file when data.path is set and eval.every > 0")
+
+
+def leaves(config, prefix=""):
+  """(dotted key, value) of every leaf."""
+  for key, value in config.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      yield from leaves(value, f"{prefix}{key}.")
+    else:
+      yield prefix + key, value
 
 
 def config_value(config, key: str):

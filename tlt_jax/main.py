@@ -6,18 +6,25 @@
 
 Every key is listed with its default in tlt_jax/config.py; an unknown or ill-typed key is
 rejected with its name. Resumes from <workdir>/checkpoints when there are any.
+
+SIGTERM or Ctrl-C: the step in flight finishes, a checkpoint is written, and the run exits 0
+saying where it stopped and how to resume; a second signal abandons the step (the run resumes
+from the last checkpoint). A killed run resumes from its newest complete checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
+import signal
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from tlt_jax import config as config_lib
+from tlt_jax import metrics
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.py")
 
@@ -34,7 +41,7 @@ try:  # the default config is loaded, and command-line overrides applied, right 
   _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Experiment config file (get_config()).")
 except (KeyError, AttributeError) as error:
   raise _unknown_key(error, sys.argv) from None
-except flags.Error as error:  # an ill-typed override of the default config
+except (flags.Error, ValueError) as error:  # an ill-typed override of the default config, or an unparsable key
   raise SystemExit(f"FATAL {error}") from None
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Same as --config.dry_run=True.")
 
@@ -44,6 +51,28 @@ class _QuietOrbax(logging.logging.Filter):
 
   def filter(self, record):
     return record.levelno >= logging.logging.WARNING or "orbax" not in record.pathname
+
+
+class _StopSignal:
+  """SIGTERM / SIGINT handler: the first asks the trainer to stop after the step in flight, a second
+  abandons it: the process exits at once, as if killed (an exception raised from a handler can land
+  in a finalizer and be swallowed), and a restart redoes the step from the last complete checkpoint."""
+
+  def __init__(self, checkpoints: str, resume: str):
+    self.reason: str | None = None
+    self.checkpoints, self.resume = checkpoints, resume
+
+  def __call__(self, signum, frame):
+    del frame
+    name = signal.Signals(signum).name
+    if self.reason is None:
+      self.reason = name
+      logging.warning("%s: stopping after the step in flight, then writing a checkpoint (send it again to abandon "
+                      "the step)", name)
+      return
+    print(f"{name} again: abandoned the step in flight; resume with: {self.resume} (it continues from the newest "
+          f"complete checkpoint in {self.checkpoints})", file=sys.stderr, flush=True)
+    os._exit(128 + signum)  # pylint: disable=protected-access
 
 
 def main(argv):
@@ -62,16 +91,30 @@ def main(argv):
     from tlt_jax import dry_run  # pylint: disable=import-outside-toplevel
     print(json.dumps(dry_run.run(config), indent=2))
     return
-  from tlt_jax.rl.trainer import Trainer  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rl.trainer import NonFiniteUpdates, Trainer  # pylint: disable=import-outside-toplevel
+  resume = shlex.join(["python", "-m", "tlt_jax.main", *sys.argv[1:]])
+  stop = _StopSignal(os.path.join(os.path.abspath(config.workdir), "checkpoints"), resume)
+  for signum in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(signum, stop)
   trainer = Trainer(config)
   try:
-    records = trainer.run()
+    records = trainer.run(stop=lambda: stop.reason)
+  except NonFiniteUpdates as e:
+    raise SystemExit(f"FATAL {e}") from None
   finally:
     trainer.close()
+  if trainer.stopped:
+    print(f"stopped by {trainer.stopped} after step {trainer.step} of {config.steps}; checkpoint "
+          f"{trainer.checkpoint_path}; resume with: {resume}")
+    return
   if records and trainer.metrics is not None:  # process 0 of several
     first, last = records[0], records[-1]
-    print(json.dumps({"steps": trainer.step, "reward_first": first["reward/mean"], "reward_last": last["reward/mean"],
-                      "metrics": trainer.metrics.path}, indent=2))
+    summary = {"steps": trainer.step, "reward_first": first["reward/mean"], "reward_last": last["reward/mean"]}
+    evals = [r for r in metrics.read(trainer.metrics.path) if "eval/reward" in r]
+    if evals:  # the held-out reward over the whole run, resumed parts included
+      summary.update(eval_reward_first=evals[0]["eval/reward"], eval_reward_last=evals[-1]["eval/reward"],
+                     eval_steps=[r["step"] for r in evals])
+    print(json.dumps({**summary, "metrics": trainer.metrics.path}, indent=2))
 
 
 def _parse_flags(argv):
@@ -79,7 +122,7 @@ def _parse_flags(argv):
     return flags.FLAGS(argv)
   except (KeyError, AttributeError) as e:  # overrides of a --config=FILE are applied here
     raise _unknown_key(e, argv) from None
-  except flags.Error as e:
+  except (flags.Error, ValueError) as e:
     raise SystemExit(f"FATAL {e}") from None
 
 

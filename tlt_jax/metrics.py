@@ -14,8 +14,10 @@ from tensorboardX import SummaryWriter
 
 
 def read(path: str) -> list[dict]:
+  """The records; a last line cut short (a run killed while writing it) is dropped."""
   with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
+    lines = f.read().split("\n")  # the last item is "" when the file ends with a newline
+  return [json.loads(line) for line in lines[:-1] if line.strip()]
 
 
 class Writer:

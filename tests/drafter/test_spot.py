@@ -1,5 +1,5 @@
 """Spot trainer on 8 simulated devices in 4 groups with skewed lengths: who trains, when it stops,
-one merged drafter, versions, losslessness, async selective checkpoints."""
+one merged drafter, versions, losslessness, async selective checkpoints, non-finite drafters."""
 
 import jax
 import numpy as np
@@ -85,12 +85,31 @@ def test_idle_groups_train_one_drafter_losslessly(policy, tmp_path):
     trainer.load_state_dict({"params": tree["params"]}, meta)
 
 
-def test_one_group_trains_in_the_gap(policy):
+def test_one_group_trains_in_the_gap_and_a_non_finite_drafter_is_restored(policy, caplog):
   trainer = SpotTrainer(policy, Drafter(CFG, rngs=nnx.Rngs(1)), ENGINE, SAMPLING, jax.devices()[:2], 1,
                         DataBuffer(BufferConfig(eval_every=0)), SpotConfig(rows_per_device=1, row_len=32, solo_steps=3))
   prompts, limits = prompts_and_limits(0)
-  _, metrics = trainer.rollout(prompts[:2], 1, [len(p) + 10 for p in prompts[:2]])
+  prompts, limits = prompts[:2], [len(p) + 10 for p in prompts[:2]]
+  first, metrics = trainer.rollout(prompts, 1, limits)
   assert metrics["drafter/steps"] == 3 and metrics["spot/train_rounds"] == 0 and metrics["spot/gap_s"] > 0
   assert metrics["spot/idle_device_s"] == 0 and metrics["drafter/version"] == 1
+  assert metrics["drafter/restored"] == 0
   with pytest.raises(ValueError, match="8 devices do not split into groups=3"):
     SpotTrainer(policy, Drafter(CFG, rngs=nnx.Rngs(1)), ENGINE, SAMPLING, jax.devices(), 3, DataBuffer())
+
+  # NaN drafter params in the engine: the rollout goes on without the drafter (same samples), then
+  # the last finite drafter (version 1) is restored and pushed; a checkpoint with NaN is refused.
+  good = jax.tree.map(np.asarray, trainer.params)
+  nan = lambda tree: jax.tree.map(lambda x: np.full(x.shape, np.nan, x.dtype), tree)
+  trainer.engines[0].set_drafter_params(nan(trainer.engines[0].drafter_params))
+  with caplog.at_level("WARNING"):
+    again, metrics = trainer.rollout(prompts, 1, limits)
+  assert tokens(again) == tokens(first)
+  assert metrics["drafter/restored"] == 1 and metrics["drafter/version"] == 1
+  assert "restored its last finite state (version 1)" in caplog.text
+  for tree in (trainer.params, trainer.engines[0].drafter_params):
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, tree), good)
+  tree, meta = trainer.state_dict()
+  trainer.load_state_dict({"params": nan(tree["params"]), "opt_state": tree["opt_state"]}, {**meta, "version": 9})
+  assert trainer.version == 1
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, trainer.engines[0].drafter_params), good)

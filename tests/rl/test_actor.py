@@ -57,3 +57,20 @@ def test_micro_batching_remat_and_query_blocks_do_not_change_the_update(hf_dirs)
     for k in ("loss", "clip_frac", "entropy", "grad_norm"):
       np.testing.assert_allclose(stats[k], ref_stats[k], rtol=1e-5)
   assert ref_stats["grad_norm"] > 0 and 0 < ref_stats["clip_frac"] < 1
+
+
+def test_a_non_finite_gradient_leaves_params_and_optimizer_state_alone(hf_dirs):
+  """The update step itself (a NaN loss is skipped before it: tests/rl/test_trainer.py)."""
+  actor = actor_lib.Actor(hf.from_pretrained(hf_dirs["qwen3"][0]), optax.adam(0.1), micro_batch_rows=4,
+                          clip_low=0.2, clip_high=0.28)
+  before = jax.tree.map(np.asarray, (actor.params, actor.opt_state))
+  grads = jax.tree.map(lambda x: np.full(x.shape, 0.5, x.dtype), actor.params)
+  leaf = jax.tree.leaves(grads)[0]
+  leaf.flat[0] = np.inf
+  actor.params, actor.opt_state, norm = actor._apply(actor.params, actor.opt_state, grads)
+  assert not np.isfinite(norm)
+  after = jax.tree.map(np.asarray, (actor.params, actor.opt_state))
+  assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), before, after)))
+  leaf.flat[0] = 0.5
+  actor.params, actor.opt_state, norm = actor._apply(actor.params, actor.opt_state, grads)
+  assert np.isfinite(norm) and not np.array_equal(jax.tree.leaves(actor.params)[0], jax.tree.leaves(before[0])[0])

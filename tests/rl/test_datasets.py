@@ -1,11 +1,15 @@
 """Tests for tlt_jax/rl/datasets.py."""
 
+import collections
 import json
 import logging
+import string
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from tlt_jax.rl import datasets
 from tlt_jax.rl import rewards
@@ -176,3 +180,109 @@ def test_rows_the_chat_template_rejects_are_skipped(tmp_path):
   dataset = datasets.from_file(_write_jsonl(tmp_path / "d.jsonl", VERL_ROWS), strict)
   assert dataset.skipped == {"template_error": 1}
   assert [e.prompt for e in dataset] == ["Half of 1?"]
+
+
+# ---- property-based: random mixes of good and malformed rows ----
+
+FUZZ_MAX_PROMPT_LEN = 100
+text = st.text(string.ascii_letters + string.digits + " +-*/=?.", min_size=1, max_size=30).filter(str.strip)
+messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user"]), "content": text}),
+                    min_size=1, max_size=2)
+answers = st.one_of(text, st.integers(-10**30, 10**30), st.floats(allow_nan=False, allow_infinity=False))
+
+
+@st.composite
+def jsonl_line(draw):
+  """(line bytes, reason it is skipped for, or None for a good row, or "" for a blank line)."""
+  prompt_key = draw(st.sampled_from(["prompt", "question", "problem"]))
+  row = {prompt_key: draw(text | messages)}
+  if draw(st.booleans()):
+    row["reward_model"] = {"ground_truth": draw(text), "style": "rule"}
+  else:
+    row[draw(st.sampled_from(["ground_truth", "answer", "solution"]))] = draw(answers)
+  gt_keys = [k for k in row if k != prompt_key]
+  good = json.dumps(row).encode()
+  reason = draw(st.sampled_from([None, None, None, "", "bad_json", "missing_prompt", "bad_prompt", "empty_prompt",
+                                 "missing_ground_truth", "bad_ground_truth", "prompt_too_long"]))
+  if reason == "":
+    return draw(st.sampled_from([b"", b"  ", b"\t"])), reason
+  if reason == "bad_json":
+    return draw(st.one_of(
+        st.integers(1, len(good) - 1).map(lambda n: good[:n]),  # cut short
+        st.sampled_from([b"[1, 2]", b"42", b'"prompt"', b"null", b"true"]),  # JSON, not an object
+        st.just(b"\xff\xfe" + good),  # not UTF-8
+        st.just(good.replace(b'": "', b'": "\\ud800', 1)))), reason  # a lone surrogate escape
+  if reason == "missing_prompt":
+    if draw(st.booleans()):
+      row[prompt_key] = None
+    else:
+      del row[prompt_key]
+  elif reason == "bad_prompt":
+    row[prompt_key] = draw(st.sampled_from([7, 1.5, {"role": "user", "content": "hi"}, [1], [{"role": "user"}],
+                                            [{"role": "user", "content": 3}]]))
+  elif reason == "empty_prompt":
+    row[prompt_key] = draw(st.sampled_from([" ", "\n\t ", [{"role": "user", "content": "  "}], []]))
+  elif reason == "missing_ground_truth":
+    for k in gt_keys:
+      row[k] = draw(st.sampled_from([None, "", "   "])) if k != "reward_model" else {"style": "rule"}
+  elif reason == "bad_ground_truth":
+    bad = draw(st.sampled_from([[1, 2], {"x": 1}, True, float("nan"), float("inf")]))
+    for k in gt_keys:
+      row[k] = bad if k != "reward_model" else {"ground_truth": bad}
+  elif reason == "prompt_too_long":
+    row[prompt_key] = draw(st.text("abc", min_size=FUZZ_MAX_PROMPT_LEN, max_size=2 * FUZZ_MAX_PROMPT_LEN))
+  return json.dumps(row).encode(), reason
+
+
+@pytest.fixture(scope="module")
+def fuzz_dir(tmp_path_factory):
+  return tmp_path_factory.mktemp("fuzz")
+
+
+def assert_loaded(path, reasons, tokenizer, caplog):
+  """Good rows load in order, bad ones are counted by reason and the first five logged; all bad fails."""
+  caplog.clear()
+  rows = [(line, r) for line, r in enumerate(reasons, 1) if r != ""]
+  bad = [(line, r) for line, r in rows if r is not None]
+  if len(bad) == len(rows):
+    with pytest.raises(ValueError, match=f"{path}: no usable rows"):
+      datasets.from_file(path, tokenizer, max_prompt_len=FUZZ_MAX_PROMPT_LEN)
+    event("no usable row: rejected")
+    return
+  with caplog.at_level(logging.WARNING):
+    dataset = datasets.from_file(path, tokenizer, max_prompt_len=FUZZ_MAX_PROMPT_LEN)
+  assert dataset.skipped == dict(collections.Counter(r for _, r in bad))
+  assert [e.metadata["source"] for e in dataset] == [f"{path}:{line}" for line, r in rows if r is None]
+  for line, r in bad[:5]:
+    assert f"{path}:{line}: skipped ({r})" in caplog.text
+  if bad:
+    assert f"skipped {len(bad)} of {len(rows)} rows" in caplog.text
+  for r in {r for _, r in bad}:
+    event(f"skipped: {r}")
+
+
+@settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(jsonl_line(), min_size=1, max_size=12))
+def test_fuzz_jsonl_malformed_rows_are_skipped_and_counted(tokenizer, fuzz_dir, caplog, lines):
+  path = fuzz_dir / "rows.jsonl"
+  path.write_bytes(b"\n".join(line for line, _ in lines) + b"\n")
+  assert_loaded(str(path), [r for _, r in lines], tokenizer, caplog)
+
+
+PARQUET_CELLS = {  # reason -> (prompt, answer) cells of a string-typed table
+    None: st.tuples(text, text),
+    "missing_prompt": st.tuples(st.none(), text),
+    "empty_prompt": st.tuples(st.sampled_from(["", " ", "\t\n"]), text),
+    "missing_ground_truth": st.tuples(text, st.sampled_from([None, "", "  "])),
+    "prompt_too_long": st.tuples(st.text("xyz", min_size=FUZZ_MAX_PROMPT_LEN, max_size=150), text),
+}
+
+
+@settings(max_examples=50, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from([None, *PARQUET_CELLS]).flatmap(
+    lambda r: PARQUET_CELLS[r].map(lambda cells: (cells, r))), min_size=1, max_size=12))
+def test_fuzz_parquet_malformed_rows_are_skipped_and_counted(tokenizer, fuzz_dir, caplog, rows):
+  path = str(fuzz_dir / "rows.parquet")
+  schema = pa.schema([("prompt", pa.string()), ("answer", pa.string())])
+  pq.write_table(pa.Table.from_pylist([{"prompt": p, "answer": a} for (p, a), _ in rows], schema), path)
+  assert_loaded(path, [r for _, r in rows], tokenizer, caplog)

@@ -300,3 +300,56 @@ def test_pallas_kernels_give_the_greedy_tokens_of_transformers(models, hf_dirs):
     rollout = engine.generate(ps, max_total_len=limits)
     assert {s.strategy for s in rollout.metrics.segments} == {None, "2_2_4"}, attention
     assert [s.tokens.tolist() for s in rollout.samples] == expected, attention
+
+
+def test_plain_segments_keep_the_drafter_cache_current(models):
+  """A plain segment feeds the drafter its committed pairs in one chunk at the end; the drafter
+  cache and last output equal feeding them step by step (one-node verify steps)."""
+  from tlt_jax.rollout import speculative
+  model = models["qwen3"]
+  engine = Engine(model, with_sd(CONFIG, "2_2_4"), SamplingParams(temperature=1.0, max_new_tokens=64, seed=3,
+                                                                   stop_token_ids=(STOP,)),
+                  drafter=Drafter(model.config, rngs=nnx.Rngs(7)))
+  ps = prompts(4, seed=30)
+  tokens = np.zeros((4, 24), np.int32)
+  for i, p in enumerate(ps):
+    tokens[i, :len(p)] = p
+  ids = np.arange(4, dtype=np.int32)
+  budgets = np.asarray([3, 64, 64, 64], np.int32)  # row 0 ends inside the segment
+  st = jax.jit(engine._init)(ids, ids * 0, ids, budgets)
+  st = jax.jit(engine._prefill)(engine.params, engine.drafter_params, st, tokens,
+                                np.asarray([len(p) for p in ps], np.int32), ids)
+  chunked = jax.jit(engine._segment)(engine.params, engine.drafter_params, st)
+  one_step = jax.jit(lambda p, d, s: engine._verify(p, d, s, speculative.root_only(s.last_token), 0))
+  stepped = st
+  for _ in range(CONFIG.segment_steps):
+    stepped = one_step(engine.params, engine.drafter_params, stepped)
+  np.testing.assert_array_equal(chunked.tokens, stepped.tokens)
+  lengths = np.asarray(stepped.drafter_cache.lengths)
+  np.testing.assert_array_equal(chunked.drafter_cache.lengths, lengths)
+  assert lengths[0] < lengths[1]  # the finished row stopped feeding
+  for name in ("k", "v"):
+    a, b = (np.asarray(getattr(s.drafter_cache, name)) for s in (chunked, stepped))
+    for r, n in enumerate(lengths):
+      np.testing.assert_allclose(a[:, r, :n], b[:, r, :n], atol=1e-5)
+  np.testing.assert_allclose(chunked.draft_feat, stepped.draft_feat, atol=1e-5)
+
+
+def test_nan_drafter_turns_speculation_off_losslessly(models, caplog):
+  """A drafter with NaN params: the guard sees it at the prefill's feed, the rollout decodes plain,
+  greedy outputs equal the finite drafter's (which equal plain decoding, tested above), and a
+  warning and the metric say so. One bucket, one prompt bucket: few executables to compile."""
+  model = models["qwen3"]
+  config = EngineConfig(**{**with_sd(CONFIG, "2_1_2", sd_max_batch=4).__dict__, "compact": False})
+  params = SamplingParams(temperature=0, max_new_tokens=16, stop_token_ids=(STOP,))
+  engine = Engine(model, config, params, drafter=Drafter(model.config, rngs=nnx.Rngs(3)))
+  ps = [p[:12] for p in prompts(3, seed=21)]
+  good = engine.generate(ps)
+  assert not good.metrics.drafter_nonfinite and good.metrics.verify_passes > 0
+  engine.set_drafter_params(jax.tree.map(lambda x: np.full(x.shape, np.nan, x.dtype), engine.drafter_params))
+  with caplog.at_level("WARNING"):
+    bad = engine.generate(ps)
+  assert sample_set(bad) == sample_set(good)
+  assert bad.metrics.drafter_nonfinite and bad.metrics.summary()["rollout/drafter_nonfinite"] == 1
+  assert not any(s.strategy for s in bad.metrics.segments)
+  assert "speculation is off for the rest of this rollout" in caplog.text

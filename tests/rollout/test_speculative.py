@@ -6,6 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 from scipy import special, stats
 
 from tlt_jax.models.transformer import KVCache
@@ -271,6 +274,116 @@ def test_stop_tokens_and_budgets(path, generated, max_new, active, count, stop, 
   assert (int(acc.count[0]), bool(acc.stop[0]), bool(acc.length[0])) == (count, stop, length)
   np.testing.assert_array_equal(acc.tokens[0, :count], path[:count])
   np.testing.assert_array_equal(acc.nodes[0, :count], np.arange(count))
+
+
+# ---- property-based: random trees, targets, stop tokens and budgets ----
+
+FUZZ_ROWS, FUZZ_N, FUZZ_STOPS = 8, 12, (1, 2)
+GREEDY = SamplingParams(temperature=0, stop_token_ids=FUZZ_STOPS)
+SAMPLED = SamplingParams(temperature=0.9, top_k=6, top_p=0.9, stop_token_ids=FUZZ_STOPS, seed=5)
+# (tree shape, sampling): three compilations shared by all examples.
+FUZZ_CASES = ((Strategy(3, 2, 6), GREEDY), (Strategy(4, 1, 5), GREEDY), (Strategy(3, 2, 6), SAMPLED))
+jit_ancestor_mask = jax.jit(speculative.ancestor_mask, static_argnums=1)
+
+
+@st.composite
+def fuzz_row(draw, strategy):
+  """One row: target logits on a coarse grid (exact ties happen), a tree of the strategy's shape whose
+  nodes hold their parent's rank-r token (r often 0, so greedy walks go deep), activity and budget."""
+  v = strategy.verify_tokens
+  logits = draw(hnp.arrays(np.int8, (v, FUZZ_N), elements=st.integers(-3, 3))).astype(np.float32) * 1.5
+  order = np.argsort(-logits, axis=-1, kind="stable")  # rank 0 is the argmax (first of ties)
+  parents, depths, tokens = [-1], [0], [draw(st.integers(0, FUZZ_N - 1))]
+  for i in range(1, v):
+    open_nodes = [n for n in range(i) if depths[n] < strategy.depth and parents.count(n) < strategy.top_k]
+    p = draw(st.sampled_from(open_nodes))
+    free = [r for r in range(FUZZ_N) if order[p, r] not in [tokens[c] for c in range(i) if parents[c] == p]]
+    rank = free[0] if draw(st.integers(0, 3)) else draw(st.sampled_from(free))
+    parents.append(p)
+    depths.append(depths[p] + 1)
+    tokens.append(int(order[p, rank]))
+  generated = draw(st.integers(0, 20))
+  return dict(logits=logits, parents=parents, depths=depths, tokens=tokens, active=draw(st.booleans() | st.just(True)),
+              generated=generated, max_new=generated + draw(st.integers(1, 2 * strategy.depth + 2)),
+              prompt=draw(st.integers(0, 1000)), sample=draw(st.integers(0, 16)))
+
+
+
+
+def reference_walk(row, strategy, draw_at):
+  """Brute force: (tokens, nodes, stop, length) of the walk; draw_at(node, j) is the target's token at `node`."""
+  tokens, nodes, node = [], [], 0
+  for j in range(strategy.depth + 1 if row["active"] else 0):
+    x = draw_at(node, j)
+    tokens.append(x)
+    nodes.append(node)
+    if x in FUZZ_STOPS:
+      return tokens, nodes, True, False
+    if row["generated"] + j + 1 >= row["max_new"]:
+      return tokens, nodes, False, True
+    kids = [c for c in range(strategy.verify_tokens) if row["parents"][c] == node and row["tokens"][c] == x]
+    if not kids:
+      break
+    node = kids[0]
+  return tokens, nodes, False, False
+
+
+@pytest.mark.parametrize("strategy, params", FUZZ_CASES, ids=["greedy_tree", "greedy_chain", "sampled_tree"])
+@settings(max_examples=35)
+@given(data=st.data())
+def test_fuzz_acceptance_is_valid_and_greedy_lossless(strategy, params, data):
+  rows = data.draw(st.lists(fuzz_row(strategy), min_size=FUZZ_ROWS, max_size=FUZZ_ROWS))
+  x = {k: np.asarray([r[k] for r in rows]) for k in rows[0]}
+  mask = np.zeros(x["parents"].shape + x["parents"].shape[-1:], bool)  # ancestor-or-self, by walking up
+  for r, i in np.ndindex(x["parents"].shape):
+    a = i
+    while a >= 0:
+      mask[r, i, a], a = True, x["parents"][r, a]
+  np.testing.assert_array_equal(jit_ancestor_mask(jnp.asarray(x["parents"]), strategy.depth), mask)
+  tree = speculative.Tree(*(jnp.asarray(x[k], jnp.int32) for k in ("tokens", "parents", "depths")), jnp.asarray(mask))
+  acc = jit_accept(jnp.asarray(x["logits"]), tree, *(jnp.asarray(x[k]) for k in ("active", "generated", "max_new",
+                   "prompt", "sample")), params=params, max_depth=strategy.depth)
+  out = {k: np.asarray(getattr(acc, k)) for k in ("tokens", "logprobs", "nodes", "count", "stop", "length")}
+  for r in range(FUZZ_ROWS):
+    row = {k: v[r] for k, v in x.items()}
+    n = out["count"][r]
+    tokens, nodes = out["tokens"][r, :n].tolist(), out["nodes"][r, :n].tolist()
+    # Valid for any target: a root-to-node path of the tree, within the budget, nothing after a stop.
+    assert n <= strategy.depth + 1 and row["generated"] + n <= row["max_new"] and (n > 0) == row["active"]
+    assert nodes[:1] == [0][:n] and all(row["parents"][c] == p for p, c in zip(nodes, nodes[1:]))
+    assert all(row["tokens"][c] == t for c, t in zip(nodes[1:], tokens))
+    assert not set(tokens[:-1]) & set(FUZZ_STOPS) and out["stop"][r] == (n > 0 and tokens[-1] in FUZZ_STOPS)
+    assert out["length"][r] == (n > 0 and not out["stop"][r] and row["generated"] + n == row["max_new"])
+    # Greedy: exactly the target's greedy continuation; sampled: the walk the drawn tokens imply.
+    draw_at = (lambda node, j: int(np.argmax(row["logits"][node]))) if params.greedy else (lambda node, j: tokens[j])
+    assert reference_walk(row, strategy, draw_at) == (tokens, nodes, out["stop"][r], out["length"][r])
+    p = target_probs(row["logits"], params) if not params.greedy else special.softmax(row["logits"], -1)
+    np.testing.assert_allclose(out["logprobs"][r, :n], np.log(p[nodes, tokens]), atol=1e-5)
+  for what, rows in (("a stop token", out["stop"]), ("the budget", out["length"]),
+                     ("the full depth", out["count"] > strategy.depth)):
+    if rows.any():
+      event(f"some row ended by {what}")
+
+
+@settings(max_examples=20)
+@given(st.sampled_from(["4_3_12", "2_4_6"]), hnp.arrays(np.float32, (3, H), elements=st.floats(-3, 3, width=32)),
+       hnp.arrays(np.int32, 3, elements=st.integers(0, DV - 1)), hnp.arrays(np.int32, 3, elements=st.integers(0, 20)))
+def test_fuzz_draft_tree_is_a_valid_tree(name, feat, root, lengths):
+  strategy = Strategy.parse(name)
+  zeros = jnp.zeros((1, 3, 32, 1, 1))  # the shapes of test_draft_tree_is_the_best_valid_tree: one compile
+  tree, cache = jit_draft_tree(draft_fn, logits_fn, jnp.asarray(feat), jnp.asarray(root),
+                               KVCache(zeros, zeros, jnp.asarray(lengths)), strategy)
+  np.testing.assert_array_equal(cache.lengths, lengths)
+  tokens, parents, depths = (np.asarray(a) for a in (tree.tokens, tree.parents, tree.depths))
+  np.testing.assert_array_equal(tokens[:, 0], root)
+  np.testing.assert_array_equal(tree.mask, jit_ancestor_mask(tree.parents, strategy.depth))
+  for r in range(3):
+    assert parents[r, 0] == -1 and depths[r, 0] == 0
+    for i in range(1, strategy.verify_tokens):
+      p = parents[r, i]
+      assert 0 <= p < i and depths[r, i] == depths[r, p] + 1 <= strategy.depth and 0 <= tokens[r, i] < DV
+      siblings = tokens[r, 1:][parents[r, 1:] == p]
+      assert len(siblings) <= strategy.top_k and len(set(siblings.tolist())) == len(siblings)
 
 
 # ---- commit ----

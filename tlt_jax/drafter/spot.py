@@ -14,6 +14,10 @@ boundary after the LAST group finishes (the rollout's end, not the trainer's own
 updated drafter then goes to every group's engine with a new version number, for the next
 rollout; the running tail keeps the drafter it started with. With one group there is no idle
 group: the trainer runs `solo_steps` steps in the gap after the rollout and says so in metrics.
+NaN/inf: an engine whose drafter's outputs turn non-finite decodes the rest of its rollout
+without speculation; then (or when training made the params non-finite, or a checkpoint brings
+non-finite ones) the last finite drafter state is restored and pushed, with a warning and
+drafter/restored=1.
 
 Several processes (`jax.distributed`, one per host): each group lies on one process's devices and
 is run by that process alone (JAX's multi-controller model); every process keeps an identical copy
@@ -34,7 +38,8 @@ API (one call per RL step):
   tree, meta = trainer.state_dict(); trainer.load_state_dict(tree, meta)   # RL checkpoints
 `samples` are engine `Sample`s in (prompt_index, sample_index) order; `metrics` is a flat dict
 of floats: drafter/{steps,loss,top1,eval_loss,version,version_used}, rollout/accept_len,
-spot/{groups,idle_device_s,harvested_device_s,train_rounds,overrun_s,gap_s,checkpoint_s,wall_s}.
+spot/{groups,idle_device_s,harvested_device_s,train_rounds,overrun_s,gap_s,checkpoint_s,wall_s},
+drafter/restored.
 `tree` (orbax-saveable) holds the drafter params and optimizer state; `meta` is JSON-able.
 Executables (every group's engine and gradient step, the update, the evaluation) are compiled
 before the first rollout starts decoding; no round compiles.
@@ -48,8 +53,10 @@ import time
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -135,6 +142,7 @@ class SpotTrainer:
     self._grad = train.make_grad_step(drafter, policy)
     self._eval = train.make_eval_step(drafter, policy)
     self._apply = jax.jit(lambda p, s, g: train.apply_gradients(self.optimizer, p, s, g), donate_argnums=(0, 1))
+    self._all_finite = jax.jit(lambda tree: jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
     self._hidden = (policy.config.hidden_size, policy.model.embed_tokens.embedding.dtype)
     self.params = self._on_group(self.home, nnx.state(drafter))
     self._home = sharding.param_shardings(self.params, self.meshes[self.home])
@@ -147,6 +155,7 @@ class SpotTrainer:
     self._checkpointer = checkpoint.AsyncDrafterCheckpointer(config.checkpoint_dir) if config.checkpoint_dir else None
     self.set_policy_params(nnx.state(policy))
     self._push()
+    self._good = self._snapshot() if self._finite() else None  # (params, opt_state, version) last known finite
 
   # ---- placement ----
 
@@ -170,6 +179,25 @@ class SpotTrainer:
       state = distributed.to_host(state)
     for g, engine in zip(self.groups, self.engines):  # copies: the caller may donate its params to the next update
       engine.set_params(self._on_group(g, state))
+
+  def _finite(self) -> bool:
+    return bool(self._all_finite(self.params))
+
+  def _snapshot(self) -> tuple:
+    return (self._on_group(self.home, self.params),
+            jax.device_put(self.opt_state, self._replicated(self.home), may_alias=False),
+            self.version)
+
+  def _restore_good(self, why: str) -> None:
+    """Back to the last finite drafter state (copies of it) on every engine."""
+    if self._good is None:
+      logging.warning("drafter: %s, and there is no finite drafter state to restore", why)
+      return
+    params, opt_state, self.version = self._good
+    self.params = self._on_group(self.home, params)
+    self.opt_state = jax.device_put(opt_state, self._replicated(self.home), may_alias=False)
+    self._push()
+    logging.warning("drafter: %s; restored its last finite state (version %d)", why, self.version)
 
   def _push(self) -> None:
     distributed.check_identical(self.params, "the spot trainer's master drafter")
@@ -301,14 +329,21 @@ class SpotTrainer:
         rounds.append(self._round(compiled, (0,), {0: self.buffer.batch(self._rng, self._rows(0), self.config.row_len)}))
       gap_s = time.perf_counter() - stop
     checkpoint_s = 0.0
-    if rounds:
+    faults = [g for g, r in enumerate(results) if r.metrics.drafter_nonfinite]
+    restored = bool(faults) or (bool(rounds) and not self._finite())
+    if restored:
+      self._restore_good(f"non-finite outputs in the rollouts of groups {faults}" if faults else
+                         "training made its params non-finite")
+    elif rounds:
       self.version += 1
       self._push()
+      self._good = self._snapshot()
       if self._checkpointer is not None:
         t0 = time.perf_counter()
         self._checkpointer.save(self.version, self.params, self.opt_state, self.metadata())
         checkpoint_s = time.perf_counter() - t0  # what the step waits for; the write goes on in the background
-    self.last = {"finished": finished, "end": end, "rounds": rounds, "checkpoint_s": checkpoint_s}
+    self.last = {"finished": finished, "end": end, "rounds": rounds, "checkpoint_s": checkpoint_s,
+                 "restored": restored}
     samples = sorted((s for r in results for s in r.samples), key=lambda s: (s.prompt_index, s.sample_index))
     return samples, self._metrics(results, rounds, finished, start, end, stop, gap_s, version_used)
 
@@ -359,6 +394,7 @@ class SpotTrainer:
         "drafter/steps": float(len(rounds)),
         "drafter/version": float(self.version),
         "drafter/version_used": float(version_used),
+        "drafter/restored": float(self.last["restored"]),
         "rollout/accept_len": spec_tokens / max(passes, 1),
         "rollout/tokens": float(sum(r.metrics.tokens for r in results)),
     }
@@ -390,10 +426,15 @@ class SpotTrainer:
     for key in ("version", "rl_step"):
       if key not in metadata:
         raise KeyError(f"spot trainer metadata has no {key!r}")
+    self.rl_step = int(metadata["rl_step"])
+    if not bool(self._all_finite(tree["params"])):
+      self._restore_good(f"the restored state (version {metadata['version']}) has non-finite params")
+      return
     self.params = self._on_group(self.home, tree["params"])
     self.opt_state = jax.device_put(tree["opt_state"], self._replicated(self.home), may_alias=False)
-    self.version, self.rl_step = int(metadata["version"]), int(metadata["rl_step"])
+    self.version = int(metadata["version"])
     self._push()
+    self._good = self._snapshot()
 
   def wait_for_checkpoints(self) -> None:
     if self._checkpointer is not None:

@@ -4,9 +4,13 @@ Rows are packed (prompt, response) sequences (`packing.pack(..., index=True)`); 
 is a fixed [micro_batch_rows, row_len] shape, so one executable serves every step. Gradients of
 the micro-batches of a mini-batch are summed (the token weights already sum to 1 over the
 mini-batch, so the sum is the mini-batch's loss gradient) and applied in one optimizer update.
+An update whose loss or gradient is not finite is skipped: params and optimizer state stay
+as they were, and the returned stats say `skipped=1`.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -108,8 +112,11 @@ class Actor:
     return grads, {"loss": value, **stats}
 
   def _apply_fn(self, params, opt_state, grads):
-    updates, opt_state = self.optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+    """The optimizer update, or params and state unchanged when the gradient is not finite."""
+    norm = optax.tree.norm(grads)
+    updates, new_state = self.optimizer.update(grads, opt_state, params)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(jnp.isfinite(norm), a, b), new, old)
+    return keep(optax.apply_updates(params, updates), params), keep(new_state, opt_state), norm
 
   # ---- host side ----
 
@@ -133,15 +140,19 @@ class Actor:
     return np.concatenate(out)[:rows_5xRxT.shape[1]]
 
   def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
-    """One optimizer update from a mini-batch of [R, T] planes; returns its loss statistics."""
+    """One optimizer update from a mini-batch of [R, T] planes; returns its loss statistics and
+    `skipped` (1.0 when the loss or the gradient was not finite and nothing changed)."""
     grads, sums = None, {}
     for mb in self._micro_batches(batch):
       g, stats = self._grads(self.params, mb)
       grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
       for k, v in stats.items():
         sums[k] = sums.get(k, 0.0) + float(v)
+    if not all(map(math.isfinite, sums.values())):
+      return {**sums, "grad_norm": math.nan, "skipped": 1.0}
     self.params, self.opt_state, grad_norm = self._apply(self.params, self.opt_state, grads)
-    return {**sums, "grad_norm": float(grad_norm)}
+    grad_norm = float(grad_norm)
+    return {**sums, "grad_norm": grad_norm, "skipped": float(not math.isfinite(grad_norm))}
 
   def model(self) -> CausalLM:
     return nnx.merge(self.graphdef, self.params)

@@ -6,13 +6,15 @@ Files may hold rows shaped like Eurus-2-RL or DAPO-Math (verl's format included)
 - the ground truth under `reward_model: {ground_truth: ...}`, or top-level `ground_truth`,
   `answer` or `solution` (first found).
 Every prompt goes through the tokenizer's chat template with a generation prompt. Malformed
-rows are skipped and counted by reason; the first few are logged with file:line.
+rows are skipped and counted by reason; the first few are logged with file:line. A file with
+no usable row is an error naming it.
 """
 
 import collections
 from collections.abc import Iterator, Sequence
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -145,6 +147,8 @@ def from_file(
     if "data_source" in row:
       metadata["data_source"] = row["data_source"]
     examples.append(Example(prompt_ids, prompt, ground_truth, reward, metadata))
+  if not examples:
+    raise ValueError(f"{path}: no usable rows ({num_rows} rows; skipped by reason: {dict(skipped)})")
   if skipped:
     logging.warning("%s: skipped %d of %d rows: %s", path, sum(skipped.values()), num_rows,
                     dict(skipped))
@@ -183,6 +187,10 @@ def _as_row(raw: bytes | dict[str, Any]) -> dict[str, Any]:
     raise _Skip("bad_json", str(e)) from e
   if not isinstance(row, dict):
     raise _Skip("bad_json", f"expected a JSON object, got {type(row).__name__}")
+  try:  # \ud800-style escapes decode to lone surrogates, which no tokenizer takes
+    json.dumps(row, ensure_ascii=False).encode()
+  except UnicodeEncodeError as e:
+    raise _Skip("bad_json", f"not valid Unicode: {e}") from e
   return row
 
 
@@ -213,6 +221,8 @@ def _ground_truth(row: dict[str, Any]) -> str:
   value = nested if nested is not None else next(
       (row[k] for k in _GROUND_TRUTH_KEYS if row.get(k) is not None), None)
   if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, float) and not math.isfinite(value):
+      raise _Skip("bad_ground_truth", f"ground truth {value} is not a finite number")
     value = str(value)
   if value is None or (isinstance(value, str) and not value.strip()):
     raise _Skip("missing_ground_truth", "no reward_model.ground_truth or "

@@ -11,6 +11,12 @@ One step:
   5. the new policy into the engine (the drafter reads its embedding and lm_head live);
   6. a metrics record; a checkpoint every `checkpoint.every` steps.
 
+Faults: a killed run resumes from its newest complete checkpoint (a damaged one is skipped,
+tlt_jax.checkpoint); `run(stop=...)` ends after the step in flight with a checkpoint (SIGTERM /
+Ctrl-C in tlt_jax.main); an update with a non-finite loss or gradient is skipped (the actor
+leaves params and optimizer state as they were) and counted, and `rl.max_skipped_updates`
+skips in a row stop the run with `NonFiniteUpdates`.
+
 Several processes (`jax.distributed`; see README "Multi-host"): every process runs this loop on
 the same data. The rollout groups are split among the processes (tlt_jax.drafter.spot), every
 process gets every sample, and the actor runs SPMD over the trainer mesh (config.mesh) of all
@@ -23,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +58,8 @@ from tlt_jax.rl import datasets, grpo, rewards, tokenizer as tokenizer_lib
 from tlt_jax.rollout.bandit import Bandit
 from tlt_jax.rollout.engine import Engine, EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
+
+_EVAL_OFFSET = 1 << 30  # held-out sampling keys: prompt indices training never reaches
 
 
 def load_policy(config) -> tuple[CausalLM, object]:
@@ -110,6 +119,18 @@ def load_prompts(config, tok) -> datasets.Dataset:
                              reward=config.data.reward)
 
 
+def load_eval_prompts(config, tok) -> datasets.Dataset:
+  """Held-out prompts: the first eval.size of eval.path, or eval.size procedural problems of a
+  seed the training prompts do not use."""
+  e = config.eval
+  if e.path:
+    data = datasets.from_file(e.path, tok, max_prompt_len=config.data.max_prompt_len, reward=config.data.reward)
+    return datasets.Dataset(data.examples[:e.size], data.skipped)
+  return datasets.from_tasks(config.task.family, tok, size=e.size, seed=config.seed + 1_000_003,
+                             difficulty=sft.difficulty(config), max_prompt_len=config.data.max_prompt_len,
+                             reward=config.data.reward)
+
+
 def engine_config(config, strategies=(), largest_bucket: int | None = None, compact: bool = True,
                   capture_hidden: bool = False) -> EngineConfig:
   r = config.rollout
@@ -124,6 +145,10 @@ def sampling_params(config, tok) -> SamplingParams:
   r = config.rollout
   return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                         stop_token_ids=(tok.eos_token_id,), seed=config.seed)
+
+
+class NonFiniteUpdates(RuntimeError):
+  """Too many policy updates in a row had a non-finite loss or gradient."""
 
 
 class Trainer:
@@ -142,6 +167,9 @@ class Trainer:
     if distributed.multiprocess() and not strategies:
       raise ValueError("config.rollout.speculative=False: the plain baseline rollout runs in one process only; "
                        "several processes run the TLT group engines (config.rollout.speculative=True)")
+    if distributed.multiprocess() and c.eval.every:
+      raise ValueError("config.eval.every: held-out evaluation (a plain engine over all devices) runs in one "
+                       "process only; set it to 0 for a multi-process run")
     devices = list(devices or jax.devices())
     sampling = sampling_params(c, self.tok)
     if strategies:  # TLT: group engines with tail SD + bandit; idle groups train the drafter
@@ -159,11 +187,16 @@ class Trainer:
       self.engines = self.spot.engines
     else:  # the baseline: one plain engine, data-parallel over the same devices
       self.spot = None
+    if self.spot is None or c.eval.every:
+      # The baseline's rollouts and held-out evaluations: a plain engine data-parallel over all
+      # the devices, as many rows at once as the TLT groups together.
       mesh = sharding.make_mesh({"data": len(devices)}, devices) if len(devices) > 1 else None
-      self._rollout_shardings = None if mesh is None else sharding.param_shardings(nnx.state(self.policy), mesh)
-      # As many rows at once as the TLT groups together.
+      self._plain_shardings = None if mesh is None else sharding.param_shardings(nnx.state(self.policy), mesh)
       largest = c.rollout.batch_buckets * c.rollout.groups
-      self.engines = [Engine(self.policy, engine_config(c, largest_bucket=largest), sampling, mesh=mesh)]
+      self.plain_engine = Engine(self.policy, engine_config(c, largest_bucket=largest), sampling, mesh=mesh)
+      if self.spot is None:
+        self.engines = [self.plain_engine]
+    self.eval_prompts = load_eval_prompts(c, self.tok) if c.eval.every else None
     self._groups = self.spot.groups if self.spot is not None else [0]  # the engines' rollout groups
     if distributed.multiprocess():  # the actor runs SPMD over every process's devices
       mesh = sharding.make_mesh({k: c.mesh[k] for k in sharding.MESH_AXES})
@@ -179,12 +212,18 @@ class Trainer:
     self.ref_params = jax.tree.map(jnp.copy, self.actor.params) if self.actor.uses_ref else None
     self._push_policy()
     self.step = 0
+    self.stopped: str | None = None  # why the last run() ended early
+    self.skipped_in_a_row = 0  # policy updates skipped for a non-finite loss / gradient, since the last good one
     self.checkpoints = checkpoint_lib.Checkpoints(os.path.join(c.workdir, "checkpoints"), c.checkpoint.every,
                                                   c.checkpoint.keep)
-    self.saved_step = latest = self.checkpoints.latest_step()
-    if latest is not None:
-      self._restore(latest)
-    self.metrics = metrics_lib.Writer(c.workdir, resume_step=self.step) if distributed.primary() else None
+    self.saved_step = None
+    restored = self.checkpoints.restore_latest(self._arrays())
+    if restored is not None:
+      self._restore(*restored)
+    # Nothing restored: records left by a run killed before its first checkpoint (its step-0
+    # evaluation) go too.
+    self.metrics = metrics_lib.Writer(c.workdir, resume_step=self.step if restored is not None else -1) \
+        if distributed.primary() else None
 
   # ---- checkpoints ----
 
@@ -199,11 +238,10 @@ class Trainer:
   def _meta(self) -> dict:
     local = [(g, e.bandit.state_dict()) for g, e in zip(self._groups, self.engines) if e.bandit is not None]
     bandits = sorted((item for part in distributed.allgather(local) for item in part), key=lambda item: item[0])
-    return {"step": self.step, "bandits": [state for _, state in bandits],
+    return {"step": self.step, "skipped_in_a_row": self.skipped_in_a_row, "bandits": [state for _, state in bandits],
             "drafter": None if self.spot is None else self.spot.state_dict()[1]}
 
-  def _restore(self, step: int) -> None:
-    arrays, meta = self.checkpoints.restore(step, self._arrays())
+  def _restore(self, step: int, arrays, meta: dict) -> None:
     self.actor.params, self.actor.opt_state = arrays["policy"], arrays["opt_state"]
     self.ref_params = arrays.get("ref")
     if self.spot is not None:
@@ -211,18 +249,18 @@ class Trainer:
     for g, engine in zip(self._groups, self.engines):  # every engine has a bandit, or none has
       if engine.bandit is not None:
         engine.bandit.load_state_dict(meta["bandits"][g])
-    self.step = meta["step"]
+    self.step = self.saved_step = meta["step"]
+    self.skipped_in_a_row = meta.get("skipped_in_a_row", 0)
     self._push_policy()
-    logging.info("resumed from %s at step %d", self.checkpoints.directory, self.step)
+    logging.info("resumed from %s at step %d", os.path.join(self.checkpoints.directory, str(step)), self.step)
 
   def _push_policy(self) -> None:
     """The actor's params into the rollout (the group engines get copies; the drafter reads them live)."""
     if self.spot is not None:
       self.spot.set_policy_params(self.actor.params)
-    elif self._rollout_shardings is not None:
-      self.engines[0].set_params(jax.device_put(self.actor.params, self._rollout_shardings))
-    else:
-      self.engines[0].set_params(self.actor.params)
+    if self.spot is None or self.eval_prompts is not None:
+      self.plain_engine.set_params(self.actor.params if self._plain_shardings is None else
+                                   jax.device_put(self.actor.params, self._plain_shardings))
 
   def _rollout(self, prompts, offset: int):
     """Samples (prompt_index counted within `prompts`) and the rollout's metrics."""
@@ -232,6 +270,28 @@ class Trainer:
     rollout = self.engines[0].generate(prompts, num_samples=g, prompt_offset=offset)
     samples = [dataclasses.replace(s, prompt_index=s.prompt_index - offset) for s in rollout.samples]
     return samples, rollout.metrics.summary()
+
+  # ---- held-out evaluation ----
+
+  def evaluate(self) -> dict[str, float]:
+    """Reward of the current policy on the held-out prompts (fixed sampling keys: evaluations at
+    different steps differ only by the policy)."""
+    start, e = time.perf_counter(), self.config.eval
+    examples = list(self.eval_prompts)
+    rollout = self.plain_engine.generate([ex.prompt_ids for ex in examples], num_samples=e.num_samples,
+                                         prompt_offset=_EVAL_OFFSET)
+    samples = rollout.samples
+    texts = [self.tok.decode(s.tokens, skip_special_tokens=True) for s in samples]
+    truth = [examples[s.prompt_index - _EVAL_OFFSET] for s in samples]
+    scores, _ = rewards.score_batch(examples[0].reward, texts, [ex.ground_truth for ex in truth],
+                                    [ex.metadata for ex in truth])
+    return {"eval/reward": float(scores.mean()), "eval/accuracy": float((scores >= 1.0).mean()),
+            "eval/response_length": float(np.median([len(s.tokens) for s in samples])),
+            "time/eval_s": time.perf_counter() - start}
+
+  def _eval_due(self) -> bool:
+    every = self.config.eval.every
+    return bool(every) and (self.step % every == 0 or self.step == self.config.steps)
 
   # ---- one step ----
 
@@ -277,6 +337,8 @@ class Trainer:
               "groups_kept": int(keep.reshape(-1, g).any(axis=1).sum()), "samples_trained": int(keep.sum()),
               **train_stats, **rollout_metrics,
               "time/rollout_s": rollout_s, "time/train_s": train_s, "time/step_s": time.perf_counter() - start}
+    if self._eval_due():
+      record.update(self.evaluate())
     if self.checkpoints.save(self.step, self._arrays(), self._meta()):
       self.saved_step = self.step
     if self.metrics is not None:
@@ -288,7 +350,7 @@ class Trainer:
     c = self.config
     kept = np.flatnonzero(keep)
     if not len(kept):
-      return {"train/updates": 0}
+      return {"train/updates": 0, "train/skipped_updates": 0}
     order = np.random.default_rng([c.seed, self.step]).permutation(kept)
     sequences = [(examples[s.prompt_index].prompt_ids, s.tokens.tolist()) for s in samples]
     batches = []
@@ -298,20 +360,42 @@ class Trainer:
       ref = self.actor.logprobs(self.ref_params, rows) if self.ref_params is not None else None
       batches.append(actor_lib.training_batch(rows, adv[part], np.ones(len(part), bool), c.rl.loss_aggregation,
                                               old, ref))
-    sums = {}
+    sums, skipped = {}, 0
     for batch in batches:
-      for k, v in self.actor.update(batch).items():
-        sums[k] = sums.get(k, 0.0) + v / len(batches)
-    return {**{f"train/{k}": v for k, v in sums.items()}, "train/updates": len(batches)}
+      stats = self.actor.update(batch)
+      if stats.pop("skipped"):
+        skipped += 1
+        self.skipped_in_a_row += 1
+        logging.warning("step %d: skipped a policy update with a non-finite loss or gradient (%s); %d in a row",
+                        self.step + 1, ", ".join(f"{k}={v:.4g}" for k, v in stats.items()), self.skipped_in_a_row)
+        if self.skipped_in_a_row >= c.rl.max_skipped_updates:
+          raise NonFiniteUpdates(
+              f"step {self.step + 1}: {self.skipped_in_a_row} policy updates in a row had a non-finite loss or "
+              f"gradient (config.rl.max_skipped_updates={c.rl.max_skipped_updates}); stopping. The last checkpoint "
+              f"(step {self.saved_step}) holds the params from before them: lower rl.learning_rate, check the data "
+              "and rewards, then resume")
+        continue
+      self.skipped_in_a_row = 0
+      for k, v in stats.items():
+        sums[k] = sums.get(k, 0.0) + v
+    applied = len(batches) - skipped
+    return {**{f"train/{k}": v / max(applied, 1) for k, v in sums.items()}, "train/updates": applied,
+            "train/skipped_updates": skipped}
 
   # ---- the loop ----
 
-  def run(self, steps: int | None = None) -> list[dict]:
-    """Runs until `steps` (default config.steps) steps are done in total; returns this run's records."""
+  def run(self, steps: int | None = None, stop: Callable[[], str | None] = lambda: None) -> list[dict]:
+    """Runs until `steps` (default config.steps) steps are done in total; returns this run's records.
+
+    `stop()` is asked before every step; a reason (e.g. "SIGTERM") ends the run there with a
+    checkpoint and no export, and is kept in `self.stopped`.
+    """
     total = self.config.steps if steps is None else steps
-    records = []
+    records, reason = [], None
+    if self.step == 0 and self._eval_due() and total > 0:  # the starting point
+      self.metrics.write(0, self.evaluate())
     with tqdm(total=total, initial=self.step, desc="rl", unit="step", disable=not distributed.primary()) as bar:
-      while self.step < total:
+      while self.step < total and not (reason := stop()):
         record = self.run_step()
         records.append(record)
         bar.set_postfix(reward=f"{record['reward/mean']:.3f}", len=f"{record['response_length/median']:.0f}",
@@ -321,8 +405,15 @@ class Trainer:
       self.checkpoints.save(self.step, self._arrays(), self._meta(), force=True)
       self.saved_step = self.step
     self.checkpoints.wait()
-    self.export()
+    self.stopped = reason if self.step < total else None
+    if not self.stopped:
+      self.export()
     return records
+
+  @property
+  def checkpoint_path(self) -> str | None:
+    """The directory of the newest checkpoint this trainer wrote or restored."""
+    return None if self.saved_step is None else os.path.join(self.checkpoints.directory, str(self.saved_step))
 
   def export(self) -> None:
     """The trained policy as a Hugging Face directory (<workdir>/export/policy) and the drafter as

@@ -11,9 +11,9 @@ long tail runs a small executable instead of dragging finished rows along.
 
 One verify function serves plain and speculative decoding: a plain step verifies the one-node
 tree (the last token), a speculative step verifies the tree `draft` built; both accept with
-`speculative.accept`. With a drafter attached, every step also feeds the drafter the committed
-(feature, token) pairs, so its cache is current whenever the tail switches speculation on
-(costing one drafter layer per plain step instead of a re-prefill at the switch).
+`speculative.accept`. With a drafter attached, the committed (feature, token) pairs are fed to it
+after every speculative step and at the end of every plain segment (one chunked drafter pass for
+the segment's steps), so its cache is current whenever the tail switches speculation on.
 
 In the tail (at most `sd_max_batch` active rows) the arm, SD off or a strategy, is chosen
 before every play: SD off plays one fused plain segment (on a dispatch-bound backend the fused
@@ -22,6 +22,12 @@ after each play, so its wall time and emitted tokens give the bandit a reward pe
 step. A speculative step is a draft executable per (bucket, strategy) and a verify executable
 per (bucket, verify tokens), shared by the strategies with that verify count (TLT's memory trick
 for its CUDA graphs).
+
+Guard: every drafter feed also records whether the drafter's outputs stayed finite
+(`RowState.drafter_finite`, read with each play's sync). Once a row's are not (NaN/inf drafter
+params or draft logits), speculation is off for the rest of the rollout, with a warning and
+`RolloutMetrics.drafter_nonfinite`; outputs are the target's either way (the owner of the
+drafter restores a good one, e.g. `SpotTrainer`).
 
 Every executable a rollout needs is compiled before it starts (the JAX counterpart of TLT's
 CUDA-graph pool); a rollout itself never compiles.
@@ -38,6 +44,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 
@@ -113,6 +120,7 @@ class RowState:
   passes: jax.Array  # [B] target forward passes (verify steps) while active
   drafter_cache: KVCache | None  # one layer; pairs (f_p, x_{p+1}) for every committed position p
   draft_feat: jax.Array | None  # [B, H] drafter output for the last committed pair
+  drafter_finite: jax.Array | None  # [B] bool: every drafter output of the row was finite
 
 
 @dataclasses.dataclass
@@ -147,6 +155,7 @@ class RolloutMetrics:
   compact_s: float = 0.0
   tokens: int = 0
   segments: list[SegmentRecord] = dataclasses.field(default_factory=list)
+  drafter_nonfinite: bool = False  # the drafter's outputs were NaN/inf: speculation was turned off
 
   @property
   def wall_s(self) -> float:
@@ -179,7 +188,7 @@ class RolloutMetrics:
            "rollout/prefill_s": self.prefill_s, "rollout/decode_s": self.decode_s, "rollout/compact_s": self.compact_s,
            "rollout/sd_s": self.sd_s, "rollout/plain_s": self.decode_s - self.sd_s,
            "rollout/sd_share": self.sd_s / max(self.wall_s, 1e-9), "rollout/accept_len": self.accept_len,
-           "rollout/verify_passes": self.verify_passes}
+           "rollout/verify_passes": self.verify_passes, "rollout/drafter_nonfinite": int(self.drafter_nonfinite)}
     for s in self.segments:
       key = f"rollout/steps/b{s.bucket}"
       out[key] = out.get(key, 0) + s.steps
@@ -261,7 +270,8 @@ class Engine:
         hidden=jnp.zeros((b, n, mc.hidden_size), self._dtype) if cfg.capture_hidden else None, passes=zeros,
         prompt_hidden=jnp.zeros((b, cfg.max_prompt_len, mc.hidden_size), self._dtype) if cfg.capture_hidden else None,
         drafter_cache=KVCache.zeros(mc, b, cfg.capacity, self._dtype, num_layers=1) if drafting else None,
-        draft_feat=jnp.zeros((b, mc.hidden_size), self._dtype) if drafting else None)
+        draft_feat=jnp.zeros((b, mc.hidden_size), self._dtype) if drafting else None,
+        drafter_finite=jnp.ones((b,), bool) if drafting else None)
 
   def _record(self, st: RowState, active, acc: speculative.Accepted, hidden_BxMxH):
     """Writes the accepted tokens (and the features that produced them) into the row outputs."""
@@ -289,8 +299,10 @@ class Engine:
     out, dcache = drafter(model, features_BxMxH, tokens_BxM, positions, dcache, causal, kv_block=kv_block,
                           attention=self.config.attention)
     last = out[jnp.arange(b), jnp.maximum(count_B - 1, 0)]
+    finite = jnp.isfinite(last).all(-1) | (count_B == 0)
     return dataclasses.replace(st, drafter_cache=dataclasses.replace(dcache, lengths=dcache.lengths + count_B),
-                               draft_feat=jnp.where((count_B > 0)[:, None], last, st.draft_feat))
+                               draft_feat=jnp.where((count_B > 0)[:, None], last, st.draft_feat),
+                               drafter_finite=st.drafter_finite & finite)
 
   def _prefill(self, params, drafter_params, st: RowState, tokens_PxT, lengths_P, row_prompt_B):
     """Prefills P unique prompts and copies each into its rows (row_prompt_B >= 0)."""
@@ -327,7 +339,8 @@ class Engine:
                      v=dcache.v.at[:, :, :t].set(copy_rows(fed.drafter_cache.v, dcache.v[:, :, :t])),
                      lengths=jnp.where(sel, fed.drafter_cache.lengths, dcache.lengths))
     return dataclasses.replace(st, drafter_cache=dcache, draft_feat=jnp.where(sel[:, None], fed.draft_feat,
-                                                                                st.draft_feat))
+                                                                                st.draft_feat),
+                               drafter_finite=fed.drafter_finite)
 
   def _draft(self, params, drafter_params, st: RowState, strategy: Strategy):
     """Drafts every row's EAGLE-2 tree; the drafter cache gets the tree levels past its lengths."""
@@ -344,33 +357,54 @@ class Engine:
 
   def _verify(self, params, drafter_params, st: RowState, tree: speculative.Tree, depth: int) -> RowState:
     model, drafter = self._models(params, drafter_params)
-    return self._verify_step(model, drafter, st, tree, depth)
+    st, pairs = self._verify_step(model, drafter, st, tree, depth)
+    return st if pairs is None else self._feed_drafter(model, drafter, st, *pairs, self.config.kv_block)
 
-  def _verify_step(self, model, drafter, st: RowState, tree: speculative.Tree, depth: int) -> RowState:
-    """Verifies `tree` (paths at most `depth` below the root) for every active row, commits the
-    accepted path and feeds it to the drafter; with the one-node tree this is a plain step."""
+  def _verify_step(self, model, drafter, st: RowState, tree: speculative.Tree, depth: int):
+    """Verifies `tree` (paths at most `depth` below the root) for every active row and commits the
+    accepted path; with the one-node tree this is a plain step. Returns the state and, with a
+    drafter, the committed pairs for it (features [B, M, H], tokens [B, M], count [B])."""
     active = ~st.done
-    kv_block = self.config.kv_block
     layers = drafter.feature_layers if drafter is not None else ()
     out = transformer.verify(model, tree.tokens, st.cache.lengths[:, None] + tree.depths, tree.mask, st.cache,
-                             kv_block=kv_block, attention=self.config.attention, hidden_layers=layers)
+                             kv_block=self.config.kv_block, attention=self.config.attention, hidden_layers=layers)
     acc = speculative.accept(out.logits, tree, active, st.num_generated, st.max_new, st.prompt_index,
                              st.sample_index, self.sampling, depth)
     cache = speculative.commit(out.cache, acc.nodes, acc.count)
     rows = jnp.arange(acc.nodes.shape[0])[:, None]
     st = self._record(dataclasses.replace(st, cache=cache), active, acc, out.hidden[rows, acc.nodes])
     if drafter is None:
-      return st
-    features = drafter.target_features(out.hidden, out.aux_hidden)[rows, acc.nodes]
-    return self._feed_drafter(model, drafter, st, features, acc.tokens, acc.count, kv_block)
+      return st, None
+    return st, (drafter.target_features(out.hidden, out.aux_hidden)[rows, acc.nodes], acc.tokens, acc.count)
 
   def _segment(self, params, drafter_params, st: RowState):
-    """Up to `segment_steps` plain steps; stops early once every row is done."""
+    """Up to `segment_steps` plain steps; stops early once every row is done.
+
+    With a drafter, the segment's committed pairs are collected and fed to it in ONE call at the
+    end (a chunk of up to `segment_steps` positions, like a prefill), so plain decoding pays one
+    drafter pass per segment instead of one per step, and the drafter cache is current at every
+    play boundary, ready for the bandit to switch speculation on.
+    """
     model, drafter = self._models(params, drafter_params)
-    plain = lambda st: self._verify_step(model, drafter, st, speculative.root_only(st.last_token), 0)
-    step = lambda carry: (carry[0] + 1, plain(carry[1]))
-    cond = lambda carry: (carry[0] < self.config.segment_steps) & ~jnp.all(carry[1].done)
-    return jax.lax.while_loop(cond, step, (jnp.int32(0), st))[1]
+    n, b = self.config.segment_steps, st.last_token.shape[0]
+    rows = jnp.arange(b)
+
+    def step(carry):
+      i, st, pairs = carry
+      st, new = self._verify_step(model, drafter, st, speculative.root_only(st.last_token), 0)
+      if pairs is not None:  # append each row's committed pair (0 or 1 of them) at its own count
+        feats, tokens, count = pairs
+        at = jnp.where(new[2] > 0, count, n)  # n: dropped
+        pairs = (feats.at[rows, at].set(new[0][:, 0].astype(feats.dtype), mode="drop"),
+                 tokens.at[rows, at].set(new[1][:, 0], mode="drop"), count + new[2])
+      return i + 1, st, pairs
+
+    pairs = None
+    if drafter is not None:
+      pairs = (jnp.zeros((b, n, st.draft_feat.shape[-1]), self._dtype), jnp.zeros((b, n), jnp.int32), jnp.zeros((b,), jnp.int32))
+    cond = lambda carry: (carry[0] < n) & ~jnp.all(carry[1].done)
+    _, st, pairs = jax.lax.while_loop(cond, step, (jnp.int32(0), st, pairs))
+    return st if pairs is None else self._feed_drafter(model, drafter, st, *pairs, self.config.kv_block)
 
   @staticmethod
   def _halve(st: RowState, keep_b):
@@ -514,6 +548,7 @@ class Engine:
       st = pool[("prefill", b, p, t)](self.params, self.drafter_params, st, tokens, lengths, row_prompt)
     # Host copies of the per-row counters, refreshed by every play's sync.
     done, generated, passes = jax.device_get((st.done, st.num_generated, st.passes))
+    self._check_drafter(st, metrics)
     metrics.prefill_s += time.perf_counter() - t0
     metrics.tokens += len(rows)
     on_progress(int(done[:len(rows)].sum()), len(rows))
@@ -533,7 +568,7 @@ class Engine:
           b //= 2
         done, generated, passes = jax.device_get((st.done, st.num_generated, st.passes))
         metrics.compact_s += time.perf_counter() - t0
-      tail = self._uses_sd(b) and active <= cfg.sd_max_batch
+      tail = self._uses_sd(b) and active <= cfg.sd_max_batch and not metrics.drafter_nonfinite
       strategy = None
       if tail:
         strategy = cfg.strategies[0] if self.bandit is None else self.bandit.choose(active)
@@ -546,6 +581,7 @@ class Engine:
       before = generated, passes
       done, generated, passes = jax.device_get((st.done, st.num_generated, st.passes))  # waits for the play
       seconds = time.perf_counter() - t0
+      self._check_drafter(st, metrics)
       produced = int(generated.sum() - before[0].sum())
       metrics.decode_s += seconds
       metrics.tokens += produced
@@ -555,6 +591,16 @@ class Engine:
         self.bandit.update(active, strategy, produced, seconds)
       on_progress(active - int((~done).sum()), produced)
     return out + self._harvest(st, harvested, prompt_lens)
+
+  def _check_drafter(self, st: RowState, metrics: RolloutMetrics) -> None:
+    """Turns speculation off for the rest of the rollout once the drafter's outputs are not finite."""
+    if st.drafter_finite is None or metrics.drafter_nonfinite:
+      return
+    finite = np.asarray(jax.device_get(st.drafter_finite))
+    if not finite.all():
+      metrics.drafter_nonfinite = True
+      logging.warning("the drafter's outputs are not finite (NaN/inf) for %d of %d rows: speculation is off for the "
+                      "rest of this rollout (outputs are unaffected)", int((~finite).sum()), finite.size)
 
   def _harvest(self, st: RowState, harvested: np.ndarray, prompt_lens: Sequence[int]) -> list[Sample]:
     """Host copies of the finished rows not yet taken (before compaction drops them)."""

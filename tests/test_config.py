@@ -1,0 +1,175 @@
+"""config.check and the CLI: random bad values of random keys are rejected with the key named (hypothesis)."""
+
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from configs import tiny
+from tlt_jax import config as config_lib
+from tlt_jax.kernels import tree_attention
+from tlt_jax.rl import grpo
+from tlt_jax.rl import rewards
+
+COUNTS = (  # must be >= 1
+    "mesh.dry_run_devices", "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads",
+    "model.head_dim", "model.intermediate_size", "model.max_position_embeddings", "task.min_terms", "data.size",
+    "data.max_prompt_len", "sft.num_problems", "sft.batch_rows", "sft.eval_max_new_tokens", "rollout.prompts_per_step",
+    "rollout.num_samples", "rollout.max_new_tokens", "rollout.groups", "rollout.segment_steps", "rollout.kv_block",
+    "rollout.sd_max_batch", "rollout.bandit_window", "drafter.batch_rows", "drafter.online_rows_per_device",
+    "drafter.buffer_pairs", "rl.mini_batches", "rl.micro_batch_rows", "rl.logits_chunk", "eval.size",
+    "eval.num_samples", "checkpoint.every", "checkpoint.keep")
+NON_NEGATIVE_INTS = (
+    "steps", "mesh.cpu_devices", "model.vocab_size", "sft.steps", "sft.warmup_steps", "sft.eval_size", "rollout.top_k",
+    "drafter.warmup_steps", "drafter.online_warmup_steps", "drafter.solo_steps", "rl.warmup_steps",
+    "rl.attention_block", "rl.overlong_buffer", "eval.every")
+NON_NEGATIVE_FLOATS = (
+    "mesh.device_memory_gb", "sft.learning_rate", "sft.weight_decay", "rollout.temperature", "drafter.learning_rate",
+    "drafter.online_learning_rate", "rl.learning_rate", "rl.weight_decay", "rl.clip_high", "rl.kl_coef")
+POSITIVE_FLOATS = ("model.rope_theta", "task.tail_alpha", "rl.max_grad_norm", "rollout.top_p")
+CHOICES = ("policy.dtype", "data.reward", "kernels.attention", "rl.loss_aggregation")
+VALID_CHOICES = {"float32", "bfloat16", *rewards.REWARDS, *tree_attention.IMPLEMENTATIONS, *grpo.AGGREGATIONS}
+
+negative = st.floats(max_value=-1e-9) | st.just(-math.inf) | st.just(math.nan)
+word = st.text("abcdefghijklmnopqrstuvwxyz0123456789_-", max_size=10)
+small = st.integers(0, 9).map(str)
+bad_strategy_names = st.one_of(
+    st.lists(small, min_size=1, max_size=4).filter(lambda f: len(f) != 3).map("_".join),  # wrong field count
+    st.tuples(small, word.filter(lambda w: not w.isdigit()), small).map("_".join),  # not a number
+    st.tuples(st.just("0"), small, small).map("_".join), st.tuples(small, st.just("0"), small).map("_".join),
+    st.tuples(st.integers(1, 3), st.integers(1, 3)).flatmap(  # verify_tokens outside [2, root + candidates]
+        lambda dk: (st.integers(-1, 1) | st.integers(2 + dk[1] + (dk[0] - 1) * dk[1]**2, 99)).map(
+            lambda v: f"{dk[0]}_{dk[1]}_{v}")))
+thresholds = st.lists(st.integers(0, 30), min_size=1, max_size=5).filter(
+    lambda t: t[0] != 1 or any(a >= b for a, b in zip(t, t[1:])))
+
+
+def bad_settings(config, cli: bool = False):
+  """(key set, its bad value, key the message must name) for `config`; `cli`: values a --config override can write."""
+  most_terms, heads, row_len = config.task.max_terms, config.model.num_heads, config.rl.row_len
+  needed = config.data.max_prompt_len + config.rollout.max_new_tokens
+  same = lambda keys, values: st.tuples(st.sampled_from(keys), values).map(lambda kv: (kv[0], kv[1], kv[0]))
+  cases = [
+      same(COUNTS, st.integers(max_value=0)),
+      same(("sft.row_len", "drafter.row_len"), st.integers(max_value=1)),
+      same(NON_NEGATIVE_INTS, st.integers(max_value=-1)),
+      same(NON_NEGATIVE_FLOATS, negative),
+      same(POSITIVE_FLOATS, negative | st.just(0.0)),
+      same(("rollout.top_p", "rollout.bandit_epsilon"), st.floats(min_value=1, exclude_min=True)),
+      same(("rollout.bandit_epsilon", "rl.clip_low"), negative),
+      same(("rl.clip_low",), st.floats(min_value=1)),
+      same(CHOICES, word.filter(lambda w: w not in VALID_CHOICES)),
+      same(("mesh.data", "mesh.fsdp", "mesh.tensor"), st.integers(max_value=-2) | st.just(0)),
+      same(("rollout.batch_buckets",), st.integers(max_value=4096).filter(lambda b: b < 1 or b & (b - 1))),
+      same(("rollout.strategies",), st.lists(bad_strategy_names, min_size=1, max_size=2).map(",".join)),
+      same(("rollout.bandit_thresholds",), thresholds.map(lambda t: ",".join(map(str, t))) | st.just("1,2,x")),
+      same(("drafter.feature_layers",), word.filter(lambda w: any(c.isalpha() for c in w)) | st.lists(
+          st.integers(-9, 40), min_size=1, max_size=5).filter(lambda f: len(f) != 3 or f != sorted(set(f)) or f[0] < 0)
+           .map(lambda f: ",".join(map(str, f)))),
+      st.builds(lambda kv: ("model.num_kv_heads", kv, "model.num_heads"), st.integers(2, 64).filter(lambda k: heads % k)),
+      st.builds(lambda lo: ("task.min_terms", lo, "task.max_terms"), st.integers(most_terms + 1, 10**6)),
+      same(("rl.row_len",), st.integers(2, needed - 1)),  # below data.max_prompt_len + rollout.max_new_tokens
+      same(("rl.attention_block",), st.integers(1, 4096).filter(lambda a: row_len % a)),
+  ]
+  if not cli:  # a config file can also leave a key unset
+    cases.append(same([key for key, _ in config_lib.leaves(config)], st.none()))
+  return st.one_of(cases)
+
+
+def assign(config, key: str, value) -> None:
+  *path, name = key.split(".")
+  for part in path:
+    config = config[part]
+  config[name] = value
+
+
+@pytest.mark.parametrize("name", ["base", "tiny", "r1_7b", "qwen2_5_0_5b", "qwen2_5_7b", "qwen2_5_32b"])
+def test_shipped_configs_pass(name):
+  config_lib.check(config_lib.base() if name == "base" else __import__(f"configs.{name}", fromlist=["_"]).get_config())
+
+
+@settings(max_examples=200)
+@given(bad_settings(config_lib.base()))
+def test_fuzz_bad_values_are_rejected_by_name(setting):
+  key, value, named = setting
+  config = config_lib.base()
+  assign(config, key, value)
+  with pytest.raises(ValueError, match=f"^config.{re.escape(named)}="):
+    config_lib.check(config)
+
+
+@settings(max_examples=100)
+@given(st.sampled_from([key for key, _ in config_lib.leaves(config_lib.base())]),
+       st.one_of(word.filter(lambda w: not w.isdigit()), st.lists(st.integers(), max_size=2)))
+def test_fuzz_ill_typed_values_are_rejected_by_name(key, value):
+  config = config_lib.base()
+  if isinstance(config_lib.config_value(config, key), str) and isinstance(value, str):
+    value = [value]  # a str key takes any word
+  with pytest.raises(TypeError, match=f"field '{re.escape(key.split('.')[-1])}'"):
+    assign(config, key, value)
+
+
+# Imports what tlt_jax/main.py imports (jax, the rewards, ...) once, then runs `python -m tlt_jax.main
+# ARG` for each argument in a fork, exiting as the interpreter would (a string SystemExit is printed,
+# anything else is a traceback) but without its slow teardown: the CLI's own code path, cheaply.
+_FORKING_MAIN = """
+import ast, importlib, os, runpy, sys, traceback
+import tlt_jax.config
+for node in ast.parse(open(importlib.util.find_spec("tlt_jax.main").origin).read()).body:
+  for alias in getattr(node, "names", ()) if isinstance(node, (ast.Import, ast.ImportFrom)) else ():
+    name = f"{node.module}.{alias.name}" if isinstance(node, ast.ImportFrom) else alias.name
+    try:
+      importlib.import_module(name)
+    except ImportError:  # `from module import attribute`
+      importlib.import_module(node.module)
+def let_through(config):  # a bad value must never start a run
+  print("check() let it through", file=sys.stderr)
+  sys.exit(3)
+tlt_jax.config.setup_devices = let_through
+for arg in sys.argv[1:]:
+  if os.fork() == 0:
+    sys.argv = ["tlt_jax.main", arg]
+    try:
+      runpy.run_module("tlt_jax.main", run_name="__main__", alter_sys=True)
+      code = 0
+    except SystemExit as e:
+      code = e.code if e.code is None or isinstance(e.code, int) else print(e.code, file=sys.stderr) or 1
+    except BaseException:
+      code = traceback.print_exc() or 1
+    sys.stderr.flush()
+    os._exit(code or 0)
+  _, status = os.wait()
+  print(f"@@ exit {os.waitstatus_to_exitcode(status)}", file=sys.stderr, flush=True)
+"""
+CLI_CONFIG = tiny.get_config()  # what python -m tlt_jax.main starts from
+_LEAVES = dict(config_lib.leaves(CLI_CONFIG))
+_NOT_A_VALUE = word.filter(lambda w: any(c.isalpha() for c in w) and w.lower() not in (
+    "t", "f", "true", "false", "y", "n", "yes", "no", "inf", "nan", "infinity"))
+
+
+def _flag_text(value) -> str:
+  return repr(value) if isinstance(value, float) else str(value)
+
+
+cli_overrides = st.one_of(
+    bad_settings(CLI_CONFIG, cli=True).map(lambda s: (f"--config.{s[0]}={_flag_text(s[1])}", s[2])),
+    st.tuples(st.sampled_from([k for k, v in _LEAVES.items() if not isinstance(v, str)]), _NOT_A_VALUE).map(
+        lambda kv: (f"--config.{kv[0]}={kv[1]}", f"--config.{kv[0]}={kv[1]}")),  # ill-typed
+    st.tuples(st.sampled_from(sorted({k.split(".")[0] for k in _LEAVES if "." in k})), _NOT_A_VALUE).filter(
+        lambda sw: f"{sw[0]}.{sw[1]}" not in _LEAVES).map(lambda sw: (f"--config.{sw[0]}.{sw[1]}=1", f"{sw[0]}.{sw[1]}")),  # unknown
+)
+
+
+@settings(max_examples=1, phases=[Phase.generate])  # shrinking would rerun the subprocess many times
+@given(st.lists(cli_overrides, min_size=30, max_size=30, unique_by=lambda o: o[0].split("=")[0]))
+def test_fuzz_bad_overrides_are_rejected_by_name(overrides):
+  result = subprocess.run([sys.executable, "-c", _FORKING_MAIN, *(flag for flag, _ in overrides)],
+                          capture_output=True, text=True, timeout=300)
+  parts = re.split(r"@@ exit (-?\d+)\n", result.stderr)
+  assert result.returncode == 0 and len(parts) == 2 * len(overrides) + 1, result.stderr[-2000:]
+  for (flag, named), message, code in zip(overrides, parts[0::2], parts[1::2]):
+    assert code == "1" and named in message and "Traceback" not in message, (flag, message)
