@@ -395,7 +395,8 @@ class Trainer:
     if self.step == 0 and self._eval_due() and total > 0:  # the starting point
       self.metrics.write(0, self.evaluate())
     with tqdm(total=total, initial=self.step, desc="rl", unit="step", disable=not distributed.primary()) as bar:
-      while self.step < total and not (reason := stop()):
+      # Several processes stop together when any is asked to (else the others would wait for it).
+      while self.step < total and not (reason := next(filter(None, distributed.allgather(stop())), None)):
         record = self.run_step()
         records.append(record)
         bar.set_postfix(reward=f"{record['reward/mean']:.3f}", len=f"{record['response_length/median']:.0f}",
