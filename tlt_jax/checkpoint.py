@@ -7,6 +7,11 @@ killed mid-save leaves the previous checkpoint as the latest one (the temporary 
 removed when the next run opens the manager). A complete-looking step that does not restore
 (a truncated or garbled array file, missing metadata) is skipped with a warning naming it and
 the step before it restored (`restore_latest`).
+
+Several processes (`jax.distributed`): every process calls save and restore (orbax writes each
+array's shards once and the metadata from process 0). Arrays that live on one process's devices
+only (the spot trainer's drafter: an identical copy on every process) are saved as one array
+replicated over all devices and restored onto the devices they came from.
 """
 
 from __future__ import annotations
@@ -16,8 +21,20 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from tlt_jax import distributed
+
+
+def _process_local(x) -> bool:
+  return distributed.multiprocess() and isinstance(x, jax.Array) and x.is_fully_addressable
+
+
+def _everywhere() -> NamedSharding:
+  return NamedSharding(jax.make_mesh((jax.device_count(),), ("all",), devices=jax.devices()), P())
 
 
 class Checkpoints:
@@ -34,17 +51,23 @@ class Checkpoints:
 
   def save(self, step: int, arrays: Any, meta: dict, force: bool = False) -> bool:
     """Starts a background save if `step` is due (every N steps, or `force`); returns whether it did."""
+    if not (force or self.manager.should_save(step)):
+      return False
+    arrays = jax.tree.map(lambda x: jax.device_put(np.asarray(x), _everywhere()) if _process_local(x) else x, arrays)
     return self.manager.save(step, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
                                                            meta=ocp.args.JsonSave(meta)), force=force)
 
   def restore(self, step: int, abstract_arrays: Any) -> tuple[Any, dict]:
     """Arrays shaped and sharded like `abstract_arrays` (ShapeDtypeStructs or arrays), and the metadata."""
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_arrays)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_everywhere())
+                            if _process_local(x) else ocp.utils.to_shape_dtype_struct(x), abstract_arrays)
     out = self.manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract),
                                                              meta=ocp.args.JsonRestore()))
     if not isinstance(out["meta"], dict):
       raise ValueError(f"no metadata ({out['meta']!r})")
-    return out["arrays"], out["meta"]
+    arrays = jax.tree.map(lambda x, like: jax.device_put(np.asarray(x), like.sharding) if _process_local(like) else x,
+                          out["arrays"], abstract_arrays)
+    return arrays, out["meta"]
 
   def restore_latest(self, abstract_arrays: Any) -> tuple[int, Any, dict] | None:
     """(step, arrays, meta) of the newest checkpoint that restores; None if there are none.

@@ -107,7 +107,7 @@ def main(argv):
     print(f"stopped by {trainer.stopped} after step {trainer.step} of {config.steps}; checkpoint "
           f"{trainer.checkpoint_path}; resume with: {resume}")
     return
-  if records:
+  if records and trainer.metrics is not None:  # process 0 of several
     first, last = records[0], records[-1]
     summary = {"steps": trainer.step, "reward_first": first["reward/mean"], "reward_last": last["reward/mean"]}
     evals = [r for r in metrics.read(trainer.metrics.path) if "eval/reward" in r]

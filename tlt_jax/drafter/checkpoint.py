@@ -5,7 +5,8 @@ A checkpoint directory holds
   drafter_config.json  feature_layers, dtype and the target ModelConfig it was trained for
 Only the drafter's own params are stored: embedding and lm_head belong to the target. Loading
 checks the target's config field by field, so a drafter never silently runs against a
-different model. The directory is written under a temporary name and renamed.
+different model. The directory is written under a temporary name and renamed. Saving and loading
+involve the calling process alone (of several, `jax.distributed`: each loads its own copy).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -38,13 +40,21 @@ def _target_fields(cfg: ModelConfig) -> dict[str, Any]:
   return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
+def _this_process() -> ocp.options.MultiprocessingOptions:
+  me = jax.process_index()
+  return ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me},
+                                            barrier_sync_key_prefix=f"drafter-{me}")
+
+
 def save_drafter(drafter: Drafter, directory: str) -> None:
   """Writes `drafter` to `directory` (replacing what is there) atomically."""
   params = nnx.state(drafter, nnx.Param)
+  if jax.process_count() > 1:  # orbax saves no process-local jax.Array in a multi-process run
+    params = jax.tree.map(np.asarray, params)
   config = {"format_version": FORMAT_VERSION, "feature_layers": list(drafter.feature_layers),
             "dtype": drafter.fc.kernel.get_value().dtype.name, "target": _target_fields(drafter.config)}
   with files.atomic_directory(directory) as tmp:
-    with ocp.StandardCheckpointer() as checkpointer:
+    with ocp.StandardCheckpointer(multiprocessing_options=_this_process()) as checkpointer:
       checkpointer.save(os.path.join(tmp, PARAMS_DIR), params)
     with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
       json.dump(config, f, indent=2)
@@ -94,9 +104,9 @@ def load_drafter(directory: str, target_config: ModelConfig) -> Drafter:
   graphdef, abstract, rest = nnx.split(
       nnx.eval_shape(lambda: Drafter(target_config, feature_layers=layers, dtype=dtype, rngs=nnx.Rngs(0))),
       nnx.Param, ...)
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
-  with ocp.StandardCheckpointer() as checkpointer:
+  with ocp.StandardCheckpointer(multiprocessing_options=_this_process()) as checkpointer:
     params = checkpointer.restore(params_dir, target)
   return nnx.merge(graphdef, params, rest)
 

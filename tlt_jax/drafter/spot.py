@@ -19,6 +19,18 @@ without speculation; then (or when training made the params non-finite, or a che
 non-finite ones) the last finite drafter state is restored and pushed, with a warning and
 drafter/restored=1.
 
+Several processes (`jax.distributed`, one per host): each group lies on one process's devices and
+is run by that process alone (JAX's multi-controller model); every process keeps an identical copy
+of the master drafter on its first group's devices and its own buffer of its groups' features.
+Rounds are synchronous across processes: each round every process posts, through the coordination
+service's key-value store (tlt_jax.distributed.allgather, host only: the devices of busy groups
+keep decoding), whether all its groups are done and which of them are idle; when some are, the
+idle ones compute gradients on their devices, the processes exchange them (host copies) and each
+applies the same pair-weighted mean, in group order, to its copy: one drafter, checked identical
+after every push. After the rollout the processes exchange their groups' samples (without
+features), so every process returns all samples. A process whose groups are all busy polls every
+`poll_s`; asynchronous per-process rounds would save those round trips but let the copies drift.
+
 API (one call per RL step):
   trainer = SpotTrainer(policy, drafter, engine_config, sampling, devices, groups, buffer, SpotConfig())
   samples, metrics = trainer.rollout(prompts, num_samples, max_total_len)
@@ -48,7 +60,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tlt_jax import sharding
+from tlt_jax import distributed, sharding
 from tlt_jax.drafter import checkpoint, train
 from tlt_jax.drafter.buffer import DataBuffer
 from tlt_jax.drafter.model import Drafter
@@ -72,6 +84,7 @@ class SpotConfig:
   seed: int = 0
   checkpoint_dir: str | None = None  # async selective checkpoints (params + optimizer) after each push
   timeout_s: float = 3600.0  # a rollout group that has not finished by then is an error, not a hang
+  poll_s: float = 0.05  # several processes: how often a process with only busy groups joins a round
 
   def __post_init__(self):
     for key in ("rows_per_device", "row_len", "eval_rows"):
@@ -109,8 +122,21 @@ class SpotTrainer:
     self.config, self.buffer = config, buffer
     per = len(devices) // groups
     self.meshes = [sharding.make_mesh({"data": per}, devices[g * per:(g + 1) * per]) for g in range(groups)]
-    self.engines = [Engine(policy, engine_config, sampling, mesh=m, drafter=drafter,
-                           bandit=make_bandit() if make_bandit else None) for m in self.meshes]
+    owners = [{d.process_index for d in m.devices.flat} for m in self.meshes]
+    for g, owner in enumerate(owners):
+      if len(owner) > 1:
+        raise ValueError(f"rollout group {g} spans processes {sorted(owner)}: groups={groups} must split every "
+                         "process's devices into whole groups")
+    self.groups = [g for g in range(groups) if owners[g] == {jax.process_index()}]  # the groups this process runs
+    if not self.groups:
+      raise ValueError(f"process {jax.process_index()} holds no rollout group: groups={groups} must be at least "
+                       f"the process count {jax.process_count()}")
+    if config.checkpoint_dir and distributed.multiprocess():
+      raise ValueError("spot config checkpoint_dir (selective drafter checkpoints) is single-process only")
+    self.home = self.groups[0]  # the master drafter lives on this group's devices
+    self.engines = [Engine(policy, engine_config, sampling, mesh=self.meshes[g], drafter=drafter,
+                           bandit=make_bandit() if make_bandit else None) for g in self.groups]
+    self._engine = dict(zip(self.groups, self.engines))
     warmup = optax.linear_schedule(0.0, config.learning_rate, max(config.warmup_steps, 1))
     self.optimizer = train.make_optimizer(warmup)
     self._grad = train.make_grad_step(drafter, policy)
@@ -118,9 +144,9 @@ class SpotTrainer:
     self._apply = jax.jit(lambda p, s, g: train.apply_gradients(self.optimizer, p, s, g), donate_argnums=(0, 1))
     self._all_finite = jax.jit(lambda tree: jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
     self._hidden = (policy.config.hidden_size, policy.model.embed_tokens.embedding.dtype)
-    self.params = self._on_group(0, nnx.state(drafter))  # the master drafter lives on group 0's devices
-    self._home = sharding.param_shardings(self.params, self.meshes[0])
-    self.opt_state = jax.device_put(self.optimizer.init(self.params), self._replicated(0))
+    self.params = self._on_group(self.home, nnx.state(drafter))
+    self._home = sharding.param_shardings(self.params, self.meshes[self.home])
+    self.opt_state = jax.device_put(self.optimizer.init(self.params), self._replicated(self.home))
     self.last: dict = {}  # the latest rollout's schedule: finish times, rounds, end (for tests and logs)
     self.version = 0
     self.rl_step = -1
@@ -149,14 +175,17 @@ class SpotTrainer:
 
   def set_policy_params(self, state: nnx.State) -> None:
     """New policy weights (after an actor update) into every group's engine and gradient step."""
-    for g, engine in enumerate(self.engines):  # copies: the caller may donate its params to the next update
+    if distributed.multiprocess():  # e.g. the trainer's arrays over every process's devices
+      state = distributed.to_host(state)
+    for g, engine in zip(self.groups, self.engines):  # copies: the caller may donate its params to the next update
       engine.set_params(self._on_group(g, state))
 
   def _finite(self) -> bool:
     return bool(self._all_finite(self.params))
 
   def _snapshot(self) -> tuple:
-    return (self._on_group(0, self.params), jax.device_put(self.opt_state, self._replicated(0), may_alias=False),
+    return (self._on_group(self.home, self.params),
+            jax.device_put(self.opt_state, self._replicated(self.home), may_alias=False),
             self.version)
 
   def _restore_good(self, why: str) -> None:
@@ -165,13 +194,14 @@ class SpotTrainer:
       logging.warning("drafter: %s, and there is no finite drafter state to restore", why)
       return
     params, opt_state, self.version = self._good
-    self.params = self._on_group(0, params)
-    self.opt_state = jax.device_put(opt_state, self._replicated(0), may_alias=False)
+    self.params = self._on_group(self.home, params)
+    self.opt_state = jax.device_put(opt_state, self._replicated(self.home), may_alias=False)
     self._push()
     logging.warning("drafter: %s; restored its last finite state (version %d)", why, self.version)
 
   def _push(self) -> None:
-    for g, engine in enumerate(self.engines):
+    distributed.check_identical(self.params, "the spot trainer's master drafter")
+    for g, engine in zip(self.groups, self.engines):
       engine.set_drafter_params(self._on_group(g, self.params))
     self.engine_versions = [self.version] * len(self.engines)
 
@@ -191,16 +221,15 @@ class SpotTrainer:
       shaped = lambda tree, shardings: jax.tree.map(
           lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings)
       like = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-      grads = []
-      for g, engine in enumerate(self.engines):
+      grads = {}
+      for g, engine in zip(self.groups, self.engines):
         pairs = self._abstract_pairs(self._rows(g))
-        grads.append(self._grad.lower(like(self._on_group(g, self.params)), like(engine.params),
-                                      shaped(pairs, self._batch_sharding(g, pairs)))
-                     .compile())
+        grads[g] = self._grad.lower(like(self._on_group(g, self.params)), like(engine.params),
+                                    shaped(pairs, self._batch_sharding(g, pairs))).compile()
       apply = self._apply.lower(like(self.params), like(self.opt_state), like(self.params)).compile()
       pairs = self._abstract_pairs(self.config.eval_rows)
       evaluate = self._eval.lower(like(self.params), like(self.engines[0].params),
-                                  shaped(pairs, self._batch_sharding(0, pairs))).compile()
+                                  shaped(pairs, self._batch_sharding(self.home, pairs))).compile()
       self._compiled = {"grad": grads, "apply": apply, "eval": evaluate}
     return self._compiled
 
@@ -214,7 +243,7 @@ class SpotTrainer:
     `prompt_offset` shifts the prompts' global indices (RNG keys; an RL loop passes the number of
     prompts sampled so far); the returned samples' `prompt_index` counts from 0 within `prompts`.
     """
-    G = len(self.engines)
+    G = len(self.meshes)
     if len(prompts) < G:
       raise ValueError(f"{len(prompts)} prompts cannot be sharded over groups={G} device groups")
     for i, p in enumerate(prompts):  # checked here: the engines compile before they would check
@@ -224,19 +253,19 @@ class SpotTrainer:
     self.rl_step += 1
     bounds = np.linspace(0, len(prompts), G + 1).astype(int)
     limit = lambda a, b: list(max_total_len[a:b]) if isinstance(max_total_len, Sequence) else max_total_len
-    for g, engine in enumerate(self.engines):
+    for g, engine in zip(self.groups, self.engines):
       a, b = bounds[g], bounds[g + 1]
       engine.prepare(min((b - a) * num_samples, engine.config.batch_buckets[-1]), [len(p) for p in prompts[a:b]])
     compiled = self._compile()
     version_used = min(self.engine_versions)
 
-    state, results, errors, finished = [BUSY] * G, [None] * G, [None] * G, [0.0] * G
+    state, results, errors, finished = {g: BUSY for g in self.groups}, [None] * G, [None] * G, [0.0] * G
     cond = threading.Condition()
 
     def work(g):
       a, b = bounds[g], bounds[g + 1]
       try:
-        out = self.engines[g].generate(prompts[a:b], num_samples, limit(a, b), prompt_offset=int(prompt_offset + a))
+        out = self._engine[g].generate(prompts[a:b], num_samples, limit(a, b), prompt_offset=int(prompt_offset + a))
         results[g] = dataclasses.replace(out, samples=[dataclasses.replace(s, prompt_index=s.prompt_index - prompt_offset)
                                                        for s in out.samples])
         with cond:
@@ -249,37 +278,55 @@ class SpotTrainer:
         cond.notify_all()
 
     start = time.perf_counter()
-    threads = [threading.Thread(target=work, args=(g,), name=f"rollout-group-{g}", daemon=True) for g in range(G)]
+    threads = [threading.Thread(target=work, args=(g,), name=f"rollout-group-{g}", daemon=True) for g in self.groups]
     for t in threads:
       t.start()
     rounds: list[Round] = []
     deadline = start + self.config.timeout_s
+    multi = distributed.multiprocess()
     while True:
       with cond:
-        ready = lambda: BUSY not in state or (any(s != BUSY for s in state) and self._trainable()
-                                              and self.config.enabled)
-        if not cond.wait_for(ready, timeout=max(deadline - time.perf_counter(), 0.0)) or (
-            BUSY in state and time.perf_counter() > deadline):
-          raise TimeoutError(f"rollout groups {[g for g in range(G) if state[g] == BUSY]} did not finish within "
-                             f"timeout_s={self.config.timeout_s}")
-        if BUSY not in state:
-          break
-        groups = tuple(g for g in range(G) if state[g] != BUSY)
-        for g in groups:
-          state[g] = TRAINING
-        batches = [self.buffer.batch(self._rng, self._rows(g), self.config.row_len) for g in groups]
-      rounds.append(self._round(compiled, groups, batches))
-    end = max(finished)
+        busy = lambda: [g for g in self.groups if state[g] == BUSY]
+        ready = lambda: not busy() or (len(busy()) < len(self.groups) and self._trainable() and self.config.enabled)
+        left = max(deadline - time.perf_counter(), 0.0)
+        if (not cond.wait_for(ready, timeout=min(left, self.config.poll_s) if multi else left) and not multi) or (
+            busy() and time.perf_counter() > deadline):
+          raise TimeoutError(f"rollout groups {busy()} did not finish within timeout_s={self.config.timeout_s}")
+        done = not busy()
+        trains = self._trainable() and self.config.enabled
+        idle = tuple(g for g in self.groups if state[g] != BUSY) if trains else ()
+      if multi:  # one round for all processes: done when all are, trained by every idle group
+        views = distributed.allgather((done, idle), timeout_s=left + distributed.TIMEOUT_S)
+        done, idle = all(d for d, _ in views), tuple(sorted(g for _, groups in views for g in groups))
+      if done:
+        break
+      if not idle:
+        continue
+      with cond:
+        for g in idle:
+          if g in state:
+            state[g] = TRAINING
+        batches = {g: self.buffer.batch(self._rng, self._rows(g), self.config.row_len) for g in idle if g in state}
+      rounds.append(self._round(compiled, idle, batches))
     for t in threads:
       t.join()
     for e in errors:
       if e is not None:
         raise e
+    if multi:  # every process returns every group's samples (features stay where they were captured)
+      strip = lambda s: dataclasses.replace(s, hidden=None, prompt_hidden=None)
+      mine = {g: (dataclasses.replace(results[g], samples=[strip(s) for s in results[g].samples]), finished[g] - start)
+              for g in self.groups}
+      for part in distributed.allgather(mine):
+        for g, (result, after) in part.items():
+          if g not in state:
+            results[g], finished[g] = result, start + after
+    end = max(finished)
     stop = time.perf_counter()
     gap_s = 0.0
     if G == 1 and self.config.enabled and self._trainable():
       for _ in range(self.config.solo_steps):
-        rounds.append(self._round(compiled, (0,), [self.buffer.batch(self._rng, self._rows(0), self.config.row_len)]))
+        rounds.append(self._round(compiled, (0,), {0: self.buffer.batch(self._rng, self._rows(0), self.config.row_len)}))
       gap_s = time.perf_counter() - stop
     checkpoint_s = 0.0
     faults = [g for g, r in enumerate(results) if r.metrics.drafter_nonfinite]
@@ -303,14 +350,23 @@ class SpotTrainer:
   def _trainable(self) -> bool:
     return bool(self.buffer.training_entries())
 
-  def _round(self, compiled, groups: tuple[int, ...], batches: list[train.Pairs]) -> Round:
-    """One synchronous update: a gradient per group on its devices, pair-weighted mean, one apply."""
+  def _round(self, compiled, groups: tuple[int, ...], batches: dict[int, train.Pairs]) -> Round:
+    """One synchronous update: a gradient per group on its devices, pair-weighted mean, one apply.
+
+    `batches` holds this process's groups among `groups`; the others' gradients come from their
+    processes (host copies), and every process sums them in the same order."""
     t0 = time.perf_counter()
-    outs = []
-    for g, batch in zip(groups, batches):  # dispatched without waiting: the groups compute in parallel
+    local = {}
+    for g, batch in batches.items():  # dispatched without waiting: the groups compute in parallel
       params = jax.device_put(self.params, sharding.param_shardings(self.params, self.meshes[g]))
-      outs.append(compiled["grad"][g](params, self.engines[g].params,
-                                      jax.device_put(batch, self._batch_sharding(g, batch))))
+      local[g] = compiled["grad"][g](params, self._engine[g].params,
+                                     jax.device_put(batch, self._batch_sharding(g, batch)))
+    if distributed.multiprocess():  # leaves only (host copies); every process compiled the same output tree
+      tree = compiled["grad"][self.home].out_tree
+      for part in distributed.allgather({g: jax.device_get(jax.tree.leaves(out)) for g, out in local.items()}):
+        for g, leaves in part.items():
+          local.setdefault(g, jax.tree.unflatten(tree, leaves))
+    outs = [local[g] for g in groups]
     weights = np.asarray([float(m["pairs"]) for _, m in outs])
     total = max(weights.sum(), 1.0)
     grads = jax.tree.map(lambda *gs: sum(w / total * x for w, x in zip(weights, gs)),
@@ -347,8 +403,8 @@ class SpotTrainer:
       out["drafter/loss"] = sum(r.metrics["loss"] * r.metrics["pairs"] for r in rounds) / max(n, 1.0)
       out["drafter/loss_last"] = rounds[-1].metrics["loss"]
     held = self.buffer.eval_batch(self.config.eval_rows, self.config.row_len)
-    if held is not None:
-      held = jax.device_put(held, self._batch_sharding(0, held))
+    if held is not None:  # several processes: this process's held-out samples
+      held = jax.device_put(held, self._batch_sharding(self.home, held))
       m = self._compiled["eval"](self.params, self.engines[0].params, held)
       out["drafter/eval_loss"], out["drafter/top1"] = float(m["loss"]), float(m["top1"])
     return out
@@ -374,8 +430,8 @@ class SpotTrainer:
     if not bool(self._all_finite(tree["params"])):
       self._restore_good(f"the restored state (version {metadata['version']}) has non-finite params")
       return
-    self.params = self._on_group(0, tree["params"])
-    self.opt_state = jax.device_put(tree["opt_state"], self._replicated(0), may_alias=False)
+    self.params = self._on_group(self.home, tree["params"])
+    self.opt_state = jax.device_put(tree["opt_state"], self._replicated(self.home), may_alias=False)
     self.version = int(metadata["version"])
     self._push()
     self._good = self._snapshot()

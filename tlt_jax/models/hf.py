@@ -93,9 +93,9 @@ def from_pretrained(model_dir: str, dtype=None, mesh: jax.sharding.Mesh | None =
                                                       config_path)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
   if mesh is None:
-    mesh = sharding.make_mesh({}, devices=jax.devices()[:1])
+    mesh = sharding.make_mesh({}, devices=jax.local_devices()[:1])
   files = _weight_files(model_dir)
-  cpu = jax.devices("cpu")[0]
+  cpu = jax.local_devices(backend="cpu")[0]
 
   with contextlib.ExitStack() as stack:
     handles = {}
@@ -157,7 +157,7 @@ def save_pretrained(model: CausalLM, out_dir: str, tokenizer=None, max_shard_byt
     shards[-1].append(item)
     size += nbytes
   with files.atomic_directory(out_dir) as tmp:
-    cpu = jax.devices("cpu")[0]
+    cpu = jax.local_devices(backend="cpu")[0]
     weight_map = {}
     for i, shard in enumerate(shards):
       fname = _SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"

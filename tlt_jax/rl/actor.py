@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tlt_jax import packing
+from tlt_jax import packing, sharding
 from tlt_jax.models.transformer import CausalLM, KVCache
 from tlt_jax.rl import grpo
 
@@ -68,7 +69,8 @@ class Actor:
 
   def __init__(self, model: CausalLM, optimizer: optax.GradientTransformation, *, micro_batch_rows: int,
                clip_low: float, clip_high: float, kl_coef: float = 0.0, remat: bool = False, logits_chunk: int = 1024,
-               attention_block: int | None = None):
+               attention_block: int | None = None, mesh: jax.sharding.Mesh | None = None):
+    """`mesh`: micro-batches are split over its batch axes (model already placed on it); None: as given."""
     self.graphdef, self.params = nnx.split(model)
     self.optimizer = optimizer
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(self.params)):  # a dry run's model
@@ -76,13 +78,17 @@ class Actor:
       shardings = jax.jit(optimizer.init).lower(self.params).compile().output_shardings
       self.opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                     jax.eval_shape(optimizer.init, self.params), shardings)
+    elif mesh is not None:  # on the mesh: moments follow their params, the step count is replicated
+      self.opt_state = jax.jit(optimizer.init)(self.params)
     else:
       self.opt_state = optimizer.init(self.params)
     self.micro_batch_rows = micro_batch_rows
     self._loss_args = dict(clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef)
     self.uses_ref = kl_coef > 0
     self._forward = dict(remat=remat, chunk=logits_chunk, query_block=attention_block)
-    self._logprobs = jax.jit(self._logprobs_fn)
+    self.mesh = mesh
+    # Log-probs come back to the host: replicated, so that every process can read them.
+    self._logprobs = jax.jit(self._logprobs_fn, out_shardings=None if mesh is None else NamedSharding(mesh, P()))
     # Gradients come out sharded like the params they belong to (FSDP), not gathered.
     param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
     self._grads = jax.jit(self._grads_fn, out_shardings=(param_shardings, None))
@@ -120,7 +126,11 @@ class Actor:
     m = self.micro_batch_rows
     padded = -(-rows // m) * m
     planes = {k: np.pad(v, ((0, padded - rows), (0, 0))) for k, v in planes.items()}
-    return [{k: v[i:i + m] for k, v in planes.items()} for i in range(0, padded, m)]
+    out = [{k: v[i:i + m] for k, v in planes.items()} for i in range(0, padded, m)]
+    if self.mesh is None:
+      return out
+    place = lambda x: jax.device_put(x, sharding.array_sharding(x.shape, ("batch", None), self.mesh))
+    return [{k: place(v) for k, v in mb.items()} for mb in out]
 
   def logprobs(self, params, rows_5xRxT: np.ndarray) -> np.ndarray:
     """[R, T] log-probs of packed rows under `params` (the current policy's, or a reference's)."""

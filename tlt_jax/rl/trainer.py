@@ -16,6 +16,12 @@ tlt_jax.checkpoint); `run(stop=...)` ends after the step in flight with a checkp
 Ctrl-C in tlt_jax.main); an update with a non-finite loss or gradient is skipped (the actor
 leaves params and optimizer state as they were) and counted, and `rl.max_skipped_updates`
 skips in a row stop the run with `NonFiniteUpdates`.
+
+Several processes (`jax.distributed`; see README "Multi-host"): every process runs this loop on
+the same data. The rollout groups are split among the processes (tlt_jax.drafter.spot), every
+process gets every sample, and the actor runs SPMD over the trainer mesh (config.mesh) of all
+processes' devices. Process 0 alone writes metrics and the export and creates a missing tiny
+policy or drafter (the others wait, then read them); every process takes part in checkpoints.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from tqdm import tqdm
 
 from tlt_jax import checkpoint as checkpoint_lib
 from tlt_jax import config as config_lib
+from tlt_jax import distributed
 from tlt_jax import metrics as metrics_lib
 from tlt_jax import packing
 from tlt_jax import sft
@@ -60,24 +67,35 @@ def load_policy(config) -> tuple[CausalLM, object]:
   if config.policy.path:
     return hf.from_pretrained(config.policy.path, dtype=config.policy.dtype), hf.load_tokenizer(config.policy.path)
   policy_dir = os.path.join(config.workdir, "policy")
-  if os.path.exists(os.path.join(policy_dir, "config.json")):
-    return hf.from_pretrained(policy_dir, dtype=config.policy.dtype), hf.load_tokenizer(policy_dir)
-  logging.info("no policy in %s: SFT warm start of the tiny policy", policy_dir)
-  tok = tokenizer_lib.build_tokenizer(config.model.max_position_embeddings)
-  model, losses = sft.warm_start(config, tok)
-  logging.info("SFT loss %.3f -> %.3f", losses[0], losses[-1])
-  hf.save_pretrained(model, policy_dir, tokenizer=tok)
-  return model, tok
+  if _missing(os.path.join(policy_dir, "config.json")):
+    if distributed.primary():
+      logging.info("no policy in %s: SFT warm start of the tiny policy", policy_dir)
+      tok = tokenizer_lib.build_tokenizer(config.model.max_position_embeddings)
+      model, losses = sft.warm_start(config, tok)
+      logging.info("SFT loss %.3f -> %.3f", losses[0], losses[-1])
+      hf.save_pretrained(model, policy_dir, tokenizer=tok)
+    distributed.barrier("tiny policy")
+    if distributed.primary():
+      return model, tok
+  return hf.from_pretrained(policy_dir, dtype=config.policy.dtype), hf.load_tokenizer(policy_dir)
+
+
+def _missing(path: str) -> bool:
+  """Whether `path` is absent, as process 0 sees it (the processes must take the same branch)."""
+  return distributed.allgather(not os.path.exists(path))[0]
 
 
 def load_drafter(config, policy: CausalLM, tok) -> Drafter:
   """`drafter.path` or <workdir>/drafter; else a new drafter distilled on the SFT data (warm-up), saved there."""
   path = config.drafter.path or os.path.join(config.workdir, "drafter")
-  if os.path.exists(path):
+  if not _missing(path):
     return drafter_checkpoint.load_drafter(path, policy.config)
   if config.policy.path:
     raise FileNotFoundError(f"config.drafter.path: no drafter at {path}; warm one up on the policy's own samples "
                             f"with python -m tlt_jax.train_drafter --model={config.policy.path} --output={path}")
+  if not distributed.primary():
+    distributed.barrier("tiny drafter")
+    return drafter_checkpoint.load_drafter(path, policy.config)
   layers = config_lib.ints(config.drafter.feature_layers)
   drafter = Drafter(policy.config, feature_layers=layers, rngs=nnx.Rngs(config.seed))
   examples = datasets.from_tasks(config.task.family, tok, size=2048, seed=config.seed + 3,
@@ -88,6 +106,7 @@ def load_drafter(config, policy: CausalLM, tok) -> Drafter:
   logging.info("drafter warm-up: loss %.3f -> %.3f, top-1 %.2f", result.losses[0], result.losses[-1],
                result.metrics[-1]["top1"])
   drafter_checkpoint.save_drafter(drafter, path)
+  distributed.barrier("tiny drafter")
   return drafter
 
 
@@ -145,6 +164,12 @@ class Trainer:
       raise ValueError(f"{len(self.prompts)} prompts, fewer than config.rollout.prompts_per_step="
                        f"{c.rollout.prompts_per_step}")
     strategies = config_lib.strategies(c) if c.rollout.speculative else ()
+    if distributed.multiprocess() and not strategies:
+      raise ValueError("config.rollout.speculative=False: the plain baseline rollout runs in one process only; "
+                       "several processes run the TLT group engines (config.rollout.speculative=True)")
+    if distributed.multiprocess() and c.eval.every:
+      raise ValueError("config.eval.every: held-out evaluation (a plain engine over all devices) runs in one "
+                       "process only; set it to 0 for a multi-process run")
     devices = list(devices or jax.devices())
     sampling = sampling_params(c, self.tok)
     if strategies:  # TLT: group engines with tail SD + bandit; idle groups train the drafter
@@ -172,12 +197,18 @@ class Trainer:
       if self.spot is None:
         self.engines = [self.plain_engine]
     self.eval_prompts = load_eval_prompts(c, self.tok) if c.eval.every else None
+    self._groups = self.spot.groups if self.spot is not None else [0]  # the engines' rollout groups
+    if distributed.multiprocess():  # the actor runs SPMD over every process's devices
+      mesh = sharding.make_mesh({k: c.mesh[k] for k in sharding.MESH_AXES})
+      state = nnx.state(self.policy)
+      nnx.update(self.policy, jax.device_put(jax.tree.map(np.asarray, state), sharding.param_shardings(state, mesh)))
     optimizer = actor_lib.make_optimizer(c.rl.learning_rate, c.rl.warmup_steps, c.rl.weight_decay,
                                          c.rl.max_grad_norm)
     self.actor = actor_lib.Actor(self.policy, optimizer, micro_batch_rows=c.rl.micro_batch_rows,
                                  clip_low=c.rl.clip_low, clip_high=c.rl.clip_high, kl_coef=c.rl.kl_coef,
                                  remat=c.rl.remat, logits_chunk=c.rl.logits_chunk,
-                                 attention_block=c.rl.attention_block or None)
+                                 attention_block=c.rl.attention_block or None,
+                                 mesh=mesh if distributed.multiprocess() else None)
     self.ref_params = jax.tree.map(jnp.copy, self.actor.params) if self.actor.uses_ref else None
     self._push_policy()
     self.step = 0
@@ -191,7 +222,8 @@ class Trainer:
       self._restore(*restored)
     # Nothing restored: records left by a run killed before its first checkpoint (its step-0
     # evaluation) go too.
-    self.metrics = metrics_lib.Writer(c.workdir, resume_step=self.step if restored is not None else -1)
+    self.metrics = metrics_lib.Writer(c.workdir, resume_step=self.step if restored is not None else -1) \
+        if distributed.primary() else None
 
   # ---- checkpoints ----
 
@@ -204,8 +236,9 @@ class Trainer:
     return arrays
 
   def _meta(self) -> dict:
-    return {"step": self.step, "skipped_in_a_row": self.skipped_in_a_row,
-            "bandits": [e.bandit.state_dict() for e in self.engines if e.bandit is not None],
+    local = [(g, e.bandit.state_dict()) for g, e in zip(self._groups, self.engines) if e.bandit is not None]
+    bandits = sorted((item for part in distributed.allgather(local) for item in part), key=lambda item: item[0])
+    return {"step": self.step, "skipped_in_a_row": self.skipped_in_a_row, "bandits": [state for _, state in bandits],
             "drafter": None if self.spot is None else self.spot.state_dict()[1]}
 
   def _restore(self, step: int, arrays, meta: dict) -> None:
@@ -213,8 +246,9 @@ class Trainer:
     self.ref_params = arrays.get("ref")
     if self.spot is not None:
       self.spot.load_state_dict(arrays["drafter"], meta["drafter"])
-    for engine, state in zip([e for e in self.engines if e.bandit is not None], meta["bandits"]):
-      engine.bandit.load_state_dict(state)
+    for g, engine in zip(self._groups, self.engines):  # every engine has a bandit, or none has
+      if engine.bandit is not None:
+        engine.bandit.load_state_dict(meta["bandits"][g])
     self.step = self.saved_step = meta["step"]
     self.skipped_in_a_row = meta.get("skipped_in_a_row", 0)
     self._push_policy()
@@ -307,7 +341,8 @@ class Trainer:
       record.update(self.evaluate())
     if self.checkpoints.save(self.step, self._arrays(), self._meta()):
       self.saved_step = self.step
-    self.metrics.write(self.step, record)
+    if self.metrics is not None:
+      self.metrics.write(self.step, record)
     return record
 
   def _update(self, examples, samples, adv, keep) -> dict[str, float]:
@@ -359,8 +394,9 @@ class Trainer:
     records, reason = [], None
     if self.step == 0 and self._eval_due() and total > 0:  # the starting point
       self.metrics.write(0, self.evaluate())
-    with tqdm(total=total, initial=self.step, desc="rl", unit="step") as bar:
-      while self.step < total and not (reason := stop()):
+    with tqdm(total=total, initial=self.step, desc="rl", unit="step", disable=not distributed.primary()) as bar:
+      # Several processes stop together when any is asked to (else the others would wait for it).
+      while self.step < total and not (reason := next(filter(None, distributed.allgather(stop())), None)):
         record = self.run_step()
         records.append(record)
         bar.set_postfix(reward=f"{record['reward/mean']:.3f}", len=f"{record['response_length/median']:.0f}",
@@ -384,11 +420,15 @@ class Trainer:
     """The trained policy as a Hugging Face directory (<workdir>/export/policy) and the drafter as
     an EAGLE checkpoint for serving engines (<workdir>/export/drafter)."""
     out = os.path.join(self.config.workdir, "export")
-    policy = self.actor.model()
+    policy = nnx.merge(self.actor.graphdef, distributed.to_host(self.actor.params)) if distributed.multiprocess() \
+        else self.actor.model()
+    if not distributed.primary():
+      return
     hf.save_pretrained(policy, os.path.join(out, "policy"), tokenizer=self.tok)
     if self.spot is not None:
       export.export_eagle(policy, nnx.merge(self.drafter_graphdef, self.spot.params), os.path.join(out, "drafter"))
 
   def close(self) -> None:
     self.checkpoints.close()
-    self.metrics.close()
+    if self.metrics is not None:
+      self.metrics.close()
