@@ -33,7 +33,7 @@ setup(
         # CPU wheel first (`pip install torch==2.13.0`); this range is then already satisfied and
         # pip never pulls a CUDA build.
         # nbclient / nbformat / ipykernel / matplotlib: tests/test_notebooks.py executes colab/*.ipynb.
-        "test": ["pytest>=8", "scipy>=1.11", "torch>=2.4,<3", "hypothesis>=6.100,<7", "nbclient>=0.10,<0.11",
+        "test": ["pytest>=8", "pytest-xdist>=3.5,<4", "scipy>=1.11", "torch>=2.4,<3", "hypothesis>=6.100,<7", "nbclient>=0.10,<0.11",
                  "nbformat>=5.10,<6", "ipykernel>=6.29,<8", "matplotlib>=3.8,<4"],
         "gpu": ["jax[cuda12]"],
         "notebooks": ["jupyter>=1.0,<2", "nbclient>=0.10,<0.11", "matplotlib>=3.8,<4", "datasets>=2.18,<5",
