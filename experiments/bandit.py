@@ -1,7 +1,7 @@
 """BEG-MAB vs each fixed strategy vs SD off on long-tail rollouts: `tlt_jax.bench`'s adaptive mode, plotted.
 
   python experiments/bandit.py [--config=configs/tiny.py] [--config.workdir=runs/tiny] --out=runs/bandit \
-      [--strategies=4_1_5,5_2_8,6_4_16 --rows=64 --repeats=5]   # tlt_jax.bench's flags
+      [--strategies=4_1_5,5_2_8 --rows=32 --repeats=2 --max_new_tokens=128 --sd_max_batch=16]  # the defaults
 
 The policy and drafter: the config's workdir's, else built into <out>/init. The measurement is
 `tlt_jax.bench.run_adaptive` (the same as `python -m tlt_jax.bench --adaptive`): one rollout of
@@ -35,6 +35,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname
                                                                  "tiny.py"), "Config naming the workdir.")
 _OUT = flags.DEFINE_string("out", "runs/bandit", "Output directory.")
 FLAGS = flags.FLAGS  # tlt_jax.bench's: --strategies, --rows, --sd_max_batch, --repeats, --max_new_tokens, ...
+# The default small setting (a few minutes on a 2-core CPU); bench's own defaults are 4x the work.
+for _name, _value in (("rows", 32), ("repeats", 2), ("strategies", ["4_1_5", "5_2_8"]), ("max_new_tokens", 128),
+                      ("sd_max_batch", 16)):
+  FLAGS.set_default(_name, _value)
 
 COLUMNS = ("mode", "tokens_per_s", "speedup", "accept_len", "sd_share", "vs_best_fixed", "vs_worst_fixed")
 
