@@ -26,8 +26,6 @@ from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
 import starting_point  # pylint: disable=wrong-import-position
 from tlt_jax import bench  # pylint: disable=wrong-import-position
-from tlt_jax.drafter import checkpoint  # pylint: disable=wrong-import-position
-from tlt_jax.models import hf  # pylint: disable=wrong-import-position
 from tlt_jax.rl import datasets  # pylint: disable=wrong-import-position
 from tlt_jax.rollout.speculative import Strategy  # pylint: disable=wrong-import-position
 
@@ -61,9 +59,7 @@ def main(argv):
   del argv
   out = _OUT.value
   os.makedirs(out, exist_ok=True)
-  policy_dir, drafter_dir = starting_point.policy_and_drafter(_CONFIG.value, out)
-  model, tok = hf.from_pretrained(policy_dir), hf.load_tokenizer(policy_dir)
-  drafter = checkpoint.load_drafter(drafter_dir, model.config)
+  _, _, model, tok, drafter = starting_point.load(_CONFIG.value, out)
   prompts = [ex.prompt_ids
              for ex in datasets.from_tasks(_CONFIG.value.task.family, tok, size=FLAGS.rows, seed=FLAGS.seed)]
   stop = sorted(set(model.config.stop_token_ids) | {tok.eos_token_id})

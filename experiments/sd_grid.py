@@ -26,8 +26,6 @@ from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
 import starting_point  # pylint: disable=wrong-import-position
 from tlt_jax import bench  # pylint: disable=wrong-import-position
-from tlt_jax.drafter import checkpoint  # pylint: disable=wrong-import-position
-from tlt_jax.models import hf  # pylint: disable=wrong-import-position
 from tlt_jax.rl import datasets, tasks  # pylint: disable=wrong-import-position
 from tlt_jax.rollout.speculative import Strategy  # pylint: disable=wrong-import-position
 
@@ -83,9 +81,7 @@ def main(argv):
   del argv
   out = _OUT.value
   os.makedirs(out, exist_ok=True)
-  policy_dir, drafter_dir = starting_point.policy_and_drafter(_CONFIG.value, out)
-  model, tok = hf.from_pretrained(policy_dir), hf.load_tokenizer(policy_dir)
-  drafter = checkpoint.load_drafter(drafter_dir, model.config)
+  policy_dir, drafter_dir, model, tok, drafter = starting_point.load(_CONFIG.value, out)
   batch_sizes = [int(b) for b in _BATCH_SIZES.value]
   top = max(batch_sizes + [_SWEEP_BATCH.value])
   difficulty = tasks.Difficulty(min_terms=FLAGS.min_terms, max_terms=max(FLAGS.min_terms, 24))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from tlt_jax.drafter import checkpoint
+from tlt_jax.models import hf
 from tlt_jax.rl import trainer as trainer_lib
 
 
@@ -20,3 +22,11 @@ def policy_and_drafter(config, out: str) -> tuple[str, str]:
     policy, tok = trainer_lib.load_policy(c)
     trainer_lib.load_drafter(c, policy, tok)
   return policy_dir, drafter_dir
+
+
+def load(config, out: str):
+  """(policy dir, drafter dir, policy, tokenizer, drafter) of `policy_and_drafter`."""
+  policy_dir, drafter_dir = policy_and_drafter(config, out)
+  model = hf.from_pretrained(policy_dir)
+  return policy_dir, drafter_dir, model, hf.load_tokenizer(policy_dir), checkpoint.load_drafter(drafter_dir,
+                                                                                                model.config)
