@@ -6,7 +6,8 @@
 The policy and drafter: the config's workdir's, else built into <out>/init. The measurement is
 `tlt_jax.bench.run_adaptive` (the same as `python -m tlt_jax.bench --adaptive`): one rollout of
 --rows problems of the task's own long-tailed difficulty, run with plain decoding, with each
-fixed strategy and with the bandit over SD off + all of them; a warm-up round, then --repeats
+fixed strategy, with SD off alone (drafter kept current) and with the bandit over SD off + all of
+them; a warm-up round, then --repeats
 interleaved timed rounds, the median round per mode. Writes bandit.json (bench's records),
 bandit.csv, bandit.png to --out and prints the summary.
 """
@@ -45,11 +46,11 @@ def plot(records, path):
   fig, ax = plt.subplots(figsize=(6, 3.5))
   modes = [r["mode"] for r in records]
   bars = ax.bar(modes, [r["tokens_per_s"] for r in records],
-                color=["gray"] + ["tab:blue"] * (len(records) - 2) + ["tab:orange"])
+                color=["gray", "silver"] + ["tab:blue"] * (len(records) - 3) + ["tab:orange"])
   for bar, r in zip(bars, records):
     label = f"{r['speedup']:.2f}x" + (f"\nL={r['accept_len']:.2f}" if r["accept_len"] else "")
     ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
-  ax.set(ylabel="tokens/s (whole rollout)", title="BEG-MAB vs fixed strategies vs plain")
+  ax.set(ylabel="tokens/s (whole rollout)", title="BEG-MAB vs its arms alone vs plain")
   ax.margins(y=0.2)
   fig.tight_layout()
   fig.savefig(path, dpi=100)

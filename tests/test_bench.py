@@ -49,11 +49,12 @@ def test_adaptive_mode_compares_bandit_fixed_and_plain(tmp_path):
   run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--adaptive", "--rows=4", "--strategies=2_1_3",
             "--max_new_tokens=12", "--sd_max_batch=4", "--repeats=1")
   records = json.loads(out.read_text())
-  assert [r["mode"] for r in records] == ["plain", "2_1_3", "bandit"]
+  assert [r["mode"] for r in records] == ["plain", "sd_off", "2_1_3", "bandit"]
   assert records[0]["speedup"] == 1.0 and all(r["tokens_per_s"] > 0 for r in records)
   bandit = records[-1]
   plays = sum(arm["plays"] for bucket in bandit["bandit"].values() for arm in bucket.values())
   assert plays == bandit["warmup_plays"] + bandit["timed_plays"] and bandit["timed_plays"] > 0
-  fixed = [r["tokens_per_s"] for r in records[:-1]]
-  assert abs(bandit["vs_best_fixed"] - bandit["tokens_per_s"] / max(fixed)) < 1e-2
+  arms = [r["tokens_per_s"] for r in records[1:-1]]  # SD off and the strategy, each alone; not plain
+  assert abs(bandit["vs_best_fixed"] - bandit["tokens_per_s"] / max(arms)) < 1e-2
+  assert abs(bandit["vs_worst_fixed"] - bandit["tokens_per_s"] / min(arms)) < 1e-2
   assert bandit["summary"]["rollout/tokens_per_s"] > 0

@@ -302,6 +302,42 @@ def test_pallas_kernels_give_the_greedy_tokens_of_transformers(models, hf_dirs):
     assert [s.tokens.tolist() for s in rollout.samples] == expected, attention
 
 
+def test_prefill_feeds_the_drafter_each_rows_prompt_pairs(models):
+  """The prefill runs the drafter once per unique prompt and copies it into the prompt's rows, then
+  feeds each row its own last pair; the result equals one drafter pass over the row's whole prompt."""
+  from tlt_jax.models import transformer
+  from tlt_jax.models.transformer import KVCache
+  model = models["qwen3"]
+  drafter = Drafter(model.config, rngs=nnx.Rngs(5))
+  engine = Engine(model, with_sd(CONFIG, "2_2_4"), SamplingParams(temperature=1.0, max_new_tokens=64, seed=4,
+                                                                   stop_token_ids=(STOP,)), drafter=drafter)
+  ps = prompts(3, seed=31)
+  t = 24
+  tokens = np.zeros((3, t), np.int32)
+  for i, p in enumerate(ps):
+    tokens[i, :len(p)] = p
+  lengths = np.asarray([len(p) for p in ps], np.int32)
+  row_prompt = np.asarray([0, 0, 1, 2, 2, 2, -1, -1], np.int32)  # 2, 1 and 3 samples; 2 empty rows
+  ids = np.arange(8, dtype=np.int32)
+  st = jax.jit(engine._init)(ids, ids * 0, ids, np.full((8,), 64, np.int32))
+  st = jax.jit(engine._prefill)(engine.params, engine.drafter_params, st, tokens, lengths, row_prompt)
+
+  out = transformer.prefill(model, tokens, lengths, KVCache.zeros(model.config, 3, t))
+  src = np.maximum(row_prompt, 0)
+  pairs = np.concatenate([tokens[:, 1:], np.zeros((3, 1), np.int32)], axis=1)[src]
+  pairs[np.arange(8), lengths[src] - 1] = np.asarray(st.tokens)[:, 0]  # each row's own first token
+  ref_out, ref_cache = drafter(model, out.hidden[src], pairs, np.broadcast_to(np.arange(t), (8, t)),
+                               drafter.empty_cache(8, t), np.broadcast_to(np.tril(np.ones((t, t), bool)), (8, t, t)))
+  for r in range(6):
+    n = lengths[src[r]]
+    assert int(st.drafter_cache.lengths[r]) == n
+    for name in ("k", "v"):
+      np.testing.assert_allclose(getattr(st.drafter_cache, name)[:, r, :n], getattr(ref_cache, name)[:, r, :n],
+                                 atol=1e-5)
+    np.testing.assert_allclose(st.draft_feat[r], ref_out[r, n - 1], atol=1e-5)
+  assert not np.asarray(st.drafter_cache.lengths)[6:].any()
+
+
 def test_plain_segments_keep_the_drafter_cache_current(models):
   """A plain segment feeds the drafter its committed pairs in one chunk at the end; the drafter
   cache and last output equal feeding them step by step (one-node verify steps)."""

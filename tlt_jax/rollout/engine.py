@@ -290,15 +290,19 @@ class Engine:
         logprobs=st.logprobs.at[rows, pos].set(acc.logprobs, mode="drop"), hidden=hidden,
         passes=st.passes + active)
 
-  def _feed_drafter(self, model, drafter, st: RowState, features_BxMxH, tokens_BxM, count_B, kv_block):
-    """Writes the committed pairs (f_p, x_{p+1}) into the drafter cache; keeps the last output."""
+  def _drafter_pass(self, model, drafter, dcache: KVCache, features_BxMxH, tokens_BxM, kv_block):
+    """The drafter over pairs (f_p, x_{p+1}) at positions `dcache.lengths + j`: its outputs [B, M, H]
+    and the cache with their keys/values written (lengths not advanced)."""
     b, m = tokens_BxM.shape
-    dcache = st.drafter_cache
     positions = dcache.lengths[:, None] + jnp.arange(m)[None]
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((m, m), bool)), (b, m, m))
-    out, dcache = drafter(model, features_BxMxH, tokens_BxM, positions, dcache, causal, kv_block=kv_block,
-                          attention=self.config.attention)
-    last = out[jnp.arange(b), jnp.maximum(count_B - 1, 0)]
+    return drafter(model, features_BxMxH, tokens_BxM, positions, dcache, causal, kv_block=kv_block,
+                   attention=self.config.attention)
+
+  def _feed_drafter(self, model, drafter, st: RowState, features_BxMxH, tokens_BxM, count_B, kv_block):
+    """Writes the committed pairs (f_p, x_{p+1}) into the drafter cache; keeps the last output."""
+    out, dcache = self._drafter_pass(model, drafter, st.drafter_cache, features_BxMxH, tokens_BxM, kv_block)
+    last = out[jnp.arange(tokens_BxM.shape[0]), jnp.maximum(count_B - 1, 0)]
     finite = jnp.isfinite(last).all(-1) | (count_B == 0)
     return dataclasses.replace(st, drafter_cache=dataclasses.replace(dcache, lengths=dcache.lengths + count_B),
                                draft_feat=jnp.where((count_B > 0)[:, None], last, st.draft_feat),
@@ -328,19 +332,18 @@ class Engine:
                       out.hidden[src][rows, last][:, None])
     if drafter is None:
       return st
-    # The drafter's prompt pairs (f_p, x_{p+1}); the last one pairs with the row's own first token.
-    features = drafter.target_features(out.hidden, out.aux_hidden)[src]
-    shifted = jnp.concatenate([tokens_PxT[src][:, 1:], jnp.zeros((src.shape[0], 1), jnp.int32)], axis=1)
-    shifted = shifted.at[rows, last].set(acc.tokens[:, 0])
-    fresh = dataclasses.replace(st, drafter_cache=drafter.empty_cache(src.shape[0], t, self._dtype))
-    fed = self._feed_drafter(model, drafter, fresh, features, shifted, jnp.where(sel, lengths_P[src], 0), None)
+    # The drafter's prompt pairs (f_p, x_{p+1}), p < length - 1, are the same for every sample of a
+    # prompt: they run once per unique prompt and are copied into its rows, like the target's cache.
+    # The last pair holds the row's own first token, so it is fed per row.
+    features = drafter.target_features(out.hidden, out.aux_hidden)
+    shifted = jnp.concatenate([tokens_PxT[:, 1:], jnp.zeros((p, 1), jnp.int32)], axis=1)
+    _, shared = self._drafter_pass(model, drafter, drafter.empty_cache(p, t, self._dtype), features, shifted, None)
     dcache = st.drafter_cache
-    dcache = KVCache(k=dcache.k.at[:, :, :t].set(copy_rows(fed.drafter_cache.k, dcache.k[:, :, :t])),
-                     v=dcache.v.at[:, :, :t].set(copy_rows(fed.drafter_cache.v, dcache.v[:, :, :t])),
-                     lengths=jnp.where(sel, fed.drafter_cache.lengths, dcache.lengths))
-    return dataclasses.replace(st, drafter_cache=dcache, draft_feat=jnp.where(sel[:, None], fed.draft_feat,
-                                                                                st.draft_feat),
-                               drafter_finite=fed.drafter_finite)
+    dcache = KVCache(k=dcache.k.at[:, :, :t].set(copy_rows(shared.k[:, src], dcache.k[:, :, :t])),
+                     v=dcache.v.at[:, :, :t].set(copy_rows(shared.v[:, src], dcache.v[:, :, :t])),
+                     lengths=jnp.where(sel, last, dcache.lengths))
+    return self._feed_drafter(model, drafter, dataclasses.replace(st, drafter_cache=dcache),
+                              features[src][rows, last][:, None], acc.tokens[:, :1], sel.astype(jnp.int32), None)
 
   def _draft(self, params, drafter_params, st: RowState, strategy: Strategy):
     """Drafts every row's EAGLE-2 tree; the drafter cache gets the tree levels past its lengths."""
@@ -370,7 +373,10 @@ class Engine:
                              kv_block=self.config.kv_block, attention=self.config.attention, hidden_layers=layers)
     acc = speculative.accept(out.logits, tree, active, st.num_generated, st.max_new, st.prompt_index,
                              st.sample_index, self.sampling, depth)
-    cache = speculative.commit(out.cache, acc.nodes, acc.count)
+    if depth:
+      cache = speculative.commit(out.cache, acc.nodes, acc.count)
+    else:  # a one-node tree: the accepted token's keys/values are already at the row's length
+      cache = dataclasses.replace(out.cache, lengths=out.cache.lengths + acc.count)
     rows = jnp.arange(acc.nodes.shape[0])[:, None]
     st = self._record(dataclasses.replace(st, cache=cache), active, acc, out.hidden[rows, acc.nodes])
     if drafter is None:
