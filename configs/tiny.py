@@ -9,6 +9,13 @@ Runs on a 2-core CPU in minutes with no downloads: SFT warm start of a 0.8M-para
 (unless <workdir>/policy exists), drafter warm-up (unless <workdir>/drafter exists), then GRPO/DAPO
 with TLT rollouts. Response lengths are long-tailed (heavy-tailed number of terms), like real
 reasoning RL.
+
+What RL has to learn here: the SFT solutions come from a sloppy teacher that leaves off the final
+`Answer:` line in 30% of them (`sft.unanswered`), as truncated or unformatted traces do in real
+distillation data. The reward reads that line, so the SFT policy copies a habit that costs it
+reward, and GRPO unlearns it: the held-out reward rises within the 20 steps. Without the slip
+(`--config.sft.unanswered=0`) a 0.8M-parameter policy this briefly trained has no headroom that
+RL reaches in minutes on a CPU (docs/BENCHMARKS.md, "Recipe sweep").
 """
 
 from tlt_jax import config as config_lib
@@ -39,6 +46,7 @@ def get_config(variant: str = ""):
   c.rollout.strategies = "5_2_8"  # the bandit plays it against SD off per batch-size bucket
   c.rollout.sd_max_batch = 16
   c.rollout.compilation_cache_dir = "runs/xla_cache"  # later runs skip compiling
+  c.sft.unanswered = 0.3
   c.drafter.warmup_steps = 200
   c.rl.row_len = 384
   c.rl.learning_rate = 1e-4

@@ -12,7 +12,7 @@ from flax import nnx
 
 from tlt_jax import packing, sft
 from tlt_jax.models import hf
-from tlt_jax.rl import datasets, tokenizer as tokenizer_lib
+from tlt_jax.rl import datasets, rewards, tokenizer as tokenizer_lib
 
 import configs.tiny
 
@@ -52,6 +52,25 @@ def test_packing_keeps_samples_apart(tok, tmp_path):
   losses = [float(sft.lm_loss(model, *map(jnp.asarray, p))) for p in alone]
   weights = [p[3, 0, 1:].sum() for p in alone]
   np.testing.assert_allclose(float(packed_loss), np.average(losses, weights=weights), rtol=1e-5)
+
+
+def test_unanswered_solutions_lose_their_answer_line_and_with_it_the_reward(tok):
+  # configs/tiny.py's sloppy teacher: what SFT copies and RL has to unlearn.
+  examples = datasets.from_tasks("basic_arithmetic", tok, size=400, seed=0).examples
+  full, cut = sft.sequences(examples, tok), sft.sequences(examples, tok, unanswered=0.3, seed=5)
+  assert cut == sft.sequences(examples, tok, unanswered=0.3, seed=5) != sft.sequences(examples, tok, 0.3, seed=6)
+  assert sft.sequences(examples, tok, unanswered=0.0, seed=5) == full
+  dropped = 0
+  for ex, (prompt, answered), (same_prompt, response) in zip(examples, full, cut):
+    assert same_prompt == prompt and response[-1] == answered[-1] == tok.eos_token_id
+    text, answered_text = (tok.decode(r, skip_special_tokens=True) for r in (response, answered))
+    assert answered_text == ex.solution
+    if text != answered_text:
+      dropped += 1
+      assert answered_text == f"{text}\nAnswer: {ex.ground_truth}"  # only the answer line is gone
+      scores, _ = rewards.score_batch(ex.reward, [text, answered_text], [ex.ground_truth] * 2, [ex.metadata] * 2)
+      assert scores.tolist() == [0.0, 1.0]
+  assert 0.25 < dropped / len(examples) < 0.35
 
 
 def test_sft_writes_a_policy_transformers_loads(tok, tmp_path):

@@ -83,6 +83,7 @@ def base() -> ml_collections.ConfigDict:
   c.sft.weight_decay = 0.01
   c.sft.eval_size = 256
   c.sft.eval_max_new_tokens = 384
+  c.sft.unanswered = 0.0  # fraction of SFT solutions without their `Answer:` line (a sloppy teacher)
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.speculative = True  # False: the plain-rollout baseline, everything else equal
@@ -190,7 +191,7 @@ _AT_LEAST = {
     "model.num_kv_heads": 1, "model.head_dim": 1, "model.intermediate_size": 1, "model.max_position_embeddings": 1,
     "task.min_terms": 1, "data.size": 1, "data.max_prompt_len": 1,
     "sft.num_problems": 1, "sft.steps": 0, "sft.batch_rows": 1, "sft.row_len": 2, "sft.learning_rate": 0,
-    "sft.warmup_steps": 0, "sft.weight_decay": 0, "sft.eval_size": 0, "sft.eval_max_new_tokens": 1,
+    "sft.warmup_steps": 0, "sft.weight_decay": 0, "sft.unanswered": 0, "sft.eval_size": 0, "sft.eval_max_new_tokens": 1,
     "rollout.prompts_per_step": 1, "rollout.num_samples": 1, "rollout.temperature": 0, "rollout.top_k": 0,
     "rollout.max_new_tokens": 1, "rollout.groups": 1, "rollout.segment_steps": 1, "rollout.kv_block": 1,
     "rollout.sd_max_batch": 1, "rollout.bandit_epsilon": 0, "rollout.bandit_window": 1,
@@ -203,7 +204,7 @@ _AT_LEAST = {
     "checkpoint.every": 1, "checkpoint.keep": 1,
 }
 _ABOVE = {"model.rope_theta": 0, "task.tail_alpha": 0, "rollout.top_p": 0, "rl.max_grad_norm": 0}
-_AT_MOST = {"rollout.top_p": 1, "rollout.bandit_epsilon": 1}
+_AT_MOST = {"sft.unanswered": 1, "rollout.top_p": 1, "rollout.bandit_epsilon": 1}
 _CHOICES = {
     "policy.dtype": ("float32", "bfloat16"),
     "data.reward": tuple(sorted(rewards.REWARDS)),

@@ -56,10 +56,17 @@ def build_policy(config, tok) -> CausalLM:
   return CausalLM(cfg, rngs=nnx.Rngs(config.seed))
 
 
-def sequences(examples, tok):
-  """(prompt ids, worked solution + EOS) of each example: the SFT targets."""
-  return [(ex.prompt_ids, tok(ex.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
-          for ex in examples]
+def sequences(examples, tok, unanswered: float = 0.0, seed: int = 0):
+  """(prompt ids, worked solution + EOS) of each example: the SFT targets.
+
+  `unanswered`: the fraction of solutions (a seeded choice) that stop after their last step,
+  without the `Answer:` line the reward reads: a sloppy teacher's habit that SFT copies and RL
+  can unlearn (see configs/tiny.py).
+  """
+  drop = np.random.default_rng([seed, 0xA45]).random(len(examples)) < unanswered
+  return [(ex.prompt_ids, tok(ex.solution.rpartition("\n")[0] if cut else ex.solution,
+                              add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+          for ex, cut in zip(examples, drop)]
 
 
 def lm_loss(model: CausalLM, tokens, positions, segments, loss_mask):
@@ -144,7 +151,8 @@ def warm_start(config, tok) -> tuple[CausalLM, list[float]]:
   """A fresh tiny policy trained on worked solutions; returns it and its loss curve."""
   train_set = datasets.from_tasks(config.task.family, tok, size=config.sft.num_problems, seed=config.seed,
                                   difficulty=difficulty(config))
-  rows = packing.pack(sequences(train_set, tok), config.sft.row_len, truncate=False)
+  rows = packing.pack(sequences(train_set, tok, config.sft.unanswered, config.seed), config.sft.row_len,
+                      truncate=False)
   model = build_policy(config, tok)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   logging.info("tiny policy: %.2fM parameters; %d packed rows of %d tokens", n_params / 1e6, rows.shape[1],

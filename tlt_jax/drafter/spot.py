@@ -47,6 +47,7 @@ before the first rollout starts decoding; no round compiles.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import threading
 import time
@@ -253,9 +254,13 @@ class SpotTrainer:
     self.rl_step += 1
     bounds = np.linspace(0, len(prompts), G + 1).astype(int)
     limit = lambda a, b: list(max_total_len[a:b]) if isinstance(max_total_len, Sequence) else max_total_len
-    for g, engine in zip(self.groups, self.engines):
+    def prepare(g, engine):
       a, b = bounds[g], bounds[g + 1]
       engine.prepare(min((b - a) * num_samples, engine.config.batch_buckets[-1]), [len(p) for p in prompts[a:b]])
+    # Each group compiles its own executables (they are bound to its devices): in parallel, since
+    # XLA compiles one module per thread.
+    with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as pool:
+      list(pool.map(prepare, self.groups, self.engines))
     compiled = self._compile()
     version_used = min(self.engine_versions)
 

@@ -187,15 +187,20 @@ class Trainer:
       self.engines = self.spot.engines
     else:  # the baseline: one plain engine, data-parallel over the same devices
       self.spot = None
-    if self.spot is None or c.eval.every:
-      # The baseline's rollouts and held-out evaluations: a plain engine data-parallel over all
-      # the devices, as many rows at once as the TLT groups together.
-      mesh = sharding.make_mesh({"data": len(devices)}, devices) if len(devices) > 1 else None
-      self._plain_shardings = None if mesh is None else sharding.param_shardings(nnx.state(self.policy), mesh)
+    # Plain engines data-parallel over all the devices: the baseline's rollouts (as many rows at
+    # once as the TLT groups together) and held-out evaluations (one fixed batch decoded without
+    # compaction, so they compile a single bucket; per-row keys make the samples the same either way).
+    mesh = sharding.make_mesh({"data": len(devices)}, devices) if len(devices) > 1 else None
+    self._plain_shardings = None if mesh is None else sharding.param_shardings(nnx.state(self.policy), mesh)
+    self.plain_engine = self.eval_engine = None
+    if self.spot is None:
       largest = c.rollout.batch_buckets * c.rollout.groups
       self.plain_engine = Engine(self.policy, engine_config(c, largest_bucket=largest), sampling, mesh=mesh)
-      if self.spot is None:
-        self.engines = [self.plain_engine]
+      self.engines = [self.plain_engine]
+    if c.eval.every:
+      rows = c.eval.size * c.eval.num_samples
+      self.eval_engine = Engine(self.policy, engine_config(c, largest_bucket=1 << (rows - 1).bit_length(),
+                                                           compact=False), sampling, mesh=mesh)
     self.eval_prompts = load_eval_prompts(c, self.tok) if c.eval.every else None
     self._groups = self.spot.groups if self.spot is not None else [0]  # the engines' rollout groups
     if distributed.multiprocess():  # the actor runs SPMD over every process's devices
@@ -258,9 +263,12 @@ class Trainer:
     """The actor's params into the rollout (the group engines get copies; the drafter reads them live)."""
     if self.spot is not None:
       self.spot.set_policy_params(self.actor.params)
-    if self.spot is None or self.eval_prompts is not None:
-      self.plain_engine.set_params(self.actor.params if self._plain_shardings is None else
-                                   jax.device_put(self.actor.params, self._plain_shardings))
+    plain = [e for e in (self.plain_engine, self.eval_engine) if e is not None]
+    if plain:
+      params = self.actor.params if self._plain_shardings is None else \
+          jax.device_put(self.actor.params, self._plain_shardings)
+      for engine in plain:
+        engine.set_params(params)
 
   def _rollout(self, prompts, offset: int):
     """Samples (prompt_index counted within `prompts`) and the rollout's metrics."""
@@ -278,7 +286,7 @@ class Trainer:
     different steps differ only by the policy)."""
     start, e = time.perf_counter(), self.config.eval
     examples = list(self.eval_prompts)
-    rollout = self.plain_engine.generate([ex.prompt_ids for ex in examples], num_samples=e.num_samples,
+    rollout = self.eval_engine.generate([ex.prompt_ids for ex in examples], num_samples=e.num_samples,
                                          prompt_offset=_EVAL_OFFSET)
     samples = rollout.samples
     texts = [self.tok.decode(s.tokens, skip_special_tokens=True) for s in samples]
