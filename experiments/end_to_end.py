@@ -58,7 +58,7 @@ def main(argv):
     c.checkpoint.every = 10**6  # no checkpoints in a timing run (the final one is written)
     c.eval.every = 0  # nor held-out evaluations (their engine would compile in the first step)
     c.policy.path, c.drafter.path = policy_dir, drafter_dir  # all start from the same; each logs into its own
-    c.workdir = os.path.join(out, name)
+    c.workdir = starting_point.fresh_workdir(os.path.join(out, name))
     trainers[name] = Trainer(c)
   rows = []
   for step in range(_STEPS.value):

@@ -95,7 +95,7 @@ def main(argv):
   c.steps = _STEPS.value
   c.rollout.speculative, c.rollout.sd_max_batch, c.drafter.online = True, 1, False
   c.checkpoint.every, c.eval.every = 10**6, 0  # a measuring run: no periodic checkpoints, no held-out evaluation
-  c.workdir = os.path.join(out, "rl")
+  c.workdir = starting_point.fresh_workdir(os.path.join(out, "rl"))
   trainer = Trainer(c)
   rollouts = []
   record_rollouts(trainer.engines, rollouts)

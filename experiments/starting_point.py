@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import os
+import shutil
+
+from absl import logging
 
 from tlt_jax.drafter import checkpoint
 from tlt_jax.models import hf
 from tlt_jax.rl import trainer as trainer_lib
+
+
+def fresh_workdir(path: str) -> str:
+  """A measuring trainer's workdir, emptied first: a trainer resumes the checkpoints it finds, so a
+  re-run would otherwise continue the previous run instead of measuring from the start."""
+  if os.path.exists(path):
+    logging.info("removing the previous run's %s", path)
+    shutil.rmtree(path)
+  return path
 
 
 def policy_and_drafter(config, out: str) -> tuple[str, str]:
