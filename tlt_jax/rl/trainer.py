@@ -287,7 +287,7 @@ class Trainer:
     start, e = time.perf_counter(), self.config.eval
     examples = list(self.eval_prompts)
     rollout = self.eval_engine.generate([ex.prompt_ids for ex in examples], num_samples=e.num_samples,
-                                         prompt_offset=_EVAL_OFFSET)
+                                        prompt_offset=_EVAL_OFFSET)
     samples = rollout.samples
     texts = [self.tok.decode(s.tokens, skip_special_tokens=True) for s in samples]
     truth = [examples[s.prompt_index - _EVAL_OFFSET] for s in samples]
