@@ -1,6 +1,7 @@
 """`python -m tlt_jax.main`: bad config keys and values are rejected with their names; a run
 interrupted by SIGKILL (also inside a checkpoint write) and SIGTERM resumes exactly."""
 
+import json
 import os
 import re
 import signal
@@ -143,6 +144,15 @@ def test_sigkill_and_sigterm_at_random_points_resume_exactly(tmp_path, straight,
 
   records = metrics.read(str(workdir / "metrics.jsonl"))
   assert [r["step"] for r in records] == list(range(STEPS + 1))  # 0: the held-out evaluation before step 1
+  # The closing summary covers the whole run, the parts before the restarts included.
+  log = (tmp_path / "run3.log").read_text()
+  summary, _ = json.JSONDecoder().raw_decode(log, log.rindex('{\n  "steps"'))
+  window = max(1, min(5, STEPS // 2))
+  assert summary["steps"] == STEPS and summary["reward_window"] == window
+  assert summary["reward_first_steps"] == pytest.approx(np.mean([r["reward/mean"] for r in records[1:1 + window]]))
+  assert summary["reward_last_steps"] == pytest.approx(np.mean([r["reward/mean"] for r in records[-window:]]))
+  evals = [r for r in records if "eval/reward" in r]
+  assert (summary["eval_reward_first"], summary["eval_reward_last"]) == (evals[0]["eval/reward"], evals[-1]["eval/reward"])
   strip = lambda r: {k: v for k, v in r.items() if not _timing(k)}
   params, expected = straight
   assert [strip(r) for r in records] == [strip(r) for r in expected]

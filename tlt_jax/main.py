@@ -108,10 +108,16 @@ def main(argv):
           f"{trainer.checkpoint_path}; resume with: {resume}")
     return
   if records and trainer.metrics is not None:  # process 0 of several
-    first, last = records[0], records[-1]
-    summary = {"steps": trainer.step, "reward_first": first["reward/mean"], "reward_last": last["reward/mean"]}
-    evals = [r for r in metrics.read(trainer.metrics.path) if "eval/reward" in r]
-    if evals:  # the held-out reward over the whole run, resumed parts included
+    history = metrics.read(trainer.metrics.path)  # the whole run, resumed parts included
+    # A step's training reward swings with its prompts' difficulty: means over the first and the
+    # last few steps.
+    steps = [r for r in history if "reward/mean" in r]
+    window = max(1, min(5, len(steps) // 2))
+    mean = lambda part: sum(r["reward/mean"] for r in part) / len(part)
+    summary = {"steps": trainer.step, "reward_first_steps": mean(steps[:window]),
+               "reward_last_steps": mean(steps[-window:]), "reward_window": window}
+    evals = [r for r in history if "eval/reward" in r]
+    if evals:  # the held-out reward
       summary.update(eval_reward_first=evals[0]["eval/reward"], eval_reward_last=evals[-1]["eval/reward"],
                      eval_steps=[r["step"] for r in evals])
     print(json.dumps({**summary, "metrics": trainer.metrics.path}, indent=2))

@@ -188,19 +188,25 @@ class Trainer:
     else:  # the baseline: one plain engine, data-parallel over the same devices
       self.spot = None
     # Plain engines data-parallel over all the devices: the baseline's rollouts (as many rows at
-    # once as the TLT groups together) and held-out evaluations (one fixed batch decoded without
-    # compaction, so they compile a single bucket; per-row keys make the samples the same either way).
+    # once as the TLT groups together) and held-out evaluations. Evaluations use the baseline's
+    # engine when there is one (compiled for its rollouts anyway), else their own, which decodes
+    # the fixed batch without compaction: one bucket to compile. Per-row keys make the samples the
+    # same either way.
     mesh = sharding.make_mesh({"data": len(devices)}, devices) if len(devices) > 1 else None
     self._plain_shardings = None if mesh is None else sharding.param_shardings(nnx.state(self.policy), mesh)
-    self.plain_engine = self.eval_engine = None
+    self.plain_engines = []  # they take the policy's params after each update
     if self.spot is None:
       largest = c.rollout.batch_buckets * c.rollout.groups
-      self.plain_engine = Engine(self.policy, engine_config(c, largest_bucket=largest), sampling, mesh=mesh)
-      self.engines = [self.plain_engine]
-    if c.eval.every:
+      self.engines = [Engine(self.policy, engine_config(c, largest_bucket=largest), sampling, mesh=mesh)]
+      self.plain_engines = list(self.engines)
+    self.eval_engine = None
+    if c.eval.every and self.spot is None:
+      self.eval_engine = self.engines[0]
+    elif c.eval.every:
       rows = c.eval.size * c.eval.num_samples
       self.eval_engine = Engine(self.policy, engine_config(c, largest_bucket=1 << (rows - 1).bit_length(),
                                                            compact=False), sampling, mesh=mesh)
+      self.plain_engines.append(self.eval_engine)
     self.eval_prompts = load_eval_prompts(c, self.tok) if c.eval.every else None
     self._groups = self.spot.groups if self.spot is not None else [0]  # the engines' rollout groups
     if distributed.multiprocess():  # the actor runs SPMD over every process's devices
@@ -263,11 +269,10 @@ class Trainer:
     """The actor's params into the rollout (the group engines get copies; the drafter reads them live)."""
     if self.spot is not None:
       self.spot.set_policy_params(self.actor.params)
-    plain = [e for e in (self.plain_engine, self.eval_engine) if e is not None]
-    if plain:
+    if self.plain_engines:
       params = self.actor.params if self._plain_shardings is None else \
           jax.device_put(self.actor.params, self._plain_shardings)
-      for engine in plain:
+      for engine in self.plain_engines:
         engine.set_params(params)
 
   def _rollout(self, prompts, offset: int):
