@@ -34,8 +34,12 @@ def check_draft_vocab(vocab_size: int, draft_vocab: Sequence[int]) -> None:
   ids = list(draft_vocab)
   if len(ids) > vocab_size:
     raise ValueError(f"a draft vocabulary of {len(ids)} tokens is larger than the target's vocabulary of {vocab_size}")
-  if ids and (ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= vocab_size):
-    raise ValueError(f"a draft vocabulary must be strictly increasing target ids in [0, {vocab_size})")
+  outside = [i for i in (min(ids, default=0), max(ids, default=0)) if not 0 <= i < vocab_size]
+  if outside:
+    raise ValueError(f"the draft vocabulary ({len(ids)} tokens) maps to target id {outside[0]}, outside the target's "
+                     f"vocabulary of {vocab_size}")
+  if ids != sorted(set(ids)):
+    raise ValueError("a draft vocabulary must be strictly increasing target ids")
 
 
 def check_feature_layers(num_layers: int, feature_layers: Sequence[int]) -> None:

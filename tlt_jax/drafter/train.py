@@ -3,7 +3,10 @@
 A sequence x_0..x_{L-1} (prompt + response) and the target's features f_0..f_{L-1} give the
 drafter pairs (f_t, x_{t+1}) at position t, each predicting f_{t+1}. The loss at pair t is
   SmoothL1(predicted, f_{t+1})  +  0.1 * CE(softmax(lm_head(f_{t+1})), log_softmax(lm_head(predicted)))
-over pairs whose x_{t+1} is a response token. EAGLE-3 drafters (`feature_layers` set) read a
+over pairs whose x_{t+1} is a response token. A drafter with a reduced-vocabulary head
+(`draft_vocab`) takes the cross-entropy over its N tokens (the target's distribution restricted
+to them, renormalised, as EAGLE-3 trains its `draft_vocab_size` head); `frequent_tokens` picks
+the N from the training data. EAGLE-3 drafters (`feature_layers` set) read a
 learned fusion of three target layers, which lives in a different space from f_{t+1}, so their
 feature term has weight 0 (only the logit term trains them; EAGLE-3's multi-step
 "training-time test" is not implemented here).
@@ -68,8 +71,14 @@ def _sequence_pairs(graphdef, feature_layers, params, tokens, positions, segment
                next_hidden=shift(hidden))
 
 
-def loss_fn(drafter: Drafter, target: CausalLM, pairs: Pairs) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Weighted mean EAGLE loss over the pairs, and metrics (losses, top-1 agreement, pair count)."""
+def loss_fn(drafter: Drafter, target: CausalLM, pairs: Pairs,
+            exact_top1: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Weighted mean EAGLE loss over the pairs, and metrics (losses, top-1 agreement, pair count).
+
+  top1: the drafter's most likely token is the target's. With a reduced vocabulary it is compared
+  within the draft vocabulary (cheap, for training steps) unless `exact_top1`, which compares it
+  with the target's most likely token over its whole vocabulary (a full lm_head pass, for evaluation).
+  """
   b, t = pairs.tokens.shape
   features = drafter.target_features(pairs.hidden, pairs.aux)
   cache = drafter.empty_cache(b, t, features.dtype)
@@ -77,17 +86,39 @@ def loss_fn(drafter: Drafter, target: CausalLM, pairs: Pairs) -> tuple[jax.Array
   predicted = predicted.astype(jnp.float32)
   true_next = pairs.next_hidden.astype(jnp.float32)
   feature = optax.huber_loss(predicted, true_next, delta=1.0).mean(-1)  # SmoothL1 with beta 1
-  target_logits = target.logits(pairs.next_hidden)
-  logits = target.logits(predicted)
+  head = drafter.head(target)
+  target_logits = drafter.logits(target, head, pairs.next_hidden)
+  logits = drafter.logits(target, head, predicted)
   logit = -jnp.sum(jax.nn.softmax(target_logits) * jax.nn.log_softmax(logits), axis=-1)
   feature_weight = 0.0 if drafter.feature_layers else 1.0
   w = pairs.weights
   n = jnp.maximum(w.sum(), 1.0)
   mean = lambda x: jnp.sum(x * w) / n
   loss = feature_weight * mean(feature) + LOGIT_WEIGHT * mean(logit)
-  top1 = jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)
+  if exact_top1 and drafter.draft_vocab:
+    top1 = drafter.target_ids(jnp.argmax(logits, -1)) == jnp.argmax(target.logits(pairs.next_hidden), -1)
+  else:
+    top1 = jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)
   return loss, {"loss": loss, "feature_loss": mean(feature), "logit_loss": mean(logit), "top1": mean(top1),
                 "pairs": w.sum()}
+
+
+def frequent_tokens(sequences: Sequences, vocab_size: int, n: int) -> tuple[int, ...]:
+  """The draft vocabulary of `n` tokens: the most frequent response tokens of `sequences` (ties and
+  unseen fill-ins by lower id), in increasing id order."""
+  if not 1 <= n <= vocab_size:
+    raise ValueError(f"a draft vocabulary of {n} tokens does not fit the target's vocabulary of {vocab_size}")
+  counts = np.zeros((vocab_size,), np.int64)
+  for _, response in sequences:
+    np.add.at(counts, np.asarray(response, np.int64), 1)
+  order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then id
+  return tuple(int(i) for i in np.sort(order[:n]))
+
+
+def coverage(sequences: Sequences, draft_vocab: Sequence[int]) -> float:
+  """Fraction of the response tokens of `sequences` inside `draft_vocab`."""
+  tokens = np.concatenate([np.asarray(r, np.int64) for _, r in sequences] or [np.zeros((0,), np.int64)])
+  return float(np.isin(tokens, np.asarray(draft_vocab)).mean()) if len(tokens) else 0.0
 
 
 def cosine_schedule(learning_rate: float, steps: int, warmup_steps: int | None = None) -> optax.Schedule:
@@ -138,7 +169,8 @@ def apply_gradients(optimizer: optax.GradientTransformation, params, opt_state, 
 def make_eval_step(drafter: Drafter, target: CausalLM) -> Callable:
   """Jitted `evaluate(drafter_params, target_params, pairs) -> metrics` (no update)."""
   drafter_def, target_def = nnx.graphdef(drafter), nnx.graphdef(target)
-  return jax.jit(lambda dp, tp, pairs: loss_fn(nnx.merge(drafter_def, dp), nnx.merge(target_def, tp), pairs)[1])
+  return jax.jit(lambda dp, tp, pairs: loss_fn(nnx.merge(drafter_def, dp), nnx.merge(target_def, tp), pairs,
+                                               exact_top1=True)[1])
 
 
 @dataclasses.dataclass
