@@ -100,7 +100,7 @@ def test_reduced_vocabulary_distillation_learns(target):
   drafter = Drafter(target.config, draft_vocab=train.frequent_tokens(sequences, 64, 24), rngs=nnx.Rngs(1))
   before = train.evaluate(target, drafter, sequences, batch_rows=4, row_len=ROW_LEN)
   result = train.distill(target, drafter, sequences, steps=25, batch_rows=4, row_len=ROW_LEN, lr=3e-2,
-                         eval_sequences=sequences)
+                         eval_data=sequences)
   assert result.losses[-1] < result.losses[0] and result.eval["loss"] < before["loss"]
   assert result.eval["top1"] > before["top1"]
 
@@ -145,7 +145,7 @@ def test_distill_learns_and_leaves_the_target_alone(target):
   drafter_before = jax.tree.map(np.array, nnx.state(drafter))
   steps = []
   result = train.distill(target, drafter, sequences, steps=25, batch_rows=4, row_len=ROW_LEN, lr=3e-2,
-                         eval_sequences=sequences, on_step=lambda i, m: steps.append(i))
+                         eval_data=sequences, on_step=lambda i, m: steps.append(i))
   assert steps == list(range(25)) and len(result.losses) == len(result.metrics) == 25
   assert result.losses[-1] < result.losses[0]
   assert result.eval["feature_loss"] < 0.5 * before["feature_loss"] and result.eval["loss"] < before["loss"]

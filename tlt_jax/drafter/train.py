@@ -177,7 +177,7 @@ def make_eval_step(drafter: Drafter, target: CausalLM) -> Callable:
 class DistillResult:
   losses: list[float]  # training loss per step
   metrics: list[dict[str, float]]  # per step: loss, feature_loss, logit_loss, top1, pairs
-  eval: dict[str, float] | None  # pair-weighted metrics on `eval_sequences`, when given
+  eval: dict[str, float] | None  # pair-weighted metrics on `eval_data`, when given
 
 
 def _pairs_in_batches(target: CausalLM, feature_layers, rows: np.ndarray, batch_rows: int) -> list[Pairs]:
@@ -190,34 +190,44 @@ def _pairs_in_batches(target: CausalLM, feature_layers, rows: np.ndarray, batch_
   return out
 
 
-def distill(target: CausalLM, drafter: Drafter, sequences: Sequences, *, steps: int, batch_rows: int, row_len: int,
-            lr: float, seed: int = 0, eval_sequences: Sequences = (), warmup_steps: int | None = None,
+def all_pairs(target: CausalLM, feature_layers, data: Sequences | Pairs, *, row_len: int, batch_rows: int) -> Pairs:
+  """Host `Pairs` of every packed row of `data`: `data` itself when it is `Pairs` already (features a
+  rollout captured, `DataBuffer.packed`), else its sequences packed into rows of `row_len` and their
+  features computed by target forwards of `batch_rows` rows."""
+  if isinstance(data, Pairs):
+    return data
+  rows = pack(data, row_len)
+  logging.info("distill: %d sequences packed into %d rows of %d tokens", len(data), rows.shape[1], row_len)
+  batches = _pairs_in_batches(target, feature_layers, rows, batch_rows)
+  return jax.tree.map(lambda *xs: np.concatenate(xs)[:rows.shape[1]], *batches)
+
+
+def distill(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, steps: int, batch_rows: int,
+            row_len: int, lr: float, seed: int = 0, eval_data: Sequences | Pairs = (), warmup_steps: int | None = None,
             on_step: Callable[[int, dict[str, float]], None] | None = None) -> DistillResult:
-  """Trains `drafter` in place on the target's `sequences` for `steps` steps of `batch_rows` packed rows."""
+  """Trains `drafter` in place for `steps` steps of `batch_rows` packed rows of `data`: the target's
+  sequences (features recomputed) or `Pairs` of captured features (see `all_pairs`)."""
   if steps < 1 or batch_rows < 1:
     raise ValueError(f"steps and batch_rows must be positive, got steps={steps}, batch_rows={batch_rows}")
-  layers = drafter.feature_layers
-  rows = pack(sequences, row_len)
-  logging.info("distill: %d sequences packed into %d rows of %d tokens", len(sequences), rows.shape[1], row_len)
-  batches = _pairs_in_batches(target, layers, rows, batch_rows)
-  # One host array per field (padding rows cut off), from which each step gathers its rows.
-  all_pairs = jax.tree.map(lambda *xs: np.concatenate(xs)[:rows.shape[1]], *batches)
+  # One host array per field, from which each step gathers its rows.
+  pairs = all_pairs(target, drafter.feature_layers, data, row_len=row_len, batch_rows=batch_rows)
+  num_rows = pairs.tokens.shape[0]
   optimizer = make_optimizer(cosine_schedule(lr, steps, warmup_steps))
   _, target_params = nnx.split(target)
   _, params = nnx.split(drafter)
   opt_state = optimizer.init(params)
   # Compiled ahead of time: a plain jit would compile again at step 2, once the fresh (uncommitted)
   # drafter state has come back committed to the target's mesh.
-  abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((batch_rows, *x.shape[1:]), x.dtype), all_pairs)
+  abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((batch_rows, *x.shape[1:]), x.dtype), pairs)
   step = make_train_step(drafter, target, optimizer).lower(params, opt_state, target_params, abstract_batch).compile()
   rng = np.random.default_rng(seed)
   order = np.empty(0, np.int64)
   losses, metrics = [], []
   for i in range(steps):
     while len(order) < batch_rows:  # epochs of shuffled rows; fewer rows than batch_rows repeat
-      order = np.concatenate([order, rng.permutation(rows.shape[1])])
+      order = np.concatenate([order, rng.permutation(num_rows)])
     take, order = order[:batch_rows], order[batch_rows:]
-    batch = jax.tree.map(lambda x: x[take], all_pairs)
+    batch = jax.tree.map(lambda x: x[take], pairs)
     params, opt_state, m = step(params, opt_state, target_params, batch)
     m = {k: float(v) for k, v in m.items()}
     losses.append(m["loss"])
@@ -225,21 +235,25 @@ def distill(target: CausalLM, drafter: Drafter, sequences: Sequences, *, steps: 
     if on_step is not None:
       on_step(i, m)
   nnx.update(drafter, params)
-  eval_metrics = evaluate(target, drafter, eval_sequences, batch_rows=batch_rows, row_len=row_len) \
-      if eval_sequences else None
+  has_eval = isinstance(eval_data, Pairs) or len(eval_data) > 0
+  eval_metrics = evaluate(target, drafter, eval_data, batch_rows=batch_rows, row_len=row_len) if has_eval else None
   return DistillResult(losses, metrics, eval_metrics)
 
 
-def evaluate(target: CausalLM, drafter: Drafter, sequences: Sequences, *, batch_rows: int,
+def evaluate(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, batch_rows: int,
              row_len: int) -> dict[str, float]:
-  """Pair-weighted loss and top-1 agreement of the drafter on `sequences`."""
-  rows = pack(sequences, row_len)
+  """Pair-weighted loss and (exact) top-1 agreement of the drafter on `data` (as `distill` takes it)."""
+  pairs = all_pairs(target, drafter.feature_layers, data, row_len=row_len, batch_rows=batch_rows)
   evaluate_fn = make_eval_step(drafter, target)
   _, drafter_params = nnx.split(drafter)
   _, target_params = nnx.split(target)
   sums, total = {}, 0.0
-  for pairs in _pairs_in_batches(target, drafter.feature_layers, rows, batch_rows):
-    m = {k: float(v) for k, v in evaluate_fn(drafter_params, target_params, pairs).items()}
+  num_rows = pairs.tokens.shape[0]
+  for start in range(0, num_rows, batch_rows):
+    take = np.arange(start, start + batch_rows)  # one shape: the last chunk's padding rows weigh 0
+    chunk = jax.tree.map(lambda x: np.where(
+        (take < num_rows).reshape((-1,) + (1,) * (x.ndim - 1)), x[np.minimum(take, num_rows - 1)], 0), pairs)
+    m = {k: float(v) for k, v in evaluate_fn(drafter_params, target_params, chunk).items()}
     total += m["pairs"]
     for k, v in m.items():
       if k != "pairs":
