@@ -144,12 +144,15 @@ def with_sd(config, strategy, sd_max_batch=8):
 
 
 def test_speculative_greedy_is_identical_for_any_drafter(models):
-  """Random drafter, chain and tree strategies, 1 to 8 rows, stops and budgets inside steps."""
+  """Random drafters (full and reduced vocabulary), chain and tree strategies, 1 to 8 rows, stops and
+  budgets inside steps."""
   model = models["qwen3"]
   drafter = Drafter(model.config, rngs=nnx.Rngs(1))
   params = SamplingParams(temperature=0, max_new_tokens=48, stop_token_ids=(STOP, 7, 11))
   plain = Engine(model, CONFIG, params)
+  reduced = Drafter(model.config, draft_vocab=tuple(range(1, VOCAB, 3)), rngs=nnx.Rngs(6))  # stop token 1 included
   engines = [Engine(model, with_sd(CONFIG, s), params, drafter=drafter) for s in ("3_1_4", "3_2_6")]
+  engines.append(Engine(model, with_sd(CONFIG, "3_2_6"), params, drafter=reduced))
   for rows in (8, 3, 1):  # largest first: smaller rollouts reuse its segment executables
     ps = prompts(rows, seed=10 + rows)
     limits = [len(p) + 5 + 7 * i for i, p in enumerate(ps)]  # budgets end at odd places
@@ -217,7 +220,7 @@ def first_tokens(model, config, drafter, seed, n):
   return np.asarray([s.tokens for s in rollout.samples])
 
 
-@pytest.mark.parametrize("drafter_kind", ["random", "distilled"])
+@pytest.mark.parametrize("drafter_kind", ["random", "distilled", "reduced"])
 def test_speculative_first_three_tokens_follow_plain_sampling(drafter_kind):
   """Independent seeds: the two-sample chi-square of marginals and the 2-token joint."""
   from scipy import stats
@@ -227,7 +230,8 @@ def test_speculative_first_three_tokens_follow_plain_sampling(drafter_kind):
   config = EngineConfig(batch_buckets=tuple(2**i for i in range(12)), max_prompt_len=4, max_new_tokens=3, kv_block=16,
                         segment_steps=4, compact=False)
   plain = first_tokens(model, config, None, seed=1, n=n)
-  drafter = Drafter(model.config, rngs=nnx.Rngs(4))
+  # "reduced": a random drafter whose head drafts only tokens 0, 2 and 5 of the 6.
+  drafter = Drafter(model.config, draft_vocab=(0, 2, 5) if drafter_kind == "reduced" else (), rngs=nnx.Rngs(4))
   if drafter_kind == "distilled":  # trained on the target's own samples: it proposes likely tokens
     samples = first_tokens(model, config, None, seed=3, n=256)
     result = train.distill(model, drafter, [([1, 2, 3], s.tolist()) for s in samples], steps=30, batch_rows=8,
