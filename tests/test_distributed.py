@@ -1,6 +1,6 @@
 """Two processes (jax.distributed on localhost, gloo) x 4 CPU devices run `python -m tlt_jax.main`
-with TLT like one process on 8 devices: 2 steps (rewards equal, policy within float tolerance),
-checkpoints written once, and a fresh 2-process run restores the last one."""
+with TLT like one process on 8 devices: 2 steps (rewards equal, the policy update equal up to
+float rounding), checkpoints written once, and a fresh 2-process run restores the last one."""
 
 import os
 import socket
@@ -8,19 +8,18 @@ import subprocess
 import sys
 import time
 
-import jax
 import ml_collections
-import numpy as np
 from flax import nnx
 
 from configs import tiny
-from tests.conftest import tiny_rl_config
+from tests.conftest import float_order_mismatches, tiny_rl_config
 from tlt_jax import metrics
 from tlt_jax.models import hf
 from tlt_jax.rl.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Equal in both runs: the rollout is lossless and row keys are global, so the samples are too.
+# Equal in both runs: the rollout is lossless and row keys are global, so the samples are too (the
+# rounding that moves the step-1 policy apart is far too small to change a step-2 sample).
 EXACT = ("reward/", "response_length/", "groups_kept", "samples_trained", "train/updates")
 
 
@@ -114,13 +113,13 @@ def test_two_processes_match_one(tmp_path, tiny_policy_dir, xla_cache):
     params = trainer.actor.params
   finally:
     trainer.close()
-  for mine, ref in zip(records, reference, strict=True):
-    assert {k: v for k, v in mine.items() if k.startswith(EXACT)} == {k: v for k, v in ref.items() if k.startswith(EXACT)}
-    # One process sums a micro-batch's gradient on one device; two sum 8 devices' shards (all-reduce):
-    # another order of float additions.
-    np.testing.assert_allclose(mine["train/loss"], ref["train/loss"], rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(mine["train/grad_norm"], ref["train/grad_norm"], rtol=1e-5)
+  exact = lambda record: {k: v for k, v in record.items() if k.startswith(EXACT)}
+  assert [exact(r) for r in records] == [exact(r) for r in reference]
+  # The update: one process sums a micro-batch's gradient on one device, two all-reduce 8
+  # devices' shards: the same arithmetic in another order, which float_order_mismatches bounds
+  # (per element it is not bounded: Adam's steps magnify rounding where gradients are near 0).
+  stats = lambda records: [{k: r[f"train/{k}"] for k in ("loss", "grad_norm")} for r in records]
   assert all(r["train/grad_norm"] > 0 for r in reference)
+  initial = nnx.state(hf.from_pretrained(tiny_policy_dir))
   exported = nnx.state(hf.from_pretrained(str(two / "export" / "policy")))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7),
-               exported, params)
+  assert not float_order_mismatches(initial, (params, stats(reference)), (exported, stats(records)))
