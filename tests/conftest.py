@@ -1,5 +1,6 @@
-"""Shared fixtures: 8 simulated CPU devices, tiny random Hugging Face models of each family, and a
-hard-shrunk tiny RL config with its random policy and one compilation cache (trainer and CLI tests)."""
+"""Shared fixtures: 8 simulated CPU devices, tiny random Hugging Face models of each family, a
+hard-shrunk tiny RL config with its random policy and one compilation cache (trainer and CLI tests),
+and the comparison of training runs that differ only in the order of their float arithmetic."""
 
 import os
 
@@ -11,6 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import functools  # noqa: E402
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 from hypothesis import settings  # noqa: E402
@@ -86,6 +88,40 @@ def jit_decode(graphdef, state, tokens, cache):
 @functools.partial(jax.jit, static_argnums=0)
 def jit_verify(graphdef, state, tokens, positions, mask, cache):
   return transformer.verify(nnx.merge(graphdef, state), tokens, positions, mask, cache)
+
+
+# float_order_mismatches' bounds: far above what float rounding does to a few updates, far below
+# what a wrong gradient does (tests/rl/test_actor.py checks both sides).
+FLOAT_ORDER_BOUNDS = {"update": 1e-2, "loss": 1e-5, "grad_norm": 1e-3}
+
+
+def float_order_mismatches(initial, reference, other) -> dict[str, float]:
+  """How run `other` differs from run `reference` beyond float rounding: {check: worst value}, {} if not.
+
+  A run is (params, [{"loss", "grad_norm"} of each update or step]), trained from `initial` params
+  by the same arithmetic as the other but in another order: on other devices, processes, shards
+  or micro-batches, gradients are summed in another order. Measured in tests/rl/test_actor.py and
+  tests/test_distributed.py, rounding vs a wrong gradient (one of 8 rows' gradient dropped, or
+  half the rows' doubled as if one of 2 processes' gradient were):
+  - "update": ||params' - params|| / ||params - initial||, L2 over every parameter: 4e-7 to 4e-5
+    vs 0.23 to 0.45. Not per element: Adam steps each element by about lr * m / sqrt(v) whatever
+    its gradient's size, so where a gradient is near 0 its rounding moves the step by a fair part
+    of lr (warm-up-free Adam on 8 devices vs 1: an element 0.3% of the largest move apart, 3% on
+    other batches; a relative tolerance of 1e-5 per element fails). Such elements are few: in L2
+    they weigh little.
+  - "loss": absolute. A mean (token weights sum to 1) of terms |advantage| * ratio ~ 1 which may
+    cancel to near 0, so its rounding is absolute: <= 2e-7 vs >= 5e-2 in some update.
+  - "grad_norm": relative (a sum of squares: no cancellation; later updates start from params
+    that rounding already moved): <= 1e-6 (2e-5 on other batches) vs >= 2e-2 in some update.
+  """
+  (params, stats), (ref_params, ref_stats) = other, reference
+  diff = lambda x, y: jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), x, y)
+  norm = lambda tree: np.sqrt(sum(float(np.sum(x * x)) for x in jax.tree.leaves(tree)))
+  pairs = list(zip(stats, ref_stats, strict=True))
+  worst = {"update": norm(diff(params, ref_params)) / norm(diff(ref_params, initial)),
+           "loss": max(abs(s["loss"] - r["loss"]) for s, r in pairs),
+           "grad_norm": max(abs(s["grad_norm"] - r["grad_norm"]) / r["grad_norm"] for s, r in pairs)}
+  return {k: float(v) for k, v in worst.items() if not v <= FLOAT_ORDER_BOUNDS[k]}  # NaN is a mismatch too
 
 
 def tiny_rl_config(workdir, steps: int, cache_dir):

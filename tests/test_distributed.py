@@ -1,6 +1,6 @@
 """Two processes (jax.distributed on localhost, gloo) x 4 CPU devices run `python -m tlt_jax.main`
-with TLT like one process on 8 devices: 2 steps (rewards equal, policy within float tolerance),
-checkpoints written once, and a fresh 2-process run restores the last one."""
+with TLT like one process on 8 devices: 2 steps (rewards equal, the policy update equal up to
+float rounding), checkpoints written once, and a fresh 2-process run restores the last one."""
 
 import os
 import socket
@@ -8,19 +8,18 @@ import subprocess
 import sys
 import time
 
-import jax
 import ml_collections
-import numpy as np
 from flax import nnx
 
 from configs import tiny
-from tests.conftest import tiny_rl_config
+from tests.conftest import float_order_mismatches, tiny_rl_config
 from tlt_jax import metrics
 from tlt_jax.models import hf
 from tlt_jax.rl.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Equal in both runs: the rollout is lossless and row keys are global, so the samples are too.
+# Equal in both runs: the rollout is lossless and row keys are global, so the samples are too (the
+# rounding that moves the step-1 policy apart is far too small to change a step-2 sample).
 EXACT = ("reward/", "response_length/", "groups_kept", "samples_trained", "train/updates")
 
 
@@ -84,7 +83,14 @@ def _tlt_config(workdir, policy_dir, cache_dir, drafter_path):
   c.checkpoint.every = 1
   c.eval.every = 0  # held-out evaluation is single-process only
   c.seed = 1  # a random policy ends some responses early in both steps: rewards differ, gradients flow
-  c.rl.micro_batch_rows = 8  # the 2-process update splits each micro-batch over the 8 devices
+  # One update a step of the 8 samples in one micro-batch, in rows barely longer than a sample
+  # (prompts are 19-24 tokens, responses up to 24): 5-8 rows, so its rows on the last 4 of the 8
+  # devices, process 1's, are real ones too. (The update of step 1, warm-up's first, has learning
+  # rate 0: both runs roll step 2 out from the initial policy.)
+  c.data.max_prompt_len = 24
+  c.rl.row_len = 48
+  c.rl.mini_batches = 1
+  c.rl.micro_batch_rows = 8
   # The drafter warm-up needs the tiny world's tokenizer: the policy goes where the trainer looks
   # for the tiny one (policy.path stays empty).
   os.makedirs(workdir, exist_ok=True)
@@ -92,7 +98,13 @@ def _tlt_config(workdir, policy_dir, cache_dir, drafter_path):
   return c
 
 
-def test_two_processes_match_one(tmp_path, tiny_policy_dir, xla_cache):
+def test_two_processes_match_one(tmp_path, tiny_policy_dir, xla_cache, monkeypatch):
+  """The rollouts are equal (rewards, lengths, sample counts). The policy updates are equal up to
+  float rounding (two processes all-reduce 8 devices' gradient shards where one process sums them
+  on one device): tests/conftest.py `float_order_mismatches` bounds the L2 gap between the final
+  policies, not each element (Adam's steps magnify rounding where a gradient is near 0), and the
+  losses and gradient norms. Measured gap: rounding 1.3e-6 of the update (bound 1e-2); with
+  process 0's gradient doubled 0.45, with one of process 1's 4 shards dropped 0.34."""
   drafter, two, one = tmp_path / "drafter", tmp_path / "two", tmp_path / "one"
   c = _tlt_config(two, tiny_policy_dir, xla_cache, drafter)
   _launch(c, tmp_path)  # process 0 warms the drafter up while process 1 waits, then both run 2 steps
@@ -109,18 +121,19 @@ def test_two_processes_match_one(tmp_path, tiny_policy_dir, xla_cache):
 
   # 1 process, all 8 devices, the same rollout groups.
   trainer = Trainer(_tlt_config(one, tiny_policy_dir, xla_cache, drafter))
+  rows = []  # of each update's micro-batch: the same in both runs
+  update = trainer.actor.update
+  monkeypatch.setattr(trainer.actor, "update", lambda batch: rows.append(len(batch["tokens"])) or update(batch))
   try:
     reference = trainer.run()
     params = trainer.actor.params
   finally:
     trainer.close()
-  for mine, ref in zip(records, reference, strict=True):
-    assert {k: v for k, v in mine.items() if k.startswith(EXACT)} == {k: v for k, v in ref.items() if k.startswith(EXACT)}
-    # One process sums a micro-batch's gradient on one device; two sum 8 devices' shards (all-reduce):
-    # another order of float additions.
-    np.testing.assert_allclose(mine["train/loss"], ref["train/loss"], rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(mine["train/grad_norm"], ref["train/grad_norm"], rtol=1e-5)
+  assert len(rows) == 2 and min(rows) > 4, rows  # process 1's devices hold rows of every update
+  exact = lambda record: {k: v for k, v in record.items() if k.startswith(EXACT)}
+  assert [exact(r) for r in records] == [exact(r) for r in reference]
+  stats = lambda records: [{k: r[f"train/{k}"] for k in ("loss", "grad_norm")} for r in records]
   assert all(r["train/grad_norm"] > 0 for r in reference)
+  initial = nnx.state(hf.from_pretrained(tiny_policy_dir))
   exported = nnx.state(hf.from_pretrained(str(two / "export" / "policy")))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7),
-               exported, params)
+  assert not float_order_mismatches(initial, (params, stats(reference)), (exported, stats(records)))

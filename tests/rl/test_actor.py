@@ -1,11 +1,14 @@
-"""The actor: packed log-probs against transformers, chunking / remat invariance, micro-batch invariance."""
+"""The actor: packed log-probs against transformers, chunking / remat invariance, micro-batch and
+device-count invariance up to float rounding (and what a wrong gradient looks like beside it)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import torch
 
-from tlt_jax import packing
+from tests.conftest import VOCAB, float_order_mismatches
+from tlt_jax import packing, sharding
 from tlt_jax.models import hf
 from tlt_jax.rl import actor as actor_lib
 
@@ -43,20 +46,61 @@ def test_micro_batching_remat_and_query_blocks_do_not_change_the_update(hf_dirs)
   path, _ = hf_dirs["qwen3"]
   rows = packing.pack(SEQS, 8, index=True)  # 4 rows of 8 tokens
   adv = np.array([1.0, -0.5, 0.25, -1.0], np.float32)
-  results = []
+  runs = []
   for micro, long_rows in ((4, False), (1, True)):
     actor = _actor(hf.from_pretrained(path), micro, long_rows)
+    initial = jax.tree.map(np.array, actor.params)  # a copy: the update donates the buffers
     old = actor.logprobs(actor.params, rows) - 0.5  # ratio 1.65: positive advantages clip
     batch = actor_lib.training_batch(rows, adv, np.ones(4, bool), "sequence", old, None)
     stats = actor.update(batch)
-    results.append((jax.tree.leaves(actor.params), stats))
-  (ref_params, ref_stats), *others = results
-  for params, stats in others:
-    for a, b in zip(ref_params, params):
-      np.testing.assert_allclose(a, b, atol=1e-6)
-    for k in ("loss", "clip_frac", "entropy", "grad_norm"):
-      np.testing.assert_allclose(stats[k], ref_stats[k], rtol=1e-5)
-  assert ref_stats["grad_norm"] > 0 and 0 < ref_stats["clip_frac"] < 1
+    runs.append((actor.params, [stats]))
+  reference, other = runs  # the micro-batches' gradients are summed in another order
+  assert not float_order_mismatches(initial, reference, other)
+  for k in ("clip_frac", "entropy"):  # sums of non-negative terms: relative rounding ~1e-7
+    np.testing.assert_allclose(other[1][0][k], reference[1][0][k], rtol=1e-5)
+  assert reference[1][0]["grad_norm"] > 0 and 0 < reference[1][0]["clip_frac"] < 1
+
+
+def _adam_updates(actor, batches, weights=None):
+  """(params, stats) after one update of `actor` per (rows, advantages) batch, on-policy; `weights`
+  [rows] scales each row's token weights (a wrong gradient)."""
+  stats = []
+  for rows, adv in batches:
+    batch = actor_lib.training_batch(rows, adv, np.ones(len(adv), bool), "token", actor.logprobs(actor.params, rows),
+                                     None)
+    if weights is not None:
+      batch["weights"] = batch["weights"] * weights[:, None].astype(np.float32)
+    stats.append(actor.update(batch))
+  return jax.tree.map(np.array, actor.params), stats
+
+
+def test_updates_on_8_devices_match_one_device_and_a_wrong_gradient_does_not(hf_dirs):
+  """4 updates of the trainer's Adam without warm-up (the first is a sign step at the full learning
+  rate: rounding's largest effect) of 8-row micro-batches, one row per device of an FSDP mesh vs all
+  on one device: only rounding differs (tests/conftest.py `float_order_mismatches`). The bounds
+  catch what a multi-process bug would do: one row's gradient lost (a shard dropped from the
+  all-reduce) or the first 4 rows' doubled (one of 2 processes' gradient x2)."""
+  path, _ = hf_dirs["qwen2_untied"]  # untied head, q/k/v biases: the family rounding moves the most
+  rng = np.random.RandomState(0)
+  batches = []
+  for _ in range(4):
+    # 13-22 tokens a sample: one per 24-token row, 8 rows.
+    seqs = [(rng.randint(2, VOCAB, rng.randint(6, 12)).tolist(), rng.randint(2, VOCAB, rng.randint(7, 12)).tolist())
+            for _ in range(8)]
+    batches.append((packing.pack(seqs, 24, index=True), rng.randn(8).astype(np.float32)))
+  assert all(rows.shape[1] == 8 for rows, _ in batches)
+  new = lambda mesh: actor_lib.Actor(hf.from_pretrained(path, mesh=mesh), actor_lib.make_optimizer(1e-2, 0, 0.0, 1.0),
+                                     micro_batch_rows=8, clip_low=0.2, clip_high=0.28, mesh=mesh)
+  one = new(None)
+  initial = jax.tree.map(np.array, one.params)  # a copy: updates donate the buffers
+  reference = _adam_updates(one, batches)
+  assert all(s["grad_norm"] > 0 for s in reference[1])
+  assert not float_order_mismatches(initial, reference, _adam_updates(new(sharding.make_mesh({"fsdp": 8})), batches))
+  for weights in (np.r_[0, np.ones(7)], np.r_[2 * np.ones(4), np.ones(4)]):
+    one.params = jax.tree.map(jnp.array, initial)  # fresh buffers: an update donates its inputs
+    one.opt_state = one.optimizer.init(one.params)
+    wrong = float_order_mismatches(initial, reference, _adam_updates(one, batches, weights))
+    assert set(wrong) == {"update", "loss", "grad_norm"}, wrong
 
 
 def test_a_non_finite_gradient_leaves_params_and_optimizer_state_alone(hf_dirs):
