@@ -34,9 +34,18 @@ def fail(message: str) -> NoReturn:
   sys.exit("error: " + re.sub(r"\s*\n\s*", " ", message.strip()))
 
 
+class _QuietOrbax(logging.logging.Filter):
+  """orbax logs every save and restore at INFO; keep its warnings only."""
+
+  def filter(self, record):
+    return record.levelno >= logging.logging.WARNING or "orbax" not in record.pathname
+
+
 def run(main: Callable[[list[str]], None]) -> None:
-  """`app.run(main)` with the flags parsed by `parse_flags` and input errors printed on one line."""
+  """`app.run(main)` with the flags parsed by `parse_flags`, input errors printed on one line, and
+  orbax's INFO chatter left out of the log."""
   def checked(argv):
+    logging.get_absl_handler().addFilter(_QuietOrbax())
     if len(argv) > 1:
       fail(f"unexpected arguments: {argv[1:]}")
     try:
@@ -52,6 +61,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     rest = flags.FLAGS(argv)
   except (KeyError, AttributeError) as e:  # an unknown key in an override of a --config=FILE
     fail(_unknown_key(e, argv))
+  except OSError as e:  # an override of a --config=FILE that did not load
+    _config_not_loaded(e)
   except flags.Error as e:
     # A config file that raises comes with its traceback in the message: its last line says why.
     head, _, tail = str(e).partition("Traceback (most recent call last):")
@@ -70,6 +81,8 @@ def define_config(default: str) -> flags.FlagHolder:
     return config_flags.DEFINE_config_file("config", default, "Experiment config file (get_config()).")
   except (KeyError, AttributeError) as e:
     fail(_unknown_key(e, sys.argv))
+  except (flags.Error, ValueError) as e:  # an ill-typed override of the default config, or an unparsable key
+    fail(str(e))
 
 
 def config_value(holder: flags.FlagHolder) -> ml_collections.ConfigDict:
@@ -77,12 +90,19 @@ def config_value(holder: flags.FlagHolder) -> ml_collections.ConfigDict:
   config = holder.value
   if isinstance(config, ml_collections.ConfigDict):
     return config
-  filename = config_flags.get_config_filename(flags.FLAGS[holder.name])
   try:
     config.keys()  # ml_collections defers a failed load's error to the first access
   except OSError as e:
-    fail(f"--config={filename}: cannot load it ({str(e).strip().split(chr(10))[-1].strip()})")
-  fail(f"--config={filename}: get_config() returned {type(config).__name__}, not a ConfigDict")
+    _config_not_loaded(e)
+  fail(f"--config={config_flags.get_config_filename(flags.FLAGS['config'])}: get_config() returned "
+       f"{type(config).__name__}, not a ConfigDict")
+
+
+def _config_not_loaded(e: OSError) -> NoReturn:
+  """ml_collections' OSError for a config file that did not load ends with the reason."""
+  given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")]
+  name = given[-1] if given else flags.FLAGS["config"].default_as_str.strip("'")
+  fail(f"--config={name}: cannot load it ({str(e).strip().splitlines()[-1].strip()})")
 
 
 def _unknown_key(e: Exception, argv: list[str]) -> str:

@@ -34,13 +34,6 @@ _CONFIG = cli.define_config(_DEFAULT_CONFIG)
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Same as --config.dry_run=True.")
 
 
-class _QuietOrbax(logging.logging.Filter):
-  """orbax logs every save at INFO; keep its warnings only."""
-
-  def filter(self, record):
-    return record.levelno >= logging.logging.WARNING or "orbax" not in record.pathname
-
-
 class _StopSignal:
   """SIGTERM / SIGINT handler: the first asks the trainer to stop after the step in flight, a second
   abandons it: the process exits at once, as if killed (an exception raised from a handler can land
@@ -78,7 +71,6 @@ def check_outputs(config) -> None:
 
 
 def main(argv):
-  logging.get_absl_handler().addFilter(_QuietOrbax())
   del argv
   config = cli.config_value(_CONFIG)
   if _DRY_RUN.value:

@@ -66,7 +66,11 @@ def load_tokenizer(config):
   """The policy's tokenizer, without the policy: prompt files are read, and checked, before the
   policy loads or the tiny policy's SFT warm start runs."""
   if config.policy.path:
-    tok = hf.load_tokenizer(config.policy.path)
+    try:
+      hf.read_config(config.policy.path)
+      tok = hf.load_tokenizer(config.policy.path)
+    except (OSError, ValueError) as e:
+      raise ValueError(f"config.policy.path={config.policy.path!r}: {e}") from None
     if tok is None:
       raise FileNotFoundError(f"config.policy.path={config.policy.path!r}: no tokenizer "
                               "(tokenizer.json / tokenizer_config.json) to encode prompts with")
