@@ -113,8 +113,13 @@ def load_drafter(directory: str, target_config: ModelConfig) -> Drafter:
       nnx.Param, ...)
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
-  with ocp.StandardCheckpointer(multiprocessing_options=_this_process()) as checkpointer:
-    params = checkpointer.restore(params_dir, target)
+  try:
+    with ocp.StandardCheckpointer(multiprocessing_options=_this_process()) as checkpointer:
+      params = checkpointer.restore(params_dir, target)
+  except Exception as e:  # pylint: disable=broad-exception-caught  (orbax / tensorstore raise many kinds)
+    # tensorstore appends its whole spec to the message; its first part names the damage.
+    raise DrafterCheckpointError(f"{params_dir}: the params do not restore "
+                                 f"({type(e).__name__}: {str(e).split(' [tensorstore_spec')[0][:500]})") from None
   return nnx.merge(graphdef, params, rest)
 
 
