@@ -94,6 +94,8 @@ def config_value(holder: flags.FlagHolder) -> ml_collections.ConfigDict:
     config.keys()  # ml_collections defers a failed load's error to the first access
   except OSError as e:
     _config_not_loaded(e)
+  except AttributeError:  # e.g. None: get_config() forgot to return
+    pass
   fail(f"--config={config_flags.get_config_filename(flags.FLAGS['config'])}: get_config() returned "
        f"{type(config).__name__}, not a ConfigDict")
 
