@@ -79,7 +79,7 @@ CASES = [  # (base command, more flags, what the one line must say)
     (T_OUT, ["--output={I}/drafter"], "--output={I}/drafter already holds a drafter checkpoint; pass --overwrite"),
     (T, ["--prompts=", "--task=nosuchtask"], "--task=nosuchtask: unknown task family"),
     (T, ["--task=basic_arithmetic"], "give exactly one of --prompts and --task"),
-    (T, ["--row_len=5"], "--row_len=5 cannot hold prompt 1 (10 tokens, chat-templated) and a response token"),
+    (T, ["--row_len=5"], "--row_len=5 cannot hold prompt 1 (10 tokens as encoded) and a response token"),
     (T, ["--learning_rate=nan"], "--learning_rate=nan: must be a finite number"),
     (T, ["--eval_fraction=nan"], "--eval_fraction=nan: must be a finite number"),
     (T, ["--temperature=-1"], "flag --temperature=-1.0: must be a finite number >= 0"),
@@ -141,28 +141,39 @@ def _snapshot(root):
                 for top, dirs, names in os.walk(root) for n in dirs + names)
 
 
-def test_bad_inputs_are_one_line_errors_and_write_nothing(inputs, tmp_path):
+@pytest.fixture(scope="module")
+def runs(inputs, tmp_path_factory):
+  """Every case run once, in one forking process: (args, its empty output directory, exit code, stderr)
+  per case, and the inputs' snapshots before and after."""
   before = _snapshot(inputs)
+  root = tmp_path_factory.mktemp("cases")
   cases = []
   for i, ((module, *base), more, _) in enumerate(CASES):
-    out = tmp_path / f"case{i}"
+    out = root / f"case{i}"
     out.mkdir()
     fill = lambda a: a.format(I=inputs, OUT=out)
     overridden = {a.split("=")[0] for a in more}
     args = [fill(a) for a in more] + [fill(a) for a in base if a.split("=")[0] not in overridden]
     cases.append((module, [a for a in args if not a.endswith("=")], out))
-  logs = tmp_path / "logs"
-  logs.mkdir()
-  results = run_clis(cases, logs, prelude=_STOP_BEFORE_WORK)
-  wrong = []
-  for (module, args, out), (_, _, expected), (code, _, stderr) in zip(cases, CASES, results):
-    lines = stderr.strip().splitlines()
-    if not (code == 1 and lines == [lines[0]] and lines[0].startswith("error: ")
-            and expected.format(I=inputs, OUT=out) in lines[0]
-            and os.listdir(out) == []):  # nothing written, not even a temporary
-      wrong.append((module, args, code, stderr[-2000:], os.listdir(out)))
-  assert not wrong, "\n".join(map(str, wrong))
-  assert _snapshot(inputs) == before  # no input touched
+  (root / "logs").mkdir()
+  results = run_clis(cases, root / "logs", prelude=_STOP_BEFORE_WORK)
+  return [(args, out, code, stderr) for (_, args, out), (code, _, stderr) in zip(cases, results)], before, \
+      _snapshot(inputs)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)),
+                         ids=[f"{base[0].split('.')[-1]} {' '.join(more)}" for base, more, _ in CASES])
+def test_bad_input_is_a_one_line_error_and_writes_nothing(index, runs, inputs):
+  args, out, code, stderr = runs[0][index]
+  lines = stderr.strip().splitlines()
+  assert code == 1 and len(lines) == 1 and lines[0].startswith("error: "), (args, stderr[-3000:])
+  assert CASES[index][2].format(I=inputs, OUT=out) in lines[0], (args, lines[0])
+  assert os.listdir(out) == []  # nothing written, not even a temporary
+
+
+def test_bad_inputs_touch_no_input(runs):
+  _, before, after = runs
+  assert after == before
 
 
 def test_token_budgets_cut_only_the_long_prompt():

@@ -126,10 +126,8 @@ def run() -> dict:
   prompts = build_prompts(_MODEL.value, tokenizer, cfg)
   longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
   if len(prompts[longest]) >= _ROW_LEN.value:
-    templated = ", chat-templated" if _PROMPTS.value is None or (tokenizer is not None and tokenizer.chat_template) \
-        else ""
-    raise InputError(f"--row_len={_ROW_LEN.value} cannot hold prompt {longest} ({len(prompts[longest])} tokens"
-                     f"{templated}) and a response token; raise it above the longest prompt")
+    raise InputError(f"--row_len={_ROW_LEN.value} cannot hold prompt {longest} ({len(prompts[longest])} tokens as "
+                     "encoded) and a response token; raise it above the longest prompt")
   with cli.named("model", _MODEL.value):
     model = hf.from_pretrained(_MODEL.value)
   rollout = sample(model, tokenizer, prompts)
