@@ -107,6 +107,8 @@ CASES = [  # (base command, more flags, what the one line must say)
     (MAIN, ["--config.data.path={I}/broken.parquet", "--config.eval.every=0"], "config.data.path='{I}/broken.parquet'"
      ": {I}/broken.parquet: not a readable Parquet file"),
     (MAIN, ["--config.policy.path={I}/missing"], "config.policy.path='{I}/missing': model directory"),
+    (MAIN, ["--config.policy.path={OUT}/run/export/policy"], "config.policy.path='{OUT}/run/export/policy' lies in "
+     "{OUT}/run/export, which the run's export replaces"),
     (("tlt_jax.sft",), ["--config=missing.py"], "--config=missing.py: cannot load it"),
 ]
 

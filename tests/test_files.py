@@ -89,3 +89,9 @@ def test_check_writable(tmp_path):
   with pytest.raises(files.OutputError, match="file is not a directory"):
     files.check_writable(str(tmp_path / "file" / "b"))
   assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+def test_contains(tmp_path):
+  a = str(tmp_path / "a")
+  assert files.contains(a, a) and files.contains(a, a + "/b/c") and files.contains(a, a + "/b/..")
+  assert not files.contains(a, a + "b") and not files.contains(a + "/b", a)

@@ -153,13 +153,11 @@ def check_output(flag: str, path: str, inputs: dict[str, str | None], *, kind: s
   directory; a directory output of `kind` (e.g. "a drafter checkpoint") replaces an existing
   non-empty directory only when `is_own` recognises it as an earlier output of that kind and
   `overwrite` is set."""
-  where = os.path.realpath(path)
   for name, value in inputs.items():
-    if value is not None and os.path.exists(value):
-      other = os.path.realpath(value)
-      if other == where or other.startswith(where.rstrip(os.sep) + os.sep):
-        raise InputError(f"--{flag}={path} {'is' if other == where else 'holds'} --{name}={value}: writing it "
-                         f"would delete that input; choose another --{flag}")
+    if value is not None and os.path.exists(value) and files.contains(path, value):
+      relation = "is" if files.contains(value, path) else "holds"
+      raise InputError(f"--{flag}={path} {relation} --{name}={value}: writing it would delete that input; "
+                       f"choose another --{flag}")
   if kind is None:
     if os.path.isdir(path):
       raise InputError(f"--{flag}={path} is a directory; it names the output file")

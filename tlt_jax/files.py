@@ -19,6 +19,12 @@ class OutputError(ValueError):
   """An output path we refuse to write; the message names it and why."""
 
 
+def contains(outer: str, inner: str) -> bool:
+  """Whether the path `inner` is `outer` or lies inside it (symbolic links resolved)."""
+  outer, inner = os.path.realpath(outer), os.path.realpath(inner)
+  return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
+
+
 def check_replaceable(path: str, kind: str, is_own: Callable[[str], bool]) -> None:
   """Raises OutputError unless writing the directory `path` would replace nothing, an empty
   directory, or what `is_own(path)` recognises as an earlier output of `kind` ("a drafter

@@ -57,7 +57,13 @@ class _StopSignal:
 
 
 def check_outputs(config) -> None:
-  """The workdir and the compilation cache can be written (before any work)."""
+  """The workdir and the compilation cache can be written, and the export replaces no input (before
+  any work)."""
+  export = os.path.join(config.workdir, "export")
+  for key in ("policy.path", "drafter.path", "data.path", "eval.path"):
+    path = config_lib.config_value(config, key)
+    if path and files.contains(export, path):
+      cli.fail(f"config.{key}={path!r} lies in {export}, which the run's export replaces; copy it elsewhere first")
   for key in ("workdir", "rollout.compilation_cache_dir"):
     path = config_lib.config_value(config, key)
     if not path:
