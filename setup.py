@@ -18,6 +18,7 @@ setup(
         "ml-collections>=1.0,<2",
         "absl-py>=2.1,<3",
         "transformers>=4.56,<6",
+        "jinja2>=3.1,<4",  # transformers renders chat templates with it but does not require it
         "safetensors>=0.5,<1",
         "tokenizers>=0.21,<1",
         "numpy>=1.26,<3",

@@ -124,6 +124,19 @@ def float_order_mismatches(initial, reference, other) -> dict[str, float]:
   return {k: float(v) for k, v in worst.items() if not v <= FLOAT_ORDER_BOUNDS[k]}  # NaN is a mismatch too
 
 
+def write_gguf(path, arch: str) -> str:
+  """A GGUF file whose header names `arch`, with one small tensor (architecture checks read the header)."""
+  import gguf
+  import numpy as np
+  writer = gguf.GGUFWriter(str(path), arch)
+  writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return str(path)
+
+
 def tiny_rl_config(workdir, steps: int, cache_dir):
   """configs/tiny.py shrunk to about a second a step: a 2-layer policy, 2 prompts x 4 samples, the
   plain rollout baseline on one group, a held-out evaluation every 2 steps. Set `policy.path` to
@@ -177,3 +190,61 @@ def xla_cache(tmp_path_factory):
   """One persistent compilation cache for the tiny trainer's tests (subprocesses included): the
   same executables compile once per session."""
   return str(tmp_path_factory.mktemp("xla_cache"))
+
+
+# Imports what the named CLI modules import (and runs `prelude`), once, then runs
+# `python -m MODULE ARGS...` for each case in a fork, in the case's directory, its stdout and stderr
+# in files, exiting as the interpreter would (a string SystemExit is printed, anything else is a
+# traceback) but without its slow start and teardown: each CLI's own code path, cheaply.
+_FORKING_CLIS = """
+import ast, importlib, json, os, runpy, sys, traceback
+cases = json.loads(sys.argv[1])
+for module in sorted({case["module"] for case in cases}):
+  for node in ast.parse(open(importlib.util.find_spec(module).origin).read()).body:
+    for alias in getattr(node, "names", ()) if isinstance(node, (ast.Import, ast.ImportFrom)) else ():
+      name = f"{node.module}.{alias.name}" if isinstance(node, ast.ImportFrom) else alias.name
+      try:
+        importlib.import_module(name)
+      except ImportError:  # `from module import attribute`
+        importlib.import_module(node.module)
+exec(sys.argv[2])
+for case in cases:
+  sys.stdout.flush()
+  sys.stderr.flush()
+  pid = os.fork()
+  if pid == 0:
+    os.chdir(case["cwd"])
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+      os.dup2(os.open(case[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.argv = [case["module"], *case["args"]]
+    sys.modules.pop(case["module"], None)  # imported by another module: `python -m` runs a fresh copy anyway
+    try:
+      runpy.run_module(case["module"], run_name="__main__", alter_sys=True)
+      code = 0
+    except SystemExit as e:
+      code = e.code if e.code is None or isinstance(e.code, int) else print(e.code, file=sys.stderr) or 1
+    except BaseException:
+      code = traceback.print_exc() or 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+  _, status = os.waitpid(pid, 0)
+  print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def run_clis(cases, logs, prelude: str = "", timeout: float = 600):
+  """Runs each case (module, args, cwd) as `python -m module *args` in `cwd` (forked from one process
+  that imported what the modules import and ran `prelude`); returns (exit code, stdout, stderr) of
+  each. `logs`: a directory for their outputs."""
+  import json
+  import subprocess
+  import sys
+  specs = [{"module": m, "args": list(a), "cwd": str(c), "stdout": os.path.join(logs, f"{i}.out"),
+            "stderr": os.path.join(logs, f"{i}.err")} for i, (m, a, c) in enumerate(cases)]
+  result = subprocess.run([sys.executable, "-c", _FORKING_CLIS, json.dumps(specs), prelude], capture_output=True,
+                          text=True, timeout=timeout)
+  codes = result.stdout.split()
+  assert result.returncode == 0 and len(codes) == len(cases), result.stderr[-3000:]
+  read = lambda path: open(path, encoding="utf-8", errors="replace").read()
+  return [(int(code), read(s["stdout"]), read(s["stderr"])) for code, s in zip(codes, specs)]

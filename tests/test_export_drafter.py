@@ -46,12 +46,31 @@ def test_cli_exports_an_untied_qwen2_drafter(hf_dirs, tmp_path):
   drafter = Drafter(target_config, rngs=nnx.Rngs(3))
   checkpoint.save_drafter(drafter, str(tmp_path / "drafter"))
   out = tmp_path / "eagle"
-  run = subprocess.run([sys.executable, "-m", "tlt_jax.export_drafter", f"--model={path}",
-                        f"--drafter={tmp_path / 'drafter'}", f"--output={out}"], cwd=REPO, capture_output=True,
-                       text=True, timeout=300, check=False)
+  run = export_cli(path, tmp_path / "drafter", out)
   assert run.returncode == 0, run.stderr
   assert json.loads(run.stdout.strip().splitlines()[-1])["tensors"] == 4 + len(LAYER) + 3
   check(str(out), torch_model, drafter, ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"])
+  run = export_cli(path, tmp_path / "drafter", out, "--overwrite")  # an earlier export is replaced on request
+  assert run.returncode == 0, run.stderr
+  check(str(out), torch_model, drafter, ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"])
+
+
+def test_output_that_is_the_drafter_is_refused_and_the_drafter_kept(hf_dirs, tmp_path):
+  """`--output=D` with `--drafter=D` used to replace the drafter with its export."""
+  path, _ = hf_dirs["qwen2_untied"]
+  target_config, _ = hf.read_config(path)
+  checkpoint.save_drafter(Drafter(target_config, rngs=nnx.Rngs(3)), str(tmp_path / "drafter"))
+  run = export_cli(path, tmp_path / "drafter", tmp_path / "drafter", "--overwrite")
+  assert run.returncode == 1 and run.stderr.strip().splitlines() == [
+      f"error: --output={tmp_path / 'drafter'} is --drafter={tmp_path / 'drafter'}: writing it would delete that "
+      "input; choose another --output"], run.stderr[-3000:]
+  checkpoint.load_drafter(str(tmp_path / "drafter"), target_config)
+
+
+def export_cli(model, drafter, output, *flags):
+  return subprocess.run([sys.executable, "-m", "tlt_jax.export_drafter", f"--model={model}", f"--drafter={drafter}",
+                         f"--output={output}", *flags], cwd=REPO, capture_output=True, text=True, timeout=300,
+                        check=False)
 
 
 def test_tied_qwen3_target_and_no_eagle3(hf_dirs, tmp_path):

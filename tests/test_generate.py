@@ -45,6 +45,34 @@ def test_greedy_matches_transformers(family, hf_dirs, tmp_path, capsys):
     assert r["output_ids"] == expected
 
 
+def test_one_long_prompt_cuts_only_its_own_budget(hf_dirs, tmp_path, capsys, caplog):
+  """A 250-token prompt in a 256-position model gets 6 new tokens; the short prompts beside it keep
+  --max_new_tokens (they used to get 6 too, silently). The cut is reported."""
+  model_dir, ref = hf_dirs["qwen2_tied"]
+  rng = np.random.RandomState(3)
+  prompts = [rng.randint(2, VOCAB, n).tolist() for n in (5, 250, 9)]
+  out = tmp_path / "out.jsonl"
+  run_cli([f"--model={model_dir}", f"--prompts={write_jsonl(tmp_path / 'in.jsonl', [{'prompt_ids': p} for p in prompts])}",
+           f"--output={out}", "--temperature=0", "--max_new_tokens=20", "--batch_size=4"])
+  for r in (json.loads(line) for line in out.read_text().splitlines()):
+    prompt = prompts[r["prompt_index"]]
+    with torch.no_grad():
+      expected = ref.generate(torch.tensor([prompt]), max_new_tokens=min(20, 256 - len(prompt)), do_sample=False,
+                              eos_token_id=1, pad_token_id=0)[0, len(prompt):].tolist()
+    assert r["output_ids"] == expected
+  assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cut_prompts"] == 1
+  assert "1 of 3 prompts are too long for --max_new_tokens=20 within the model's 256 positions" in caplog.text
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_non_finite_temperature_is_refused(value, hf_dirs, tmp_path):
+  """--temperature=nan used to run and emit token 0s."""
+  with pytest.raises(flags.IllegalFlagValueError, match=f"flag --temperature={value}: must be a finite number >= 0"):
+    run_cli([f"--model={hf_dirs['qwen3'][0]}", "--prompts=p.jsonl", f"--output={tmp_path / 'o.jsonl'}",
+             f"--temperature={value}"])
+  assert os.listdir(tmp_path) == []
+
+
 def test_cli_fails_cleanly_without_partial_output(hf_dirs, tmp_path):
   model_dir, _ = hf_dirs["qwen2_tied"]
   bad = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [3, 4]}, "{oops"])

@@ -6,6 +6,8 @@ of them cannot be imported into one test process.
 
 import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
 
@@ -14,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from tlt_jax.drafter import checkpoint
+from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +37,9 @@ def test_trains_saves_and_reloads_a_drafter(hf_dirs, tmp_path):
   model_dir = hf_dirs["qwen3"][0]  # no tokenizer: prompts as token ids
   prompts = write_prompts(tmp_path, [{"prompt_ids": [5, 17, 40, 9]}, {"prompt_ids": [7, 3, 88]}])
   out = tmp_path / "drafter"
-  proc = run_cli(f"--model={model_dir}", f"--prompts={prompts}", f"--output={out}", "--num_samples=1",
+  earlier = Drafter(hf.read_config(model_dir)[0], rngs=nnx.Rngs(9))
+  checkpoint.save_drafter(earlier, str(out))  # an earlier run's output: replaced with --overwrite
+  proc = run_cli(f"--model={model_dir}", f"--prompts={prompts}", f"--output={out}", "--overwrite", "--num_samples=1",
                  "--max_new_tokens=12", "--steps=3", "--batch_rows=2", "--row_len=32", "--eval_fraction=0.5")
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -43,6 +48,28 @@ def test_trains_saves_and_reloads_a_drafter(hf_dirs, tmp_path):
   assert np.isfinite(summary["loss_first"]) and 0 <= summary["top1_heldout"] <= 1
   drafter = checkpoint.load_drafter(str(out), hf.read_config(model_dir)[0])
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(nnx.state(drafter)))
+  assert not np.array_equal(drafter.fc.kernel.get_value(), earlier.fc.kernel.get_value())
+  assert stat.S_IMODE(os.stat(out).st_mode) == 0o777 & ~_umask()  # not tempfile's 0700
+
+
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
+def test_output_that_is_the_model_is_refused_and_the_model_kept(hf_dirs, tmp_path):
+  """`--output=M` with `--model=M` used to delete the model and put the drafter in its place."""
+  model_dir = str(tmp_path / "model")
+  shutil.copytree(hf_dirs["qwen3"][0], model_dir)
+  before = sorted(os.listdir(model_dir))
+  prompts = write_prompts(tmp_path, [{"prompt_ids": [5, 17]}])
+  for output in (model_dir, str(tmp_path)):  # the model, or a directory holding it
+    proc = run_cli(f"--model={model_dir}", f"--prompts={prompts}", f"--output={output}", "--overwrite")
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"error: --output={output} {'is' if output == model_dir else 'holds'} --model={model_dir}: writing it would "
+        "delete that input; choose another --output"], proc.stderr[-3000:]
+  assert sorted(os.listdir(model_dir)) == before and hf.read_config(model_dir)
 
 
 def test_reduced_vocabulary_drafter(hf_dirs, tmp_path):

@@ -42,17 +42,18 @@ import os
 import sys
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
 from tqdm import tqdm
 
+from tlt_jax import cli, files
 from tlt_jax.drafter import checkpoint
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
-from tlt_jax.prompts import InputError, read_prompts
+from tlt_jax.prompts import read_prompts
 from tlt_jax.rl import datasets, tasks
-from tlt_jax.rollout.bandit import Bandit
 from tlt_jax.rollout import profile
+from tlt_jax.rollout.bandit import Bandit
 from tlt_jax.rollout.engine import Engine, EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
@@ -63,8 +64,9 @@ _DRAFTER = flags.DEFINE_string("drafter", None, "Drafter directory (train_drafte
 _OUTPUT = flags.DEFINE_string("output", None, "Output JSON file (a CSV is written beside it).")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16", "32"], "Batch sizes.")
 _STRATEGIES = flags.DEFINE_list("strategies", ["4_1_5", "4_2_8", "6_4_16"], "depth_topk_verify strategies.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (0 = greedy).", lower_bound=0.0)
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens per row at most.", lower_bound=1)
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (0 = greedy).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens per row at most.")
+cli.check_sampling_flags(temperature=_TEMPERATURE, max_new_tokens=_MAX_NEW)
 _TASK = flags.DEFINE_string("task", "basic_arithmetic", "Procedural task for prompts (needs a tokenizer in --model).")
 _PROMPTS = flags.DEFINE_string("prompts", None, "Prompts JSONL file (instead of --task problems).")
 _PHASES = flags.DEFINE_bool("phases", False, "Time each phase of one speculative iteration per batch size and strategy.")
@@ -172,35 +174,66 @@ def run_phases(model, drafter: Drafter, prompts, batch_sizes, strategies, temper
   return records
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  strategies = [Strategy.parse(s) for s in _STRATEGIES.value]
-  batch_sizes = [int(b) for b in _BATCH_SIZES.value]
-  model = hf.from_pretrained(_MODEL.value)
-  tokenizer = hf.load_tokenizer(_MODEL.value)
-  needed = _ROWS.value if _ADAPTIVE.value else max(batch_sizes)
+def _batch_sizes() -> list[int]:
+  try:
+    sizes = [int(b) for b in _BATCH_SIZES.value]
+  except ValueError:
+    sizes = []
+  if not sizes or min(sizes) < 1:
+    raise cli.InputError(f"--batch_sizes={','.join(_BATCH_SIZES.value)}: expected positive integers")
+  return sizes
+
+
+def _strategies() -> list[Strategy]:
+  try:
+    return [Strategy.parse(s) for s in _STRATEGIES.value]
+  except ValueError as e:
+    raise cli.InputError(f"--strategies={','.join(_STRATEGIES.value)}: {e}") from None
+
+
+def _prompts(tokenizer, cfg, needed: int) -> list[list[int]]:
+  """`needed` prompts: the first of --prompts, else --task problems (long ones outside --adaptive)."""
   if _PROMPTS.value:
-    try:
-      prompts = read_prompts(_PROMPTS.value, tokenizer, chat=tokenizer is not None and bool(tokenizer.chat_template),
-                             max_len=model.config.max_position_embeddings, vocab_size=model.config.vocab_size)
-    except InputError as e:
-      sys.exit(f"error: --prompts: {e}")
+    prompts = read_prompts(_PROMPTS.value, tokenizer, chat=tokenizer is not None and bool(tokenizer.chat_template),
+                           max_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
     if len(prompts) < needed:
-      sys.exit(f"error: --prompts={_PROMPTS.value} has {len(prompts)} prompts; this run needs {needed}")
-    prompts = prompts[:needed]
-  elif tokenizer is None:
-    sys.exit(f"error: {_MODEL.value} has no tokenizer to build --task={_TASK.value} prompts with")
-  elif _ADAPTIVE.value:  # the task's own long-tailed difficulty
-    prompts = [ex.prompt_ids for ex in datasets.from_tasks(_TASK.value, tokenizer, size=_ROWS.value, seed=_SEED.value)]
-  else:
+      raise cli.InputError(f"--prompts={_PROMPTS.value} has {len(prompts)} prompts; this run needs {needed}")
+    return prompts[:needed]
+  if tokenizer is None:
+    raise cli.InputError(f"--model={_MODEL.value} has no tokenizer to build --task={_TASK.value} prompts with")
+  with cli.named("model", _MODEL.value):
+    if _ADAPTIVE.value:  # the task's own long-tailed difficulty
+      return [ex.prompt_ids for ex in datasets.from_tasks(_TASK.value, tokenizer, size=needed, seed=_SEED.value)]
     difficulty = tasks.Difficulty(min_terms=_MIN_TERMS.value, max_terms=max(_MIN_TERMS.value, 24))
-    prompts = [ex.prompt_ids for ex in datasets.from_tasks(_TASK.value, tokenizer, size=needed, seed=_SEED.value,
-                                                           difficulty=difficulty)]
+    return [ex.prompt_ids for ex in datasets.from_tasks(_TASK.value, tokenizer, size=needed, seed=_SEED.value,
+                                                        difficulty=difficulty)]
+
+
+def main(argv):
+  del argv
+  strategies, batch_sizes = _strategies(), _batch_sizes()
+  if not strategies:
+    raise cli.InputError("--strategies: name at least one depth_topk_verify strategy")
+  csv_path = os.path.splitext(_OUTPUT.value)[0] + ".csv"
+  inputs = {"model": _MODEL.value, "drafter": _DRAFTER.value}
+  if os.path.abspath(csv_path) == os.path.abspath(_OUTPUT.value):
+    raise cli.InputError(f"--output={_OUTPUT.value}: the table is also written beside it as {csv_path}; "
+                         "give the output a .json name")
+  for path in (_OUTPUT.value, csv_path):
+    cli.check_output("output", path, inputs)
+  if not _PROMPTS.value and _TASK.value not in tasks.FAMILIES:
+    raise cli.InputError(f"--task={_TASK.value}: unknown task family; known: {sorted(tasks.FAMILIES)}")
+  with cli.named("model", _MODEL.value):  # the cheap parts first: config, tokenizer, drafter
+    cfg, _ = hf.read_config(_MODEL.value)
+    tokenizer = hf.load_tokenizer(_MODEL.value)
+  prompts = _prompts(tokenizer, cfg, _ROWS.value if _ADAPTIVE.value else max(batch_sizes))
   if _DRAFTER.value == "random":
-    drafter = Drafter(model.config, rngs=nnx.Rngs(_SEED.value))
+    drafter = Drafter(cfg, rngs=nnx.Rngs(_SEED.value))
   else:
-    drafter = checkpoint.load_drafter(_DRAFTER.value, model.config)
+    with cli.named("drafter", _DRAFTER.value):
+      drafter = checkpoint.load_drafter(_DRAFTER.value, cfg)
+  with cli.named("model", _MODEL.value):
+    model = hf.from_pretrained(_MODEL.value)
   stop = set(model.config.stop_token_ids) | ({tokenizer.eos_token_id} if tokenizer is not None else set())
   if _PHASES.value:
     records = run_phases(model, drafter, prompts, batch_sizes, strategies, _TEMPERATURE.value, _MAX_NEW.value,
@@ -211,17 +244,17 @@ def main(argv):
   else:
     records = run(model, drafter, prompts, batch_sizes, strategies, _TEMPERATURE.value, _MAX_NEW.value, _SEED.value,
                   sorted(stop))
-  os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)
-  with open(_OUTPUT.value, "w", encoding="utf-8") as f:
-    json.dump(records, f, indent=2)
-  with open(os.path.splitext(_OUTPUT.value)[0] + ".csv", "w", encoding="utf-8", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=list(records[0]), extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(records)
+  with files.atomic_file(_OUTPUT.value) as tmp_json, files.atomic_file(csv_path) as tmp_csv:
+    with open(tmp_json, "w", encoding="utf-8") as f:
+      json.dump(records, f, indent=2)
+    with open(tmp_csv, "w", encoding="utf-8", newline="") as f:
+      writer = csv.DictWriter(f, fieldnames=list(records[0]), extrasaction="ignore")
+      writer.writeheader()
+      writer.writerows(records)
   for r in records:
     print(json.dumps(r))
 
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["model", "drafter", "output"])
-  app.run(main)
+  cli.run(main)

@@ -7,6 +7,7 @@ names the key, and `check` rejects values that would fail later (naming the key)
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -16,6 +17,8 @@ from absl import logging
 from tlt_jax.kernels import tree_attention
 from tlt_jax.rl import grpo
 from tlt_jax.rl import rewards
+from tlt_jax.rl import tasks
+from tlt_jax.rollout import sampling
 from tlt_jax.rollout.speculative import Strategy
 
 
@@ -185,7 +188,8 @@ def strategies(config) -> tuple[Strategy, ...]:
   return tuple(Strategy.parse(s.strip()) for s in config.rollout.strategies.split(",") if s.strip())
 
 
-# Smallest valid value of each numeric key ('>' where a key must be strictly above it); NaN fails too.
+# Smallest valid value of each numeric key ('>' where a key must be strictly above it); every float
+# must also be finite.
 _AT_LEAST = {
     "steps": 0, "mesh.cpu_devices": 0, "mesh.device_memory_gb": 0, "mesh.dry_run_devices": 1,
     "model.vocab_size": 0, "model.hidden_size": 1, "model.num_layers": 1, "model.num_heads": 1,
@@ -193,8 +197,7 @@ _AT_LEAST = {
     "task.min_terms": 1, "data.size": 1, "data.max_prompt_len": 1,
     "sft.num_problems": 1, "sft.steps": 0, "sft.batch_rows": 1, "sft.row_len": 2, "sft.learning_rate": 0,
     "sft.warmup_steps": 0, "sft.weight_decay": 0, "sft.unanswered": 0, "sft.eval_size": 0, "sft.eval_max_new_tokens": 1,
-    "rollout.prompts_per_step": 1, "rollout.num_samples": 1, "rollout.temperature": 0, "rollout.top_k": 0,
-    "rollout.max_new_tokens": 1, "rollout.groups": 1, "rollout.segment_steps": 1, "rollout.kv_block": 1,
+    "rollout.prompts_per_step": 1, "rollout.num_samples": 1, "rollout.groups": 1, "rollout.segment_steps": 1, "rollout.kv_block": 1,
     "rollout.sd_max_batch": 1, "rollout.bandit_epsilon": 0, "rollout.bandit_window": 1,
     "drafter.draft_vocab_size": 0, "drafter.warmup_steps": 0, "drafter.learning_rate": 0, "drafter.batch_rows": 1, "drafter.row_len": 2,
     "drafter.online_learning_rate": 0, "drafter.online_warmup_steps": 0, "drafter.online_rows_per_device": 1,
@@ -204,10 +207,13 @@ _AT_LEAST = {
     "rl.clip_high": 0, "rl.kl_coef": 0, "rl.overlong_buffer": 0, "eval.every": 0, "eval.size": 1, "eval.num_samples": 1,
     "checkpoint.every": 1, "checkpoint.keep": 1,
 }
-_ABOVE = {"model.rope_theta": 0, "task.tail_alpha": 0, "rollout.top_p": 0, "rl.max_grad_norm": 0}
-_AT_MOST = {"sft.unanswered": 1, "rollout.top_p": 1, "rollout.bandit_epsilon": 1}
+_ABOVE = {"model.rope_theta": 0, "task.tail_alpha": 0, "rl.max_grad_norm": 0}
+_AT_MOST = {"sft.unanswered": 1, "rollout.bandit_epsilon": 1}
+# rollout.* keys checked by SamplingParams' own bounds.
+_SAMPLING = ("temperature", "top_k", "top_p", "max_new_tokens")
 _CHOICES = {
     "policy.dtype": ("float32", "bfloat16"),
+    "task.family": tuple(sorted(tasks.FAMILIES)),
     "data.reward": tuple(sorted(rewards.REWARDS)),
     "kernels.attention": tree_attention.IMPLEMENTATIONS,
     "rl.loss_aggregation": grpo.AGGREGATIONS,
@@ -221,6 +227,12 @@ def check(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"config.{key}={config_value(config, key)!r}: {why}")
   for key, value in leaves(config):
     need(value is not None, key, "must be set")
+    need(not isinstance(value, float) or math.isfinite(value), key, "must be a finite number")
+  for field in _SAMPLING:
+    try:
+      sampling.check_field(field, config.rollout[field])
+    except ValueError as e:
+      need(False, f"rollout.{field}", str(e))
   for key, low in _AT_LEAST.items():
     need(config_value(config, key) >= low, key, f"must be >= {low}")
   for key, low in _ABOVE.items():

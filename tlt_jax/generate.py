@@ -7,26 +7,30 @@
 Input lines are {"prompt": "text"} (needs a tokenizer in DIR; `--chat` applies its chat
 template) or {"prompt_ids": [1, 2, 3]}. Output lines: prompt_index, sample_index, output_ids,
 text (with a tokenizer), finish_reason. A JSON summary goes to stdout, a progress bar to stderr.
+Each prompt generates up to --max_new_tokens, or fewer when it leaves fewer of the model's
+positions (its own budget only; the cut prompts are reported on stderr and counted in the
+summary's `cut_prompts`).
 With `--drafter`, rows decode speculatively once at most `--sd_max_batch` are active; the
 summary then reports target verify passes and the mean acceptance length (tokens per pass).
-The output file appears only when generation succeeded (written to a temporary path, renamed).
+The output file appears only when generation succeeded (written to a temporary path, renamed);
+bad flags or input (`--output` that is `--prompts`, a damaged model) fail with one line
+`error: ...` before any work.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 
-from absl import app, flags
+from absl import flags
 from flax import nnx
 from tqdm import tqdm
 
+from tlt_jax import cli, files
 from tlt_jax.drafter import checkpoint
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
-from tlt_jax.prompts import InputError, read_prompts
+from tlt_jax.prompts import read_prompts
 from tlt_jax.rollout.engine import Engine, EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
@@ -34,10 +38,12 @@ from tlt_jax.rollout.speculative import Strategy
 _MODEL = flags.DEFINE_string("model", None, "Hugging Face model directory.", required=True)
 _PROMPTS = flags.DEFINE_string("prompts", None, "Input JSONL file.", required=True)
 _OUTPUT = flags.DEFINE_string("output", None, "Output JSONL file.", required=True)
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens to generate at most per sample.", lower_bound=1)
-_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "0 = greedy.", lower_bound=0.0)
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass.", lower_bound=0.0, upper_bound=1.0)
-_TOP_K = flags.DEFINE_integer("top_k", 0, "0 = off.", lower_bound=0)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens to generate at most per sample (fewer for a prompt "
+                                "that leaves fewer of the model's positions).")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "0 = greedy.")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass, in (0, 1].")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "0 = off.")
+cli.check_sampling_flags(max_new_tokens=_MAX_NEW, temperature=_TEMPERATURE, top_p=_TOP_P, top_k=_TOP_K)
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Samples per prompt.", lower_bound=1)
 _BATCH = flags.DEFINE_integer("batch_size", 64, "Rows decoded together at most (rounded up to a power of two).",
@@ -51,36 +57,36 @@ _SD_MAX_BATCH = flags.DEFINE_integer("sd_max_batch", 32, "Speculate while at mos
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  model = hf.from_pretrained(_MODEL.value, dtype=_DTYPE.value)
-  tokenizer = hf.load_tokenizer(_MODEL.value)
-  cfg = model.config
-  try:
-    prompts = read_prompts(_PROMPTS.value, tokenizer, chat=_CHAT.value, max_len=cfg.max_position_embeddings,
-                           vocab_size=cfg.vocab_size)
-  except InputError as e:
-    sys.exit(f"error: {e}")
-  stop = set(cfg.stop_token_ids)
-  if tokenizer is not None and tokenizer.eos_token_id is not None:
-    stop.add(tokenizer.eos_token_id)
-  longest = max(len(p) for p in prompts)
-  max_new = min(_MAX_NEW.value, cfg.max_position_embeddings - longest)
-  buckets = [1]
-  while buckets[-1] < _BATCH.value:
-    buckets.append(buckets[-1] * 2)
-  drafter, strategy = None, None
-  if _DRAFTER.value == "random":
-    drafter = Drafter(cfg, rngs=nnx.Rngs(_SEED.value))
-  elif _DRAFTER.value:
-    drafter = checkpoint.load_drafter(_DRAFTER.value, cfg)
-  if drafter is not None:
+  del argv
+  cli.check_output("output", _OUTPUT.value, {"prompts": _PROMPTS.value, "model": _MODEL.value})
+  strategy = None
+  if _DRAFTER.value:
     try:
       strategy = Strategy.parse(_STRATEGY.value)
     except ValueError as e:
-      sys.exit(f"error: --strategy: {e}")
+      raise cli.InputError(f"--strategy={_STRATEGY.value}: {e}") from None
+  with cli.named("model", _MODEL.value):  # the cheap parts first: config, tokenizer, prompts, drafter
+    cfg, _ = hf.read_config(_MODEL.value)
+    tokenizer = hf.load_tokenizer(_MODEL.value)
+  prompts = read_prompts(_PROMPTS.value, tokenizer, chat=_CHAT.value, max_len=cfg.max_position_embeddings,
+                         vocab_size=cfg.vocab_size)
+  drafter = None
+  if _DRAFTER.value == "random":
+    drafter = Drafter(cfg, rngs=nnx.Rngs(_SEED.value))
+  elif _DRAFTER.value:
+    with cli.named("drafter", _DRAFTER.value):
+      drafter = checkpoint.load_drafter(_DRAFTER.value, cfg)
+  with cli.named("model", _MODEL.value):
+    model = hf.from_pretrained(_MODEL.value, dtype=_DTYPE.value)
+  stop = set(cfg.stop_token_ids)
+  if tokenizer is not None and tokenizer.eos_token_id is not None:
+    stop.add(tokenizer.eos_token_id)
+  max_new, cut = cli.token_budgets(prompts, _MAX_NEW.value, cfg.max_position_embeddings)
+  buckets = [1]
+  while buckets[-1] < _BATCH.value:
+    buckets.append(buckets[-1] * 2)
   engine = Engine(
-      model, EngineConfig(batch_buckets=tuple(buckets), max_prompt_len=longest, max_new_tokens=max_new,
+      model, EngineConfig(batch_buckets=tuple(buckets), max_prompt_len=max(map(len, prompts)), max_new_tokens=max_new,
                           strategies=(strategy,) if strategy else (), sd_max_batch=_SD_MAX_BATCH.value),
       SamplingParams(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value, max_new_tokens=max_new,
                      stop_token_ids=tuple(sorted(stop)), seed=_SEED.value), drafter=drafter)
@@ -92,30 +98,23 @@ def main(argv):
       bar.set_postfix(tokens=tokens[0], refresh=False)
       bar.update(rows)
 
-    rollout = engine.generate(prompts, num_samples=_NUM_SAMPLES.value, on_progress=progress)
+    rollout = engine.generate(prompts, num_samples=_NUM_SAMPLES.value, max_total_len=cfg.max_position_embeddings,
+                              on_progress=progress)
 
-  out_dir = os.path.dirname(os.path.abspath(_OUTPUT.value))
-  os.makedirs(out_dir, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=out_dir)
-  try:
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      for s in rollout.samples:
-        rec = {"prompt_index": s.prompt_index, "sample_index": s.sample_index, "output_ids": s.tokens.tolist(),
-               "finish_reason": s.finish_reason}
-        if tokenizer is not None:
-          rec["text"] = tokenizer.decode(s.tokens, skip_special_tokens=True)
-        f.write(json.dumps(rec) + "\n")
-    os.replace(tmp, _OUTPUT.value)
-  except BaseException:
-    os.unlink(tmp)
-    raise
+  with files.atomic_file(_OUTPUT.value) as tmp, open(tmp, "w", encoding="utf-8") as f:
+    for s in rollout.samples:
+      rec = {"prompt_index": s.prompt_index, "sample_index": s.sample_index, "output_ids": s.tokens.tolist(),
+             "finish_reason": s.finish_reason}
+      if tokenizer is not None:
+        rec["text"] = tokenizer.decode(s.tokens, skip_special_tokens=True)
+      f.write(json.dumps(rec) + "\n")
   m = rollout.metrics
-  print(json.dumps({"samples": len(rollout.samples), "tokens": m.tokens, "wall_s": round(m.wall_s, 4),
-                    "tokens_per_s": round(m.tokens_per_s, 2), "prefill_s": round(m.prefill_s, 4),
-                    "decode_s": round(m.decode_s, 4), "compact_s": round(m.compact_s, 4),
-                    "sd_s": round(m.sd_s, 4), "verify_passes": m.verify_passes, "accept_len": round(m.accept_len, 3),
-                    "executables": len(engine.pool)}))
+  print(json.dumps({"samples": len(rollout.samples), "tokens": m.tokens, "cut_prompts": len(cut),
+                    "wall_s": round(m.wall_s, 4), "tokens_per_s": round(m.tokens_per_s, 2),
+                    "prefill_s": round(m.prefill_s, 4), "decode_s": round(m.decode_s, 4),
+                    "compact_s": round(m.compact_s, 4), "sd_s": round(m.sd_s, 4), "verify_passes": m.verify_passes,
+                    "accept_len": round(m.accept_len, 3), "executables": len(engine.pool)}))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

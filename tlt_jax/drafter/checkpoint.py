@@ -6,8 +6,9 @@ A checkpoint directory holds
                        full vocabulary), dtype and the target ModelConfig it was trained for
 Only the drafter's own params are stored: embedding and lm_head belong to the target. Loading
 checks the target's config field by field, so a drafter never silently runs against a
-different model. The directory is written under a temporary name and renamed. Saving and loading
-involve the calling process alone (of several, `jax.distributed`: each loads its own copy).
+different model. The directory is written under a temporary name and renamed (it replaces only
+an earlier drafter checkpoint). Saving and loading involve the calling process alone (of
+several, `jax.distributed`: each loads its own copy).
 """
 
 from __future__ import annotations
@@ -47,15 +48,21 @@ def _this_process() -> ocp.options.MultiprocessingOptions:
                                             barrier_sync_key_prefix=f"drafter-{me}")
 
 
+def is_checkpoint(path: str) -> bool:
+  """Whether the directory `path` holds a drafter checkpoint and nothing else."""
+  names = set(os.listdir(path))
+  return CONFIG_FILE in names and names <= {CONFIG_FILE, PARAMS_DIR}
+
+
 def save_drafter(drafter: Drafter, directory: str) -> None:
-  """Writes `drafter` to `directory` (replacing what is there) atomically."""
+  """Writes `drafter` to `directory` atomically, replacing only an empty directory or a drafter checkpoint."""
   params = nnx.state(drafter, nnx.Param)
   if jax.process_count() > 1:  # orbax saves no process-local jax.Array in a multi-process run
     params = jax.tree.map(np.asarray, params)
   config = {"format_version": FORMAT_VERSION, "feature_layers": list(drafter.feature_layers),
             "draft_vocab": list(drafter.draft_vocab),
             "dtype": drafter.fc.kernel.get_value().dtype.name, "target": _target_fields(drafter.config)}
-  with files.atomic_directory(directory) as tmp:
+  with files.atomic_directory(directory, "a drafter checkpoint", is_checkpoint) as tmp:
     with ocp.StandardCheckpointer(multiprocessing_options=_this_process()) as checkpointer:
       checkpointer.save(os.path.join(tmp, PARAMS_DIR), params)
     with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
@@ -72,7 +79,7 @@ def read_drafter_config(directory: str) -> dict[str, Any]:
   with open(path, encoding="utf-8") as f:
     try:
       config = json.load(f)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
       raise DrafterCheckpointError(f"{path}: invalid JSON ({e})") from e
   for key in ("format_version", "feature_layers", "dtype", "target"):
     if key not in config:
@@ -116,8 +123,13 @@ def load_drafter(directory: str, target_config: ModelConfig) -> Drafter:
       nnx.Param, ...)
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
-  with ocp.StandardCheckpointer(multiprocessing_options=_this_process()) as checkpointer:
-    params = checkpointer.restore(params_dir, target)
+  try:
+    with ocp.StandardCheckpointer(multiprocessing_options=_this_process()) as checkpointer:
+      params = checkpointer.restore(params_dir, target)
+  except Exception as e:  # pylint: disable=broad-exception-caught  (orbax / tensorstore raise many kinds)
+    # tensorstore appends its whole spec to the message; its first part names the damage.
+    raise DrafterCheckpointError(f"{params_dir}: the params do not restore "
+                                 f"({type(e).__name__}: {str(e).split(' [tensorstore_spec')[0][:500]})") from None
   return nnx.merge(graphdef, params, rest)
 
 

@@ -44,10 +44,14 @@ from tlt_jax.models.transformer import CausalLM
 WEIGHTS_FILE = "model.safetensors"
 
 
-def eagle_tensors(target: CausalLM, drafter: Drafter) -> dict[str, np.ndarray]:
-  """EAGLE tensor name -> host array ([out, in] for linear weights)."""
+def check_exportable(drafter: Drafter) -> None:
   if drafter.feature_layers:
     raise ValueError(f"EAGLE-3 drafters (feature_layers={list(drafter.feature_layers)}) have no EAGLE-format export")
+
+
+def eagle_tensors(target: CausalLM, drafter: Drafter) -> dict[str, np.ndarray]:
+  """EAGLE tensor name -> host array ([out, in] for linear weights)."""
+  check_exportable(drafter)
   host = lambda x: np.asarray(jax.device_get(x))
   out = {}
   for path, var in nnx.to_flat_state(nnx.state(drafter, nnx.Param)):
@@ -74,10 +78,23 @@ def eagle_config(target: CausalLM, drafter: Drafter, dtype: str) -> dict:
   return config
 
 
+def is_export(path: str) -> bool:
+  """Whether the directory `path` holds an EAGLE export as `export_eagle` writes it and nothing else."""
+  if set(os.listdir(path)) != {WEIGHTS_FILE, "config.json"}:
+    return False
+  try:
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+      config = json.load(f)
+  except ValueError:
+    return False
+  return isinstance(config, dict) and config.get("num_hidden_layers") == 1 and config.get("bias") is True
+
+
 def export_eagle(target: CausalLM, drafter: Drafter, out_dir: str) -> dict[str, tuple[int, ...]]:
-  """Writes `out_dir` (replacing it) atomically; returns the tensor shapes written."""
+  """Writes `out_dir` atomically, replacing only an empty directory or an earlier export; returns the
+  tensor shapes written."""
   tensors = {k: np.ascontiguousarray(v) for k, v in eagle_tensors(target, drafter).items()}
-  with files.atomic_directory(out_dir) as tmp:
+  with files.atomic_directory(out_dir, "an EAGLE export", is_export) as tmp:
     safetensors.numpy.save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
       json.dump(eagle_config(target, drafter, tensors["fc.weight"].dtype.name), f, indent=2)

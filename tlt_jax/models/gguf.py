@@ -16,6 +16,7 @@ import importlib.metadata
 import os
 
 from tlt_jax import files
+from tlt_jax.models import hf
 
 # GGUF `general.architecture` -> the Hugging Face architecture tlt_jax builds from it.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -53,17 +54,24 @@ def architecture(path: str) -> str:
   return field.contents()
 
 
+def check_architecture(path: str) -> str:
+  """The file's architecture, refused by name unless tlt_jax supports it."""
+  arch = architecture(path)
+  if arch not in ARCHITECTURES:
+    raise GGUFError(f"{path}: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+  return arch
+
+
 def convert(gguf_path: str, out_dir: str, dtype: str = "float32") -> dict:
   """Writes the Hugging Face directory (config, safetensors, tokenizer) of a GGUF Llama / Qwen2 /
-  Qwen3 file to `out_dir` atomically; returns a summary."""
+  Qwen3 file to `out_dir` atomically (replacing at most an empty directory or an earlier model
+  directory); returns a summary."""
   import torch
   import transformers
 
   if dtype not in DTYPES:
     raise GGUFError(f"dtype {dtype!r} is not one of {DTYPES}")
-  arch = architecture(gguf_path)
-  if arch not in ARCHITECTURES:
-    raise GGUFError(f"{gguf_path}: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+  arch = check_architecture(gguf_path)
   directory, name = os.path.split(os.path.abspath(gguf_path))
   tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
   model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=getattr(torch, dtype))
@@ -71,7 +79,7 @@ def convert(gguf_path: str, out_dir: str, dtype: str = "float32") -> dict:
   model.hf_quantizer = None
   del model.config.quantization_config
   model.config.architectures = [ARCHITECTURES[arch]]
-  with files.atomic_directory(out_dir) as tmp:
+  with files.atomic_directory(out_dir, "a model directory as save_pretrained writes it", hf.is_saved_model) as tmp:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
   return {"output": os.path.abspath(out_dir), "gguf": os.path.abspath(gguf_path), "architecture": arch,

@@ -8,6 +8,7 @@ Our parameter paths mirror HF names; Linear kernels are stored transposed ([in, 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
 from typing import Any
@@ -29,6 +30,10 @@ _SAFETENSORS_DTYPES = {"F32", "BF16", "F16"}
 _LEAF_NAMES = {"kernel": "weight", "embedding": "weight", "scale": "weight", "bias": "bias"}
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+# What `save_pretrained` writes (weights, config, a tokenizer's files): a directory holding
+# nothing else is one it may replace.
+_WRITTEN = ("config.json", "*.safetensors", _INDEX, "tokenizer*", "special_tokens_map.json", "added_tokens.json",
+            "chat_template.*", "vocab.*", "merges.txt")
 
 
 class CheckpointError(ValueError):
@@ -59,7 +64,7 @@ def read_config(model_dir: str) -> tuple[ModelConfig, dict]:
   with open(path, encoding="utf-8") as f:
     try:
       raw = json.load(f)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
       raise ConfigError(f"{path}: invalid JSON ({e})") from e
   return ModelConfig.from_hf(raw, source=path), raw
 
@@ -69,7 +74,10 @@ def _weight_files(model_dir: str) -> dict[str, str]:
   index = os.path.join(model_dir, _INDEX)
   if os.path.isfile(index):
     with open(index, encoding="utf-8") as f:
-      weight_map = json.load(f)["weight_map"]
+      try:
+        weight_map = json.load(f)["weight_map"]
+      except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
     files = {os.path.join(model_dir, v) for v in weight_map.values()}
     missing = sorted(p for p in files if not os.path.isfile(p))
     if missing:
@@ -78,8 +86,16 @@ def _weight_files(model_dir: str) -> dict[str, str]:
   single = os.path.join(model_dir, _SINGLE)
   if not os.path.isfile(single):
     raise FileNotFoundError(f"{model_dir}: neither {_INDEX} nor {_SINGLE} found")
-  with safetensors.safe_open(single, framework="flax") as f:
+  with _open_safetensors(single) as f:
     return {k: single for k in f.keys()}
+
+
+def _open_safetensors(path: str):
+  """safetensors.safe_open, with a damaged file (truncated, not safetensors) named."""
+  try:
+    return safetensors.safe_open(path, framework="flax")
+  except safetensors.SafetensorError as e:
+    raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 def from_pretrained(model_dir: str, dtype=None, mesh: jax.sharding.Mesh | None = None) -> CausalLM:
@@ -105,7 +121,7 @@ def from_pretrained(model_dir: str, dtype=None, mesh: jax.sharding.Mesh | None =
       if name not in files:
         raise CheckpointError(f"{model_dir}: tensor {name!r} is missing from the checkpoint")
       if files[name] not in handles:
-        handles[files[name]] = stack.enter_context(safetensors.safe_open(files[name], framework="flax"))
+        handles[files[name]] = stack.enter_context(_open_safetensors(files[name]))
       tensor = handles[files[name]].get_slice(name)
       transpose = path[-1] == "kernel"
       shape = tuple(tensor.get_shape())
@@ -133,17 +149,30 @@ def from_pretrained(model_dir: str, dtype=None, mesh: jax.sharding.Mesh | None =
 
 def load_tokenizer(model_dir: str):
   """The directory's tokenizer through `transformers.AutoTokenizer`, or None if it has none."""
-  if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+  names = [f for f in ("tokenizer.json", "tokenizer_config.json") if os.path.isfile(os.path.join(model_dir, f))]
+  if not names:
     return None
   import transformers  # pylint: disable=g-import-not-at-top  (heavy; only when a tokenizer exists)
-  return transformers.AutoTokenizer.from_pretrained(model_dir)
+  try:
+    return transformers.AutoTokenizer.from_pretrained(model_dir)
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    # transformers raises whatever its parsers do (JSONDecodeError, tokenizers' Exception, OSError).
+    raise CheckpointError(f"{model_dir}: cannot load its tokenizer ({' / '.join(names)}): "
+                          f"{type(e).__name__}: {e}") from None
+
+
+def is_saved_model(path: str) -> bool:
+  """Whether the directory `path` holds a model as `save_pretrained` writes it and nothing else."""
+  names = os.listdir(path)
+  return "config.json" in names and all(any(fnmatch.fnmatch(n, p) for p in _WRITTEN) for n in names)
 
 
 def save_pretrained(model: CausalLM, out_dir: str, tokenizer=None, max_shard_bytes: int = 4 << 30) -> None:
   """Writes `model` (and `tokenizer`) as a HF directory that `transformers` loads.
 
   Tensors go into safetensors files of at most `max_shard_bytes` (with an index when several).
-  The directory is written under a temporary name and renamed, so a crash leaves no half model.
+  The directory is written under a temporary name and renamed, so a crash leaves no half model; it
+  replaces only an empty directory or a model written like this one (`is_saved_model`).
   """
   cfg = model.config
   flat = [(hf_name(p), p[-1] == "kernel", v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
@@ -156,7 +185,7 @@ def save_pretrained(model: CausalLM, out_dir: str, tokenizer=None, max_shard_byt
       size = 0
     shards[-1].append(item)
     size += nbytes
-  with files.atomic_directory(out_dir) as tmp:
+  with files.atomic_directory(out_dir, "a model directory as save_pretrained writes it", is_saved_model) as tmp:
     cpu = jax.local_devices(backend="cpu")[0]
     weight_map = {}
     for i, shard in enumerate(shards):

@@ -5,9 +5,11 @@ Files may hold rows shaped like Eurus-2-RL or DAPO-Math (verl's format included)
   (a list of {role, content});
 - the ground truth under `reward_model: {ground_truth: ...}`, or top-level `ground_truth`,
   `answer` or `solution` (first found).
-Every prompt goes through the tokenizer's chat template with a generation prompt. Malformed
-rows are skipped and counted by reason; the first few are logged with file:line. A file with
-no usable row is an error naming it.
+Every prompt goes through the tokenizer's chat template with a generation prompt; a template
+that fails (jinja2 missing, a broken template) is an error naming the tokenizer and the cause.
+Malformed rows, and file rows whose conversation the template rejects (`raise_exception`), are
+skipped and counted by reason; the first few are logged with file:line. A file with no usable
+row is an error naming it.
 """
 
 import collections
@@ -24,6 +26,7 @@ import transformers
 
 from tlt_jax.rl import rewards
 from tlt_jax.rl import tasks
+from tlt_jax.rl import tokenizer as tokenizer_lib
 
 _PROMPT_KEYS = ("prompt", "question", "problem")
 _GROUND_TRUTH_KEYS = ("ground_truth", "answer", "solution")
@@ -137,7 +140,15 @@ def from_file(
       row = _as_row(raw)
       messages = _messages(row)
       ground_truth = _ground_truth(row)
-      prompt, prompt_ids = _encode_prompt(tokenizer, messages, max_prompt_len)
+      try:
+        prompt, prompt_ids = _encode_prompt(tokenizer, messages, max_prompt_len)
+      except tokenizer_lib.ChatTemplateError as e:
+        import jinja2  # pylint: disable=import-outside-toplevel  (there: the template ran)
+        if not isinstance(e.__cause__, jinja2.TemplateError):
+          raise
+        # The template works (`_check_chat_template`) but rejects this conversation, e.g. a
+        # system turn that is not first.
+        raise _Skip("template_error", str(e)) from e
     except _Skip as skip:
       skipped[skip.reason] += 1
       if sum(skipped.values()) <= _LOGGED_SKIPS:
@@ -156,8 +167,8 @@ def from_file(
 
 
 def _check_chat_template(tokenizer: transformers.PreTrainedTokenizerBase) -> None:
-  if not tokenizer.chat_template:
-    raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template")
+  """Renders one plain question, so that a template that cannot work fails here, by name."""
+  tokenizer_lib.chat_prompt(tokenizer, [{"role": "user", "content": "What is 1 + 1?"}])
 
 
 def _read_rows(path: str) -> Iterator[tuple[int, bytes | dict[str, Any]]]:
@@ -235,11 +246,7 @@ def _ground_truth(row: dict[str, Any]) -> str:
 def _encode_prompt(
     tokenizer: transformers.PreTrainedTokenizerBase, messages: Messages, max_prompt_len: int | None
 ) -> tuple[str, list[int]]:
-  try:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-  except Exception as e:  # pylint: disable=broad-exception-caught
-    # Model templates reject some conversations (e.g. a system turn that is not first).
-    raise _Skip("template_error", repr(e)) from e
+  text = tokenizer_lib.chat_prompt(tokenizer, messages)
   # The template already wrote the special tokens (BOS, role markers) as text.
   prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
   if max_prompt_len is not None and len(prompt_ids) > max_prompt_len:

@@ -4,6 +4,9 @@ One token per printable ASCII character and newline, plus special tokens: small 
 (103 ids) for a few-million-parameter model, exact on task text, and an ordinary
 `PreTrainedTokenizerFast` so that `save_pretrained`, `AutoTokenizer.from_pretrained` and
 `apply_chat_template` work as they do for real models.
+
+`chat_prompt` is how every prompt goes through a tokenizer's chat template (this one's or a real
+model's): a template that fails is an error naming the tokenizer and the cause.
 """
 
 import tokenizers
@@ -45,3 +48,20 @@ def build_tokenizer(model_max_length: int = 4096) -> transformers.PreTrainedToke
       clean_up_tokenization_spaces=False,  # exact round trips: "3 ." must stay "3 ."
       model_max_length=model_max_length,
   )
+
+
+class ChatTemplateError(ValueError):
+  """A tokenizer's chat template failed; the message names the tokenizer and the cause."""
+
+
+def chat_prompt(tokenizer: transformers.PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
+  """`messages` rendered by the tokenizer's chat template, ending with the assistant turn's opening."""
+  name = (f"tokenizer {tokenizer.name_or_path!r}" if tokenizer.name_or_path
+          else f"the in-memory tokenizer ({type(tokenizer).__name__})")
+  if not tokenizer.chat_template:
+    raise ChatTemplateError(f"{name} has no chat template")
+  try:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    # Whatever the cause (jinja2 not installed, a broken template, a conversation it rejects), it is named.
+    raise ChatTemplateError(f"{name}: chat template failed ({type(e).__name__}: {e})") from e

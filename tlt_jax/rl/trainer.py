@@ -62,6 +62,25 @@ from tlt_jax.rollout.sampling import SamplingParams
 _EVAL_OFFSET = 1 << 30  # held-out sampling keys: prompt indices training never reaches
 
 
+def load_tokenizer(config):
+  """The policy's tokenizer, without the policy: prompt files are read, and checked, before the
+  policy loads or the tiny policy's SFT warm start runs."""
+  if config.policy.path:
+    try:
+      hf.read_config(config.policy.path)
+      tok = hf.load_tokenizer(config.policy.path)
+    except (OSError, ValueError) as e:
+      raise ValueError(f"config.policy.path={config.policy.path!r}: {e}") from None
+    if tok is None:
+      raise FileNotFoundError(f"config.policy.path={config.policy.path!r}: no tokenizer "
+                              "(tokenizer.json / tokenizer_config.json) to encode prompts with")
+    return tok
+  policy_dir = os.path.join(config.workdir, "policy")
+  if os.path.exists(os.path.join(policy_dir, "config.json")):
+    return hf.load_tokenizer(policy_dir)
+  return tokenizer_lib.build_tokenizer(config.model.max_position_embeddings)  # what SFT saves with the policy
+
+
 def load_policy(config) -> tuple[CausalLM, object]:
   """The policy and its tokenizer: `policy.path`, else the tiny world's (SFT into the workdir if absent)."""
   if config.policy.path:
@@ -117,10 +136,18 @@ def load_drafter(config, policy: CausalLM, tok) -> Drafter:
   return drafter
 
 
+def _prompt_file(config, key: str, tok) -> datasets.Dataset:
+  """The prompt file config.<key> names; a missing or unusable one is an error naming the key."""
+  path = config_lib.config_value(config, key)
+  try:
+    return datasets.from_file(path, tok, max_prompt_len=config.data.max_prompt_len, reward=config.data.reward)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"config.{key}={path!r}: {e}") from None
+
+
 def load_prompts(config, tok) -> datasets.Dataset:
   if config.data.path:
-    return datasets.from_file(config.data.path, tok, max_prompt_len=config.data.max_prompt_len,
-                              reward=config.data.reward)
+    return _prompt_file(config, "data.path", tok)
   return datasets.from_tasks(config.task.family, tok, size=config.data.size, seed=config.seed + 2,
                              difficulty=sft.difficulty(config), max_prompt_len=config.data.max_prompt_len,
                              reward=config.data.reward)
@@ -131,7 +158,7 @@ def load_eval_prompts(config, tok) -> datasets.Dataset:
   seed the training prompts do not use."""
   e = config.eval
   if e.path:
-    data = datasets.from_file(e.path, tok, max_prompt_len=config.data.max_prompt_len, reward=config.data.reward)
+    data = _prompt_file(config, "eval.path", tok)
     return datasets.Dataset(data.examples[:e.size], data.skipped)
   return datasets.from_tasks(config.task.family, tok, size=e.size, seed=config.seed + 1_000_003,
                              difficulty=sft.difficulty(config), max_prompt_len=config.data.max_prompt_len,
@@ -165,11 +192,13 @@ class Trainer:
     """`devices`: what the rollout runs on (default: all; split into config.rollout.groups groups)."""
     config_lib.check(config)
     self.config = c = config
-    self.policy, self.tok = load_policy(c)
-    self.prompts = load_prompts(c, self.tok)
+    tok = load_tokenizer(c)
+    self.prompts = load_prompts(c, tok)
     if len(self.prompts) < c.rollout.prompts_per_step:
       raise ValueError(f"{len(self.prompts)} prompts, fewer than config.rollout.prompts_per_step="
                        f"{c.rollout.prompts_per_step}")
+    self.eval_prompts = load_eval_prompts(c, tok) if c.eval.every else None
+    self.policy, self.tok = load_policy(c)
     strategies = config_lib.strategies(c) if c.rollout.speculative else ()
     if distributed.multiprocess() and not strategies:
       raise ValueError("config.rollout.speculative=False: the plain baseline rollout runs in one process only; "
@@ -214,7 +243,6 @@ class Trainer:
       self.eval_engine = Engine(self.policy, engine_config(c, largest_bucket=1 << (rows - 1).bit_length(),
                                                            compact=False), sampling, mesh=mesh)
       self.plain_engines.append(self.eval_engine)
-    self.eval_prompts = load_eval_prompts(c, self.tok) if c.eval.every else None
     self._groups = self.spot.groups if self.spot is not None else [0]  # the engines' rollout groups
     if distributed.multiprocess():  # the actor runs SPMD over every process's devices
       mesh = sharding.make_mesh({k: c.mesh[k] for k in sharding.MESH_AXES})

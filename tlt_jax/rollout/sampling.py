@@ -11,9 +11,27 @@ from a row's slot in the batch: batch size, row order and compaction cannot chan
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+
+
+# The valid values of each sampling knob: SamplingParams checks them, and the CLI flags and config
+# keys that set a knob check it with `check_field` (one place for the bounds).
+_VALID = {
+    "temperature": (lambda v: math.isfinite(v) and v >= 0, "must be a finite number >= 0"),
+    "top_k": (lambda v: v >= 0, "must be >= 0"),
+    "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),  # NaN fails too
+    "max_new_tokens": (lambda v: v >= 1, "must be >= 1"),
+}
+
+
+def check_field(field: str, value) -> None:
+  """Raises ValueError saying why (e.g. "must be in (0, 1]") when `value` is not a valid `field`."""
+  ok, why = _VALID[field]
+  if not ok(value):
+    raise ValueError(why)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,14 +46,11 @@ class SamplingParams:
   seed: int = 0
 
   def __post_init__(self):
-    if self.temperature < 0:
-      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-    if self.top_k < 0:
-      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-    if self.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    for field in _VALID:
+      try:
+        check_field(field, getattr(self, field))
+      except ValueError as e:
+        raise ValueError(f"{field} {e}, got {getattr(self, field)}") from None
 
   @property
   def greedy(self) -> bool:

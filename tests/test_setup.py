@@ -1,0 +1,54 @@
+"""setup.py: the README's first command works on a fresh machine.
+
+The suite's own environment holds torch and the test extras, which pull in packages tlt_jax needs
+but might forget to require (jinja2 once came only that way: the suite was green while the
+README's first command failed for a newcomer). So this test makes a fresh virtual environment (no
+system site packages: only what the README's `pip install -e .` brings), checks that none of the
+test-only packages are there, and runs the README's first command in it, from an empty
+directory, to the end, on the smoke variant of the default config (seconds-sized shapes, the
+same pipeline: SFT warm start, drafter warm-up, an RL step with TLT rollouts, the export).
+pip fetches what it needs (its cache makes repeats fast); a few minutes in all.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INSTALL, RUN = "pip install -e .", "python -m tlt_jax.main"
+_NOT_INHERITED = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "XLA_FLAGS")  # nor JAX_*: a newcomer sets none
+
+
+def readme_first_command() -> str:
+  with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+    section = f.read().split("\n## Two commands", 1)[1]
+  return re.search(r"```bash\n(.*?)\n```", section, re.S).group(1).strip()
+
+
+def test_readme_first_command_on_a_fresh_environment(tmp_path):
+  assert readme_first_command() == f"{INSTALL} && {RUN}"  # what this test runs is what the README says
+  venv = tmp_path / "venv"
+  subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+  env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED and not k.startswith("JAX_")}
+  env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"  # as `activate` does
+  # PIP_NO_COMPILE=0 is pip's spelling of --no-compile (no .pyc written ahead): the same packages, less CPU.
+  install = subprocess.run(INSTALL, shell=True, cwd=REPO, env={**env, "PIP_NO_COMPILE": "0"}, capture_output=True,
+                           text=True, timeout=1200)
+  assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+  python = str(venv / "bin" / "python")
+  absent = subprocess.run([python, "-c", "import importlib.util as u; print([m for m in ('torch', 'pytest', "
+                           "'hypothesis', 'tlt_jax') if u.find_spec(m) is None])"], env=env, capture_output=True,
+                          text=True, check=True, timeout=120).stdout.strip()
+  assert absent == "['torch', 'pytest', 'hypothesis']", absent  # fresh: none of the test environment
+  work = tmp_path / "newcomer"
+  work.mkdir()
+  run = subprocess.run(f"{RUN} --config={REPO}/configs/tiny.py:smoke", shell=True, cwd=work, env=env,
+                       capture_output=True, text=True, timeout=1200)
+  assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+  summary = json.loads(run.stdout[run.stdout.rindex('{\n  "steps"'):])
+  assert summary["steps"] == 1
+  for output in ("policy/config.json", "drafter/drafter_config.json", "export/policy/model.safetensors",
+                 "export/drafter/model.safetensors", "metrics.jsonl"):
+    assert (work / "runs" / "tiny" / output).is_file(), output

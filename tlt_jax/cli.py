@@ -1,0 +1,189 @@
+"""What the command-line tools share: one-line errors, checked flags, checked outputs.
+
+A CLI runs `run(main)` instead of `app.run(main)`: a bad flag (unknown, ill-typed, out of bounds, a
+non-finite float, a config file that does not load or an unknown `--config.*` key) and every
+`InputError` / `files.OutputError` that `main` raises print one line `error: ...` naming the flag,
+file or key, and exit 1 with no traceback. Checks run before the expensive work: `named` turns a
+failure to load what a flag names into such an error, `check_output` refuses an output that is an
+input or would replace something its tool did not make.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import sys
+from typing import Callable, Iterator, NoReturn
+
+import ml_collections
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from tlt_jax import files
+from tlt_jax.rollout import sampling
+
+
+class InputError(ValueError):
+  """Bad input; the message names the flag, file (and line) or key."""
+
+
+def fail(message: str) -> NoReturn:
+  """Exits 1 printing `error: message` on one line."""
+  sys.exit("error: " + re.sub(r"\s*\n\s*", " ", message.strip()))
+
+
+class _QuietOrbax(logging.logging.Filter):
+  """orbax logs every save and restore at INFO; keep its warnings only."""
+
+  def filter(self, record):
+    return record.levelno >= logging.logging.WARNING or "orbax" not in record.pathname
+
+
+def run(main: Callable[[list[str]], None]) -> None:
+  """`app.run(main)` with the flags parsed by `parse_flags`, input errors printed on one line, and
+  orbax's INFO chatter left out of the log."""
+  def checked(argv):
+    logging.get_absl_handler().addFilter(_QuietOrbax())
+    if len(argv) > 1:
+      fail(f"unexpected arguments: {argv[1:]}")
+    try:
+      main(argv)
+    except (InputError, files.OutputError) as e:
+      fail(str(e))
+  app.run(checked, flags_parser=parse_flags)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing with one-line errors, and every float flag checked to be finite."""
+  try:
+    rest = flags.FLAGS(argv)
+  except (KeyError, AttributeError) as e:  # an unknown key in an override of a --config=FILE
+    fail(_unknown_key(e, argv))
+  except OSError as e:  # an override of a --config=FILE that did not load
+    _config_not_loaded(e)
+  except flags.Error as e:
+    # A config file that raises comes with its traceback in the message: its last line says why.
+    head, _, tail = str(e).partition("Traceback (most recent call last):")
+    fail(head.split("\n")[0].rstrip(":") + ": " + tail.strip().split("\n")[-1] if tail else str(e))
+  for name in flags.FLAGS:
+    value = flags.FLAGS[name].value
+    if isinstance(value, float) and not math.isfinite(value):
+      fail(f"--{name}={value}: must be a finite number")
+  return rest
+
+
+def define_config(default: str) -> flags.FlagHolder:
+  """`--config=FILE[:variant]` (a `get_config()` file, ml_collections) defaulting to `default`; read it
+  with `config_value`. Overrides of the default config are applied right here, as it is defined."""
+  try:
+    return config_flags.DEFINE_config_file("config", default, "Experiment config file (get_config()).")
+  except (KeyError, AttributeError) as e:
+    fail(_unknown_key(e, sys.argv))
+  except (flags.Error, ValueError) as e:  # an ill-typed override of the default config, or an unparsable key
+    fail(str(e))
+
+
+def config_value(holder: flags.FlagHolder) -> ml_collections.ConfigDict:
+  """The config `define_config` defined; a file that does not load is an error naming it."""
+  config = holder.value
+  if isinstance(config, ml_collections.ConfigDict):
+    return config
+  try:
+    config.keys()  # ml_collections defers a failed load's error to the first access
+  except OSError as e:
+    _config_not_loaded(e)
+  except AttributeError:  # e.g. None: get_config() forgot to return
+    pass
+  fail(f"--config={config_flags.get_config_filename(flags.FLAGS['config'])}: get_config() returned "
+       f"{type(config).__name__}, not a ConfigDict")
+
+
+def _config_not_loaded(e: OSError) -> NoReturn:
+  """ml_collections' OSError for a config file that did not load ends with the reason."""
+  given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")]
+  name = given[-1] if given else flags.FLAGS["config"].default_as_str.strip("'")
+  fail(f"--config={name}: cannot load it ({str(e).strip().splitlines()[-1].strip()})")
+
+
+def _unknown_key(e: Exception, argv: list[str]) -> str:
+  """ml_collections reports an unknown --config.* key as a bare KeyError (inside an AttributeError,
+  with a suggestion on a second line): name the key once, the flag, and the suggestion."""
+  while isinstance(e.args[0] if e.args else None, Exception):
+    e = e.args[0]
+  first, *rest = str(e.args[0] if e.args else e).split("\n")
+  key = first.strip("'\"")
+  bad = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.") and key in a.split("=")[0].split(".")]
+  suggestion = re.search(r'Did you mean "([^"]+)"', " ".join(rest))
+  return (f"unknown config key {key!r} in {', '.join(bad) or 'the --config overrides'}"
+          + (f" (did you mean {suggestion.group(1)!r}?)" if suggestion else "")
+          + "; every key and its default is listed in tlt_jax/config.py")
+
+
+def check_sampling_flags(**holders: flags.FlagHolder) -> None:
+  """Checks each flag, given under its SamplingParams field name, with SamplingParams' own bounds
+  (`sampling.check_field`) when the flags are parsed."""
+  for field, holder in holders.items():
+    def check(value, field=field):
+      try:
+        sampling.check_field(field, value)
+      except ValueError as e:
+        raise flags.ValidationError(str(e)) from None
+      return True
+    flags.register_validator(holder.name, check)
+
+
+@contextlib.contextmanager
+def named(flag: str, value: str) -> Iterator[None]:
+  """Failures to load what `--flag=value` names (missing or damaged files: OSError, ValueError) become
+  an InputError naming the flag."""
+  try:
+    yield
+  except (InputError, files.OutputError):
+    raise
+  except (OSError, ValueError) as e:
+    raise InputError(f"--{flag}={value}: {e}") from None
+
+
+def check_output(flag: str, path: str, inputs: dict[str, str | None], *, kind: str | None = None,
+                 is_own: Callable[[str], bool] | None = None, overwrite: bool = False) -> None:
+  """Checks, before any work, that `--flag=path` can be written and replaces no input: it is none of
+  `inputs` (flag -> path) and contains none of them. A file output (`kind` None) must not be a
+  directory; a directory output of `kind` (e.g. "a drafter checkpoint") replaces an existing
+  non-empty directory only when `is_own` recognises it as an earlier output of that kind and
+  `overwrite` is set."""
+  for name, value in inputs.items():
+    if value is not None and os.path.exists(value) and files.contains(path, value):
+      relation = "is" if files.contains(value, path) else "holds"
+      raise InputError(f"--{flag}={path} {relation} --{name}={value}: writing it would delete that input; "
+                       f"choose another --{flag}")
+  if kind is None:
+    if os.path.isdir(path):
+      raise InputError(f"--{flag}={path} is a directory; it names the output file")
+  else:
+    try:
+      files.check_replaceable(path, kind, is_own)
+    except files.OutputError as e:
+      raise InputError(f"--{flag}={path}: {e} (choose another --{flag}, or remove it yourself)") from None
+    if os.path.isdir(path) and os.listdir(path) and not overwrite:
+      raise InputError(f"--{flag}={path} already holds {kind}; pass --overwrite to replace it")
+  try:
+    files.check_writable(path)
+  except files.OutputError as e:
+    raise InputError(f"--{flag}={path}: {e}") from None
+
+
+def token_budgets(prompts: list[list[int]], max_new_tokens: int, max_positions: int) -> tuple[int, dict[int, int]]:
+  """Each prompt may generate `max_new_tokens`, or what the model's `max_positions` leave after it
+  (give the engine `max_total_len=max_positions`): one long prompt cuts its own budget only. Returns
+  the largest budget (the engine's capacity) and the cut budgets (prompt index -> tokens), which are
+  reported on stderr."""
+  cut = {i: max_positions - len(p) for i, p in enumerate(prompts) if len(p) + max_new_tokens > max_positions}
+  if cut:
+    first = min(cut)
+    logging.warning("%d of %d prompts are too long for --max_new_tokens=%d within the model's %d positions; each "
+                    "generates at most what is left (prompt %d: %d tokens, %d new), the others %d", len(cut),
+                    len(prompts), max_new_tokens, max_positions, first, len(prompts[first]), cut[first],
+                    max_new_tokens)
+  return min(max_new_tokens, max_positions - min(map(len, prompts))), cut
