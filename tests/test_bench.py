@@ -58,3 +58,16 @@ def test_adaptive_mode_compares_bandit_fixed_and_plain(tmp_path):
   assert abs(bandit["vs_best_fixed"] - bandit["tokens_per_s"] / max(arms)) < 1e-2
   assert abs(bandit["vs_worst_fixed"] - bandit["tokens_per_s"] / min(arms)) < 1e-2
   assert bandit["summary"]["rollout/tokens_per_s"] > 0
+
+
+def test_phases_mode_splits_an_iteration_and_reads_prompt_files(tmp_path):
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text("".join(json.dumps({"prompt": f"Calculate {i} + {i + 2}."}) + "\n" for i in range(3)))
+  out = tmp_path / "phases.json"
+  run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--phases", "--batch_sizes=1,2",
+            "--strategies=2_2_4", "--max_new_tokens=40", f"--prompts={prompts}")
+  records = json.loads(out.read_text())
+  assert [(r["batch_size"], r["strategy"]) for r in records] == [(1, "2_2_4"), (2, "2_2_4")]
+  for r in records:
+    assert all(r[k] > 0 for k in ("draft", "verify", "feed", "iteration", "plain", "segment"))
+    assert 1 <= r["accept_len"] <= 3

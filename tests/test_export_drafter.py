@@ -63,3 +63,18 @@ def test_tied_qwen3_target_and_no_eagle3(hf_dirs, tmp_path):
   deeper = dataclasses.replace(target.config, num_layers=3)
   with pytest.raises(ValueError, match=r"EAGLE-3 drafters \(feature_layers=\[0, 1, 2\]\)"):
     export.eagle_tensors(target, Drafter(deeper, feature_layers=(0, 1, 2), rngs=nnx.Rngs(0)))
+
+
+def test_reduced_vocabulary_drafter_exports_eagle3_vocabulary_maps(hf_dirs, tmp_path):
+  """A reduced head exports its lm_head rows and EAGLE-3's d2t / t2d, which map draft ids back."""
+  path, torch_model = hf_dirs["qwen2_untied"]
+  target = hf.from_pretrained(path)
+  vocab = (2, 3, 5, 17, 40, 95)
+  drafter = Drafter(target.config, draft_vocab=vocab, rngs=nnx.Rngs(5))
+  export.export_eagle(target, drafter, str(tmp_path / "eagle"))
+  tensors = safetensors.numpy.load_file(str(tmp_path / "eagle" / export.WEIGHTS_FILE))
+  d2t, t2d = tensors["d2t"], tensors["t2d"]
+  np.testing.assert_array_equal(np.arange(len(vocab)) + d2t, vocab)
+  assert t2d.dtype == bool and t2d.shape == (target.config.vocab_size,) and np.flatnonzero(t2d).tolist() == list(vocab)
+  np.testing.assert_array_equal(tensors["lm_head.weight"], torch_model.lm_head.weight.detach().numpy()[list(vocab)])
+  assert json.load(open(tmp_path / "eagle" / "config.json"))["draft_vocab_size"] == len(vocab)

@@ -45,6 +45,26 @@ def test_trains_saves_and_reloads_a_drafter(hf_dirs, tmp_path):
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(nnx.state(drafter)))
 
 
+def test_reduced_vocabulary_drafter(hf_dirs, tmp_path):
+  """--draft_vocab_size: the head covers the most frequent training response tokens, the checkpoint
+  keeps them, the summary reports the held-out coverage; a size over the vocabulary is refused first."""
+  model_dir = hf_dirs["qwen2_tied"][0]
+  prompts = write_prompts(tmp_path, [{"prompt_ids": [5, 17, 40, 9]}, {"prompt_ids": [7, 3, 88]},
+                                     {"prompt_ids": [11, 12]}, {"prompt_ids": [30]}])
+  out = tmp_path / "drafter"
+  proc = run_cli(f"--model={model_dir}", f"--prompts={prompts}", f"--output={out}", "--num_samples=2",
+                 "--max_new_tokens=16", "--steps=3", "--batch_rows=2", "--row_len=32", "--eval_fraction=0.25",
+                 "--draft_vocab_size=24")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert summary["draft_vocab_size"] == 24 and 0 < summary["draft_vocab_coverage_heldout"] <= 1
+  drafter = checkpoint.load_drafter(str(out), hf.read_config(model_dir)[0])
+  assert len(drafter.draft_vocab) == 24 and list(drafter.draft_vocab) == sorted(drafter.draft_vocab)
+  proc = run_cli(f"--model={model_dir}", f"--prompts={prompts}", f"--output={tmp_path / 'd'}", "--draft_vocab_size=97")
+  assert proc.returncode != 0 and "--draft_vocab_size=97 is larger than the target's vocabulary of 96" in proc.stderr
+  assert not os.path.exists(tmp_path / "d")
+
+
 def test_bad_input_is_named(hf_dirs, tmp_path):
   model_dir = hf_dirs["qwen3"][0]
   prompts = write_prompts(tmp_path, [{"prompt_ids": [5, 17]}, {"prompt_ids": [5, 99]}])

@@ -5,11 +5,21 @@
 
   python -m tlt_jax.bench --adaptive --model=DIR --drafter=DIR --output=FILE.json [--rows=64 ...]
 
+  python -m tlt_jax.bench --phases --model=DIR --drafter=DIR --output=FILE.json [--batch_sizes=1,4 ...]
+
+Prompts: `--prompts=FILE.jsonl` (text prompts chat-templated when the tokenizer has a template, as
+train_drafter reads them), else procedural `--task` problems.
+
 Grid mode: prompts are procedural problems with at least `--min_terms` terms, so responses are
 long (the tail's regime); rows stop at EOS or `--max_new_tokens`. Compaction is off, so every step runs at
 the cell's batch size. Each cell times one rollout after a warm-up rollout (compilation excluded). Writes a JSON list of
 {batch_size, strategy, tokens_per_s, baseline_tokens_per_s, speedup, accept_len} and the same
 table as CSV next to it. The counterpart of the reference's bench_sd.
+
+Phases mode (`--phases`): per batch size and strategy, one speculative iteration split into its
+phases (draft, verify with acceptance and commit, drafter feed), each timed alone, beside the
+fused iteration, a plain step and the engine's segment executable per iteration
+(`tlt_jax.rollout.profile`): where the time goes when speculation does not pay.
 
 Adaptive mode (`--adaptive`): one long-tailed rollout of `--rows` problems (compaction on,
 speculation once at most `--sd_max_batch` rows are active), run with plain decoding, with each
@@ -39,8 +49,10 @@ from tqdm import tqdm
 from tlt_jax.drafter import checkpoint
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
+from tlt_jax.prompts import InputError, read_prompts
 from tlt_jax.rl import datasets, tasks
 from tlt_jax.rollout.bandit import Bandit
+from tlt_jax.rollout import profile
 from tlt_jax.rollout.engine import Engine, EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
@@ -54,6 +66,8 @@ _STRATEGIES = flags.DEFINE_list("strategies", ["4_1_5", "4_2_8", "6_4_16"], "dep
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (0 = greedy).", lower_bound=0.0)
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens per row at most.", lower_bound=1)
 _TASK = flags.DEFINE_string("task", "basic_arithmetic", "Procedural task for prompts (needs a tokenizer in --model).")
+_PROMPTS = flags.DEFINE_string("prompts", None, "Prompts JSONL file (instead of --task problems).")
+_PHASES = flags.DEFINE_bool("phases", False, "Time each phase of one speculative iteration per batch size and strategy.")
 _MIN_TERMS = flags.DEFINE_integer("min_terms", 16, "Fewest terms per problem (longer problems, longer responses).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of prompts and sampling.")
 _ADAPTIVE = flags.DEFINE_bool("adaptive", False, "Bandit vs every fixed strategy vs SD off on a long-tail rollout.")
@@ -141,6 +155,23 @@ def run(model, drafter: Drafter, prompts, batch_sizes, strategies, temperature, 
   return records
 
 
+def run_phases(model, drafter: Drafter, prompts, batch_sizes, strategies, temperature, max_new_tokens, seed):
+  """`profile.phase_times` per batch size and strategy (rows never stop: every phase runs on all of them)."""
+  records = []
+  params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+  with tqdm(total=len(batch_sizes) * len(strategies), desc="bench --phases", file=sys.stderr) as bar:
+    for b in batch_sizes:
+      batch = prompts[:b]
+      for strategy in strategies:
+        buckets = tuple(2**i for i in range((b - 1).bit_length() + 1))
+        config = EngineConfig(batch_buckets=buckets, max_prompt_len=max(map(len, batch)), max_new_tokens=max_new_tokens,
+                              segment_steps=16, compact=False, strategies=(strategy,), sd_max_batch=b)
+        times = profile.phase_times(Engine(model, config, params, drafter=drafter), batch, strategy)
+        records.append({"batch_size": b, "strategy": strategy.name, **times})
+        bar.update()
+  return records
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -148,20 +179,33 @@ def main(argv):
   batch_sizes = [int(b) for b in _BATCH_SIZES.value]
   model = hf.from_pretrained(_MODEL.value)
   tokenizer = hf.load_tokenizer(_MODEL.value)
-  if tokenizer is None:
+  needed = _ROWS.value if _ADAPTIVE.value else max(batch_sizes)
+  if _PROMPTS.value:
+    try:
+      prompts = read_prompts(_PROMPTS.value, tokenizer, chat=tokenizer is not None and bool(tokenizer.chat_template),
+                             max_len=model.config.max_position_embeddings, vocab_size=model.config.vocab_size)
+    except InputError as e:
+      sys.exit(f"error: --prompts: {e}")
+    if len(prompts) < needed:
+      sys.exit(f"error: --prompts={_PROMPTS.value} has {len(prompts)} prompts; this run needs {needed}")
+    prompts = prompts[:needed]
+  elif tokenizer is None:
     sys.exit(f"error: {_MODEL.value} has no tokenizer to build --task={_TASK.value} prompts with")
-  if _ADAPTIVE.value:  # the task's own long-tailed difficulty
+  elif _ADAPTIVE.value:  # the task's own long-tailed difficulty
     prompts = [ex.prompt_ids for ex in datasets.from_tasks(_TASK.value, tokenizer, size=_ROWS.value, seed=_SEED.value)]
   else:
     difficulty = tasks.Difficulty(min_terms=_MIN_TERMS.value, max_terms=max(_MIN_TERMS.value, 24))
-    prompts = [ex.prompt_ids for ex in datasets.from_tasks(_TASK.value, tokenizer, size=max(batch_sizes),
-                                                           seed=_SEED.value, difficulty=difficulty)]
+    prompts = [ex.prompt_ids for ex in datasets.from_tasks(_TASK.value, tokenizer, size=needed, seed=_SEED.value,
+                                                           difficulty=difficulty)]
   if _DRAFTER.value == "random":
     drafter = Drafter(model.config, rngs=nnx.Rngs(_SEED.value))
   else:
     drafter = checkpoint.load_drafter(_DRAFTER.value, model.config)
-  stop = set(model.config.stop_token_ids) | {tokenizer.eos_token_id}
-  if _ADAPTIVE.value:
+  stop = set(model.config.stop_token_ids) | ({tokenizer.eos_token_id} if tokenizer is not None else set())
+  if _PHASES.value:
+    records = run_phases(model, drafter, prompts, batch_sizes, strategies, _TEMPERATURE.value, _MAX_NEW.value,
+                         _SEED.value)
+  elif _ADAPTIVE.value:
     records = run_adaptive(model, drafter, prompts, strategies, _TEMPERATURE.value, _MAX_NEW.value, _SEED.value,
                            sorted(stop), _SD_MAX_BATCH.value, _REPEATS.value)
   else:

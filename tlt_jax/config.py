@@ -110,6 +110,7 @@ def base() -> ml_collections.ConfigDict:
   c.drafter = ml_collections.ConfigDict()
   c.drafter.path = ""  # a drafter checkpoint (tlt_jax.train_drafter); "" = <workdir>/drafter, warmed up if absent
   c.drafter.feature_layers = ""  # EAGLE-3: comma-separated target layers; "" = EAGLE (final hidden state)
+  c.drafter.draft_vocab_size = 0  # a warmed-up drafter's reduced head: the N most frequent tokens; 0 = full vocabulary
   c.drafter.warmup_steps = 200  # offline distillation on the SFT data when no drafter exists
   c.drafter.learning_rate = 3e-3
   c.drafter.batch_rows = 16
@@ -195,7 +196,7 @@ _AT_LEAST = {
     "rollout.prompts_per_step": 1, "rollout.num_samples": 1, "rollout.temperature": 0, "rollout.top_k": 0,
     "rollout.max_new_tokens": 1, "rollout.groups": 1, "rollout.segment_steps": 1, "rollout.kv_block": 1,
     "rollout.sd_max_batch": 1, "rollout.bandit_epsilon": 0, "rollout.bandit_window": 1,
-    "drafter.warmup_steps": 0, "drafter.learning_rate": 0, "drafter.batch_rows": 1, "drafter.row_len": 2,
+    "drafter.draft_vocab_size": 0, "drafter.warmup_steps": 0, "drafter.learning_rate": 0, "drafter.batch_rows": 1, "drafter.row_len": 2,
     "drafter.online_learning_rate": 0, "drafter.online_warmup_steps": 0, "drafter.online_rows_per_device": 1,
     "drafter.solo_steps": 0, "drafter.buffer_pairs": 1,
     "rl.learning_rate": 0, "rl.warmup_steps": 0, "rl.weight_decay": 0, "rl.mini_batches": 1, "rl.max_skipped_updates": 1,

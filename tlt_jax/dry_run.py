@@ -112,8 +112,10 @@ def run(config) -> dict:
   report["rollout_group_mesh"] = dict(group_mesh.shape)
   group_policy = _abstract(build_policy, group_mesh)
   strategies = config_lib.strategies(config) if config.rollout.speculative else ()
-  drafter = _abstract(lambda: Drafter(cfg, feature_layers=config_lib.ints(config.drafter.feature_layers), dtype=dtype,
-                                      rngs=nnx.Rngs(0)), group_mesh) if strategies else None
+  # A reduced head's ids come from the warm-up data; any N ids size the executables alike.
+  vocab = range(min(config.drafter.draft_vocab_size, cfg.vocab_size))
+  drafter = _abstract(lambda: Drafter(cfg, feature_layers=config_lib.ints(config.drafter.feature_layers),
+                                      draft_vocab=vocab, dtype=dtype, rngs=nnx.Rngs(0)), group_mesh) if strategies else None
   sampling = SamplingParams(temperature=config.rollout.temperature, top_k=config.rollout.top_k,
                             top_p=config.rollout.top_p, max_new_tokens=config.rollout.max_new_tokens, seed=config.seed)
   base = trainer_lib.engine_config(config, strategies)

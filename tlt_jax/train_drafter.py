@@ -3,7 +3,7 @@
   python -m tlt_jax.train_drafter --model=DIR --output=DIR \\
       [--prompts=FILE.jsonl | --task=basic_arithmetic --num_prompts=512] \\
       [--num_samples=4 --temperature=1.0 --max_new_tokens=256 --steps=400 --batch_rows=16 \\
-       --row_len=256 --learning_rate=3e-3 --eagle3_layers= --eval_fraction=0.1 --seed=0]
+       --row_len=256 --learning_rate=3e-3 --draft_vocab_size=0 --eagle3_layers= --eval_fraction=0.1 --seed=0]
 
 Samples responses from the target with the rollout engine, distils a fresh drafter on them
 (`tlt_jax.drafter.train`), saves it to --output (`tlt_jax.drafter.checkpoint`), reloads it to
@@ -11,8 +11,12 @@ check, and prints a JSON summary. Prompt lines are {"prompt": "text"} (chat-temp
 tokenizer has a template, as RL prompts are) or {"prompt_ids": [...]}. The last --eval_fraction
 of the prompts is held out for the reported top-1 agreement.
 
-Offline distillation recomputes the target's features with one forward pass over each sampled
-sequence; the online trainer instead uses the features the rollout captured while decoding.
+The target's features come from the sampling rollout itself (captured while decoding, no
+recomputation, as the online trainer gets them); an EAGLE-3 drafter, which reads three target
+layers the rollout does not keep, recomputes them with one forward pass over each sequence.
+`--draft_vocab_size=N` gives the drafter a reduced-vocabulary head over the N most frequent
+response tokens of its training samples (0: the target's whole vocabulary); the summary reports
+how many of the held-out response tokens it covers.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from tlt_jax.drafter import checkpoint, train
+from tlt_jax.drafter.buffer import BufferConfig, DataBuffer
 from tlt_jax.drafter.model import Drafter, check_feature_layers
 from tlt_jax.models import hf
 from tlt_jax.prompts import InputError, read_prompts
@@ -49,6 +54,9 @@ _BATCH_ROWS = flags.DEFINE_integer("batch_rows", 16, "Packed rows per training s
 _ROW_LEN = flags.DEFINE_integer("row_len", 256, "Tokens per packed row; longer sequences are truncated.",
                                 lower_bound=2)
 _LR = flags.DEFINE_float("learning_rate", 3e-3, "Peak learning rate (warmup, then cosine decay).", lower_bound=0.0)
+_DRAFT_VOCAB = flags.DEFINE_integer("draft_vocab_size", 0, "Tokens of a reduced-vocabulary draft head (the most "
+                                    "frequent of the training responses); 0 = the target's vocabulary.",
+                                    lower_bound=0)
 _EAGLE3 = flags.DEFINE_list("eagle3_layers", [], "Three target layer indices (low,mid,high) for an EAGLE-3 "
                             "drafter; empty = EAGLE-1.")
 _EVAL_FRACTION = flags.DEFINE_float("eval_fraction", 0.1, "Fraction of the prompts held out for evaluation.",
@@ -83,8 +91,8 @@ def feature_layers(num_layers: int) -> tuple[int, ...]:
   return layers
 
 
-def sample(model, tokenizer, prompts: list[list[int]]):
-  """The target's own responses: `num_samples` per prompt."""
+def sample(model, tokenizer, prompts: list[list[int]], capture_hidden: bool):
+  """The target's own responses: `num_samples` per prompt (with their features if `capture_hidden`)."""
   cfg = model.config
   longest = max(map(len, prompts))
   max_new = min(_MAX_NEW.value, cfg.max_position_embeddings - longest)
@@ -95,37 +103,56 @@ def sample(model, tokenizer, prompts: list[list[int]]):
   buckets = [1]
   while buckets[-1] < rows:
     buckets.append(buckets[-1] * 2)
-  engine = Engine(model, EngineConfig(batch_buckets=tuple(buckets), max_prompt_len=longest, max_new_tokens=max_new),
+  engine = Engine(model, EngineConfig(batch_buckets=tuple(buckets), max_prompt_len=longest, max_new_tokens=max_new,
+                                      capture_hidden=capture_hidden),
                   SamplingParams(temperature=_TEMPERATURE.value, max_new_tokens=max_new,
                                  stop_token_ids=tuple(sorted(stop)), seed=_SEED.value))
   with tqdm(total=len(prompts) * _NUM_SAMPLES.value, desc="rollout", unit="sample", file=sys.stderr) as bar:
     return engine.generate(prompts, num_samples=_NUM_SAMPLES.value, on_progress=lambda done, _: bar.update(done))
 
 
+def captured_pairs(samples, prompts: list[list[int]]) -> train.Pairs:
+  """Training pairs of `samples` from the features their rollout captured."""
+  buffer = DataBuffer(BufferConfig(max_pairs=sum(len(prompts[s.prompt_index]) + len(s.tokens) for s in samples),
+                                   eval_every=0))
+  buffer.add(0, samples, prompts)
+  return buffer.packed(_ROW_LEN.value)
+
+
 def run() -> dict:
   start = time.perf_counter()
   cfg, _ = hf.read_config(_MODEL.value)
   layers = feature_layers(cfg.num_layers)  # flags and prompts are checked before the weights load
+  if _DRAFT_VOCAB.value > cfg.vocab_size:
+    raise InputError(f"--draft_vocab_size={_DRAFT_VOCAB.value} is larger than the target's vocabulary of "
+                     f"{cfg.vocab_size}")
   tokenizer = hf.load_tokenizer(_MODEL.value)
   prompts = build_prompts(_MODEL.value, tokenizer, cfg)
   model = hf.from_pretrained(_MODEL.value)
-  rollout = sample(model, tokenizer, prompts)
+  rollout = sample(model, tokenizer, prompts, capture_hidden=not layers)
   rollout_s = time.perf_counter() - start
 
   held_out = int(len(prompts) * _EVAL_FRACTION.value)
   first_eval = len(prompts) - held_out
+  train_samples = [s for s in rollout.samples if s.prompt_index < first_eval]
+  eval_samples = [s for s in rollout.samples if s.prompt_index >= first_eval]
   sequence = lambda s: (prompts[s.prompt_index], s.tokens.tolist())
-  train_seqs = [sequence(s) for s in rollout.samples if s.prompt_index < first_eval]
-  eval_seqs = [sequence(s) for s in rollout.samples if s.prompt_index >= first_eval]
+  train_seqs, eval_seqs = [sequence(s) for s in train_samples], [sequence(s) for s in eval_samples]
+  vocab = train.frequent_tokens(train_seqs, cfg.vocab_size, _DRAFT_VOCAB.value) if _DRAFT_VOCAB.value else ()
+  if layers:  # EAGLE-3 features: recomputed
+    data, eval_data = train_seqs, eval_seqs
+  else:
+    data = captured_pairs(train_samples, prompts)
+    eval_data = captured_pairs(eval_samples, prompts) if eval_samples else ()
 
-  drafter = Drafter(model.config, feature_layers=layers, rngs=nnx.Rngs(_SEED.value))
+  drafter = Drafter(model.config, feature_layers=layers, draft_vocab=vocab, rngs=nnx.Rngs(_SEED.value))
   with tqdm(total=_STEPS.value, desc="distill", unit="step", file=sys.stderr) as bar:
     def on_step(_, metrics):
       bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}", refresh=False)
       bar.update(1)
 
-    result = train.distill(model, drafter, train_seqs, steps=_STEPS.value, batch_rows=_BATCH_ROWS.value,
-                           row_len=_ROW_LEN.value, lr=_LR.value, seed=_SEED.value, eval_sequences=eval_seqs,
+    result = train.distill(model, drafter, data, steps=_STEPS.value, batch_rows=_BATCH_ROWS.value,
+                           row_len=_ROW_LEN.value, lr=_LR.value, seed=_SEED.value, eval_data=eval_data,
                            on_step=on_step)
 
   checkpoint.save_drafter(drafter, _OUTPUT.value)
@@ -136,11 +163,14 @@ def run() -> dict:
     raise RuntimeError(f"{_OUTPUT.value}: the reloaded drafter differs from the trained one")
 
   summary = {"samples": len(rollout.samples), "tokens": rollout.metrics.tokens, "train_sequences": len(train_seqs),
-             "eval_sequences": len(eval_seqs), "feature_layers": list(layers), "steps": _STEPS.value,
+             "eval_sequences": len(eval_seqs), "feature_layers": list(layers), "draft_vocab_size": drafter.vocab_size,
+             "steps": _STEPS.value,
              "loss_first": result.losses[0], "loss_last": result.losses[-1], "top1_last": result.metrics[-1]["top1"]}
   if result.eval is not None:
     summary["top1_heldout"] = result.eval["top1"]
     summary["loss_heldout"] = result.eval["loss"]
+  if vocab:
+    summary["draft_vocab_coverage_heldout"] = round(train.coverage(eval_seqs or train_seqs, vocab), 4)
   summary.update({"drafter": os.path.abspath(_OUTPUT.value), "rollout_s": round(rollout_s, 1),
                   "seconds": round(time.perf_counter() - start, 1)})
   return summary

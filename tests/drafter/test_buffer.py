@@ -79,6 +79,17 @@ def test_packed_loss_is_the_pair_weighted_mean_of_per_sample_losses():
     np.testing.assert_allclose(packed[key], np.dot(counts, [m[key] for m in singles]) / counts.sum(), rtol=1e-5)
 
 
+def test_packed_holds_every_training_pair_once():
+  buf = DataBuffer(BufferConfig(eval_every=0))
+  with pytest.raises(ValueError, match="no training samples"):
+    buf.packed(row_len=8)
+  buf.add(0, [sample(n, tag=n, seed=n) for n in (3, 9, 20)], PROMPTS)
+  pairs = buf.packed(row_len=8)
+  real = pairs.segments > 0
+  assert pairs.tokens.shape == (4, 8) and pairs.weights.sum() == 2 + 8 + 19  # windows 2 + 3 | 8 | 8 | 8
+  assert sorted(pairs.tokens[real].tolist()) == [3] * 2 + [9] * 8 + [20] * 19
+
+
 def test_bound_evicts_oldest_first():
   buf = DataBuffer(BufferConfig(max_pairs=30, eval_every=0, long_fraction=1.0))
   for step in range(3):

@@ -21,16 +21,16 @@ def params(drafter):
   return jax.tree.map(np.asarray, nnx.state(drafter, nnx.Param))
 
 
-@pytest.mark.parametrize("layers", [(), (0, 1, 2)])
-def test_round_trip(layers, tmp_path):
-  drafter = Drafter(CFG, feature_layers=layers, rngs=nnx.Rngs(3))
+@pytest.mark.parametrize("layers, vocab", [((), ()), ((0, 1, 2), ()), ((), (0, 5, 7, 63))])
+def test_round_trip(layers, vocab, tmp_path):
+  drafter = Drafter(CFG, feature_layers=layers, draft_vocab=vocab, rngs=nnx.Rngs(3))
   out = str(tmp_path / "drafter")
   checkpoint.save_drafter(drafter, out)
   checkpoint.save_drafter(drafter, out)  # replaces what is there
   assert sorted(os.listdir(tmp_path)) == ["drafter"]
   assert sorted(os.listdir(out)) == [checkpoint.CONFIG_FILE, checkpoint.PARAMS_DIR]
   loaded = checkpoint.load_drafter(out, CFG)
-  assert loaded.feature_layers == layers and loaded.config == CFG
+  assert loaded.feature_layers == layers and loaded.draft_vocab == vocab and loaded.config == CFG
   jax.tree.map(np.testing.assert_array_equal, params(drafter), params(loaded))
 
 
@@ -56,6 +56,18 @@ def test_missing_and_broken_checkpoints(tmp_path):
   (tmp_path / checkpoint.CONFIG_FILE).write_text(json.dumps({"format_version": 1, "feature_layers": []}))
   with pytest.raises(checkpoint.DrafterCheckpointError, match="missing key 'dtype'"):
     checkpoint.load_drafter(str(tmp_path), CFG)
+
+
+def test_draft_vocabulary_outside_the_target_is_refused(tmp_path):
+  out = str(tmp_path / "drafter")
+  checkpoint.save_drafter(Drafter(CFG, draft_vocab=(0, 5, 63), rngs=nnx.Rngs(0)), out)
+  config = json.load(open(os.path.join(out, checkpoint.CONFIG_FILE)))
+  config["draft_vocab"] = [0, 5, 64]
+  json.dump(config, open(os.path.join(out, checkpoint.CONFIG_FILE), "w"))
+  with pytest.raises(checkpoint.DrafterCheckpointError,
+                     match="drafter_config.json: the draft vocabulary .3 tokens. maps to target id 64, outside the "
+                           "target's vocabulary of 64"):
+    checkpoint.load_drafter(out, CFG)
 
 
 def test_failed_save_leaves_nothing(tmp_path, monkeypatch):

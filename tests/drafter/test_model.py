@@ -1,5 +1,7 @@
 """The EAGLE drafter reads the live policy's embedding and lm_head and owns only fc + one layer."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -45,3 +47,32 @@ def test_eagle3_fuses_three_target_layers():
   assert fused.shape == (1, 2, 32) and not np.allclose(fused, 0)
   with pytest.raises(ValueError, match="three target layers"):
     Drafter(CFG, feature_layers=(0, 1), rngs=nnx.Rngs(1))
+
+
+def test_reduced_vocabulary_head_is_the_live_lm_heads_rows():
+  """Draft logits over N tokens equal the target's logits at those ids, for tied and untied heads,
+  and follow the live weights; draft ids map back to target ids."""
+  for tied in (True, False):
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
+    target = CausalLM(cfg, rngs=nnx.Rngs(0))
+    vocab = (1, 4, 9, 30, 39)
+    drafter = Drafter(cfg, draft_vocab=vocab, rngs=nnx.Rngs(1))
+    assert drafter.vocab_size == 5 and Drafter(cfg, rngs=nnx.Rngs(1)).vocab_size == 40
+    feats = jnp.asarray(np.random.RandomState(0).randn(2, 3, 32), jnp.float32)
+    full = np.asarray(target.logits(feats))
+    np.testing.assert_allclose(drafter.logits(target, drafter.head(target), feats), full[..., list(vocab)], rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_array_equal(drafter.target_ids(jnp.asarray([0, 4, 2])), [1, 39, 9])
+    target.model.embed_tokens.embedding[...] = target.model.embed_tokens.embedding[...] * 2
+    if not tied:
+      target.lm_head.kernel[...] = target.lm_head.kernel[...] * 2
+    np.testing.assert_allclose(drafter.logits(target, drafter.head(target), feats), 2 * full[..., list(vocab)],
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab, match", [(tuple(range(41)), "41 tokens is larger than the target's vocabulary of 40"),
+                                          ((3, 40), "maps to target id 40, outside the target's vocabulary of 40"),
+                                          ((-1, 3), "maps to target id -1"), ((5, 3), "strictly increasing")])
+def test_bad_draft_vocabulary_is_refused(vocab, match):
+  with pytest.raises(ValueError, match=match):
+    Drafter(CFG, draft_vocab=vocab, rngs=nnx.Rngs(0))

@@ -29,12 +29,16 @@ def random_sequences(n, seed=0):
 
 
 class Oracle:
-  """Stands in for a drafter and outputs fixed features."""
+  """Stands in for a drafter and outputs fixed features (over the full vocabulary or `draft_vocab`)."""
 
   feature_layers = ()
 
-  def __init__(self, out):
+  def __init__(self, out, draft_vocab=()):
     self.out = out
+    self.draft_vocab = draft_vocab
+    self.head = lambda target: Drafter.head(self, target)
+    self.logits = lambda target, head, feats: Drafter.logits(self, target, head, feats)
+    self.target_ids = lambda ids: Drafter.target_ids(self, ids)
 
   def target_features(self, hidden, aux):
     return hidden
@@ -64,6 +68,41 @@ def test_pairing_is_feature_t_and_token_t_plus_1(target):
   _, off_by_one = train.loss_fn(Oracle(pad(f)), target, pairs)  # outputs f_t: the reference's bug
   assert float(exact["feature_loss"]) < 1e-10 and float(exact["top1"]) == 1.0
   assert float(off_by_one["feature_loss"]) > 0.05 and float(off_by_one["logit_loss"]) > float(exact["logit_loss"])
+
+
+def test_reduced_vocabulary_top1_is_exact_in_evaluation(target):
+  """A drafter predicting f_{t+1} exactly agrees with the target within its draft vocabulary on
+  every pair; evaluated exactly, only where the target's own top token lies inside it."""
+  sequences = random_sequences(6, seed=3)
+  pairs = train.sequence_pairs(target, (), packing.pack(sequences, ROW_LEN))
+  oracle = Oracle(pairs.next_hidden, draft_vocab=tuple(range(0, 64, 2)))
+  _, cheap = train.loss_fn(oracle, target, pairs)
+  _, exact = train.loss_fn(oracle, target, pairs, exact_top1=True)
+  top = np.asarray(jnp.argmax(target.logits(pairs.next_hidden), -1))
+  w = np.asarray(pairs.weights)
+  assert float(cheap["top1"]) == 1.0
+  np.testing.assert_allclose(float(exact["top1"]), ((top % 2 == 0) * w).sum() / w.sum(), rtol=1e-6)
+  assert 0 < float(exact["top1"]) < 1
+
+
+def test_frequent_tokens_are_the_draft_vocabulary():
+  sequences = [([60, 61], [5, 5, 5, 9, 9, 3]), ([62], [9, 7, 7])]  # prompts do not count
+  assert train.frequent_tokens(sequences, 64, 3) == (5, 7, 9)  # 9 x3, 5 x3, 7 x2: increasing ids
+  assert train.frequent_tokens(sequences, 64, 4) == (3, 5, 7, 9)
+  assert train.frequent_tokens(sequences, 64, 6) == (0, 1, 3, 5, 7, 9)  # unseen fill-ins by lower id
+  assert train.coverage(sequences, (5, 9)) == pytest.approx(6 / 9)
+  with pytest.raises(ValueError, match="65 tokens does not fit the target's vocabulary of 64"):
+    train.frequent_tokens(sequences, 64, 65)
+
+
+def test_reduced_vocabulary_distillation_learns(target):
+  sequences = random_sequences(12)
+  drafter = Drafter(target.config, draft_vocab=train.frequent_tokens(sequences, 64, 24), rngs=nnx.Rngs(1))
+  before = train.evaluate(target, drafter, sequences, batch_rows=4, row_len=ROW_LEN)
+  result = train.distill(target, drafter, sequences, steps=25, batch_rows=4, row_len=ROW_LEN, lr=3e-2,
+                         eval_data=sequences)
+  assert result.losses[-1] < result.losses[0] and result.eval["loss"] < before["loss"]
+  assert result.eval["top1"] > before["top1"]
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +145,7 @@ def test_distill_learns_and_leaves_the_target_alone(target):
   drafter_before = jax.tree.map(np.array, nnx.state(drafter))
   steps = []
   result = train.distill(target, drafter, sequences, steps=25, batch_rows=4, row_len=ROW_LEN, lr=3e-2,
-                         eval_sequences=sequences, on_step=lambda i, m: steps.append(i))
+                         eval_data=sequences, on_step=lambda i, m: steps.append(i))
   assert steps == list(range(25)) and len(result.losses) == len(result.metrics) == 25
   assert result.losses[-1] < result.losses[0]
   assert result.eval["feature_loss"] < 0.5 * before["feature_loss"] and result.eval["loss"] < before["loss"]

@@ -1,5 +1,7 @@
 """The rollout engine: parity with `transformers.generate`, seed invariance, compaction, no recompiles."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -142,12 +144,15 @@ def with_sd(config, strategy, sd_max_batch=8):
 
 
 def test_speculative_greedy_is_identical_for_any_drafter(models):
-  """Random drafter, chain and tree strategies, 1 to 8 rows, stops and budgets inside steps."""
+  """Random drafters (full and reduced vocabulary), chain and tree strategies, 1 to 8 rows, stops and
+  budgets inside steps."""
   model = models["qwen3"]
   drafter = Drafter(model.config, rngs=nnx.Rngs(1))
   params = SamplingParams(temperature=0, max_new_tokens=48, stop_token_ids=(STOP, 7, 11))
   plain = Engine(model, CONFIG, params)
+  reduced = Drafter(model.config, draft_vocab=tuple(range(1, VOCAB, 3)), rngs=nnx.Rngs(6))  # stop token 1 included
   engines = [Engine(model, with_sd(CONFIG, s), params, drafter=drafter) for s in ("3_1_4", "3_2_6")]
+  engines.append(Engine(model, with_sd(CONFIG, "3_2_6"), params, drafter=reduced))
   for rows in (8, 3, 1):  # largest first: smaller rollouts reuse its segment executables
     ps = prompts(rows, seed=10 + rows)
     limits = [len(p) + 5 + 7 * i for i, p in enumerate(ps)]  # budgets end at odd places
@@ -179,6 +184,23 @@ def test_speculation_only_in_the_tail(models):
   assert {s.strategy for s in segments} == {None, "2_2_4"}
 
 
+def test_segments_end_on_the_device_once_a_smaller_bucket_fits(models):
+  """A play runs `segment_steps` iterations unless the active rows drop to its stop point first (half
+  its bucket; before the tail, `sd_max_batch`): then it stops on the device, mid-segment, and the
+  host compacts or hands the tail to speculation at once."""
+  model = models["qwen3"]
+  params = SamplingParams(temperature=1.0, max_new_tokens=60, stop_token_ids=(STOP, 2, 3, 4), seed=3)
+  config = with_sd(EngineConfig(**{**CONFIG.__dict__, "segment_steps": 16}), "2_2_4", sd_max_batch=3)
+  segments = Engine(model, config, params, drafter=Drafter(model.config, rngs=nnx.Rngs(0))).generate(
+      prompts(8, seed=9)).metrics.segments
+  early = 0
+  for seg, after in zip(segments, segments[1:]):
+    stop_at = max(seg.bucket // 2, 0 if seg.tail else 3)
+    assert seg.steps == 16 or after.active_rows <= stop_at, (seg, after)
+    early += seg.steps < 16
+  assert early >= 2 and any(s.strategy and s.steps > 1 for s in segments)
+
+
 def test_speculation_needs_a_drafter(models):
   with pytest.raises(ValueError, match="need a drafter"):
     Engine(models["qwen3"], with_sd(CONFIG, "2_2_4"), SamplingParams(max_new_tokens=8))
@@ -198,7 +220,7 @@ def first_tokens(model, config, drafter, seed, n):
   return np.asarray([s.tokens for s in rollout.samples])
 
 
-@pytest.mark.parametrize("drafter_kind", ["random", "distilled"])
+@pytest.mark.parametrize("drafter_kind", ["random", "distilled", "reduced"])
 def test_speculative_first_three_tokens_follow_plain_sampling(drafter_kind):
   """Independent seeds: the two-sample chi-square of marginals and the 2-token joint."""
   from scipy import stats
@@ -208,7 +230,8 @@ def test_speculative_first_three_tokens_follow_plain_sampling(drafter_kind):
   config = EngineConfig(batch_buckets=tuple(2**i for i in range(12)), max_prompt_len=4, max_new_tokens=3, kv_block=16,
                         segment_steps=4, compact=False)
   plain = first_tokens(model, config, None, seed=1, n=n)
-  drafter = Drafter(model.config, rngs=nnx.Rngs(4))
+  # "reduced": a random drafter whose head drafts only tokens 0, 2 and 5 of the 6.
+  drafter = Drafter(model.config, draft_vocab=(0, 2, 5) if drafter_kind == "reduced" else (), rngs=nnx.Rngs(4))
   if drafter_kind == "distilled":  # trained on the target's own samples: it proposes likely tokens
     samples = first_tokens(model, config, None, seed=3, n=256)
     result = train.distill(model, drafter, [([1, 2, 3], s.tolist()) for s in samples], steps=30, batch_rows=8,
@@ -236,8 +259,8 @@ def test_speculative_first_three_tokens_follow_plain_sampling(drafter_kind):
 
 
 def test_bandit_picks_strategies_losslessly_without_compiling(models):
-  """Two strategies with 3 verify tokens share one verify executable per bucket (at the deeper
-  one's depth); the bandit plays every arm, outputs equal plain greedy ones, nothing compiles."""
+  """One segment executable per (bucket, arm); the bandit plays every arm, outputs equal plain
+  greedy ones, nothing compiles inside the rollouts."""
   from tlt_jax.rollout.bandit import Bandit
   model = models["qwen3"]
   strategies = (Strategy.parse("3_1_3"), Strategy.parse("2_2_3"))
@@ -248,8 +271,9 @@ def test_bandit_picks_strategies_losslessly_without_compiling(models):
   ps = prompts(4, seed=12)
   engine.prepare(len(ps), [len(p) for p in ps])
   kinds = [k[0] for k in engine.pool.keys()]
-  assert kinds.count("verify") == 3 and kinds.count("draft") == 6  # buckets 1, 2, 4
-  assert {k for k in engine.pool.keys() if k[0] == "verify"} == {("verify", b, 3) for b in (1, 2, 4)}
+  assert {k for k in engine.pool.keys() if k[0] == "speculate"} == {
+      ("speculate", b, s.name) for b in (1, 2, 4) for s in strategies}
+  assert {k for k in engine.pool.keys() if k[0] == "plain"} == {("plain", b) for b in (1, 2, 4)}
   stats = engine.pool.stats()
   assert stats["executables"] == len(kinds) and stats["compile_s"] > 0 and stats["memory_bytes"] > 0
   compiles = []
@@ -270,8 +294,8 @@ def test_bandit_picks_strategies_losslessly_without_compiling(models):
     assert summary["rollout/sd_s"] + summary["rollout/plain_s"] == pytest.approx(m.decode_s)
     assert 0 <= summary["rollout/sd_share"] < 1
     assert summary["rollout/accept_len"] >= 1 or summary["rollout/sd_s"] == 0
-    # Speculative plays are single steps; a plain segment's steps are its longest row's.
-    assert all(s.steps == 1 for s in m.segments if s.strategy)
+    # A play is one segment of up to segment_steps iterations; its steps are its longest row's.
+    assert all(1 <= s.steps <= CONFIG.segment_steps and s.steps <= s.passes for s in m.segments)
     assert sum(v for k, v in summary.items() if k.startswith("rollout/steps/")) == sum(s.steps for s in m.segments)
     assert all(isinstance(v, (int, float)) for v in summary.values())
   with pytest.raises(ValueError, match="need a bandit"):
@@ -355,8 +379,14 @@ def test_plain_segments_keep_the_drafter_cache_current(models):
   st = jax.jit(engine._init)(ids, ids * 0, ids, budgets)
   st = jax.jit(engine._prefill)(engine.params, engine.drafter_params, st, tokens,
                                 np.asarray([len(p) for p in ps], np.int32), ids)
-  chunked = jax.jit(engine._segment)(engine.params, engine.drafter_params, st)
-  one_step = jax.jit(lambda p, d, s: engine._verify(p, d, s, speculative.root_only(s.last_token), 0))
+  chunked = jax.jit(functools.partial(engine._segment, strategy=None))(engine.params, engine.drafter_params, st, 0)
+
+  @jax.jit
+  def one_step(p, d, s):
+    model, drafter = engine._models(p, d)
+    s, pairs = engine._verify_step(model, drafter, s, speculative.root_only(s.last_token), 0)
+    return engine._feed_drafter(model, drafter, s, pairs, CONFIG.kv_block)
+
   stepped = st
   for _ in range(CONFIG.segment_steps):
     stepped = one_step(engine.params, engine.drafter_params, stepped)

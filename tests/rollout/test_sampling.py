@@ -1,5 +1,7 @@
 """The sampling distribution (temperature, top-k, top-p) against analytic values, and row keys."""
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,6 +43,20 @@ def test_samples_follow_the_distribution():
   assert counts[expected == 0].sum() == 0
   assert stats.chisquare(counts[expected > 0], expected[expected > 0]).pvalue > 1e-3
   np.testing.assert_allclose(np.asarray(lp), np.log(probs(params)[np.asarray(tokens)]), atol=1e-6)
+
+
+def test_zero_probability_tokens_are_never_drawn_even_at_the_edges():
+  """Masked tokens before, between and after the kept ones; uniforms at 0 and just below 1."""
+  logp = jnp.log(jnp.asarray([[0, 0.5, 0, 0.5, 0, 0]], jnp.float32))
+  params = SamplingParams(temperature=1.0)
+  n = 4096
+  keys = sampling.row_keys(1, jnp.zeros(n, jnp.int32), jnp.arange(n), jnp.zeros(n, jnp.int32))
+  tokens, lp = sampling.sample(jnp.broadcast_to(logp, (n, 6)), keys, params)
+  assert set(np.asarray(tokens).tolist()) == {1, 3} and np.isfinite(np.asarray(lp)).all()
+  for u in (0.0, np.nextafter(np.float32(1), np.float32(0))):  # the extreme uniforms
+    with mock.patch.object(jax.random, "uniform", lambda key: jnp.float32(u)):
+      token, _ = sampling.sample(logp, keys[:1], params)
+    assert int(token[0]) == (1 if u == 0 else 3)
 
 
 def test_greedy_is_argmax_with_its_log_prob():

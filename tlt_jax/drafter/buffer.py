@@ -138,8 +138,16 @@ class DataBuffer:
     entries = self.held_out_entries()
     return self._pack(entries, rows, row_len, None) if entries else None
 
+  def packed(self, row_len: int) -> Pairs:
+    """Every training entry, packed into as many rows of `row_len` pairs as it takes (offline distillation
+    from captured features: `train.distill` takes them as they are)."""
+    entries = self.training_entries()
+    if not entries:
+      raise ValueError("the drafter buffer has no training samples")
+    return self._pack(entries, None, row_len, None)
+
   @staticmethod
-  def _pack(entries: Sequence[Entry], rows: int, row_len: int, rng: np.random.Generator | None) -> Pairs:
+  def _pack(entries: Sequence[Entry], rows: int | None, row_len: int, rng: np.random.Generator | None) -> Pairs:
     tokens = np.concatenate([e.tokens[:-1] for e in entries])
     hidden = np.concatenate([e.hidden[:-1] for e in entries])
     next_hidden = np.concatenate([e.hidden[1:] for e in entries])
@@ -152,6 +160,7 @@ class DataBuffer:
         first = min(max(start + e.first, a), b)  # a window inside the prompt is all context (dropped)
         windows.append((list(range(a, first)), list(range(first, b))))
     planes = pack(windows, row_len)
+    rows = planes.shape[1] if rows is None else rows
     take = np.arange(planes.shape[1]) if rng is None else rng.permutation(planes.shape[1])
     planes = planes[:, np.sort(take[:rows])]
     planes = np.pad(planes, ((0, 0), (0, rows - planes.shape[1]), (0, 0)))

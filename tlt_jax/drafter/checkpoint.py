@@ -2,7 +2,8 @@
 
 A checkpoint directory holds
   params/              orbax StandardCheckpointer save of the drafter's nnx.Param state
-  drafter_config.json  feature_layers, dtype and the target ModelConfig it was trained for
+  drafter_config.json  feature_layers, draft_vocab (a reduced head's target ids; absent or [] = the
+                       full vocabulary), dtype and the target ModelConfig it was trained for
 Only the drafter's own params are stored: embedding and lm_head belong to the target. Loading
 checks the target's config field by field, so a drafter never silently runs against a
 different model. The directory is written under a temporary name and renamed. Saving and loading
@@ -22,7 +23,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from tlt_jax import files
-from tlt_jax.drafter.model import Drafter
+from tlt_jax.drafter.model import Drafter, check_draft_vocab
 from tlt_jax.models import hf
 from tlt_jax.models.config import ModelConfig
 
@@ -52,6 +53,7 @@ def save_drafter(drafter: Drafter, directory: str) -> None:
   if jax.process_count() > 1:  # orbax saves no process-local jax.Array in a multi-process run
     params = jax.tree.map(np.asarray, params)
   config = {"format_version": FORMAT_VERSION, "feature_layers": list(drafter.feature_layers),
+            "draft_vocab": list(drafter.draft_vocab),
             "dtype": drafter.fc.kernel.get_value().dtype.name, "target": _target_fields(drafter.config)}
   with files.atomic_directory(directory) as tmp:
     with ocp.StandardCheckpointer(multiprocessing_options=_this_process()) as checkpointer:
@@ -101,8 +103,16 @@ def load_drafter(directory: str, target_config: ModelConfig) -> Drafter:
     raise FileNotFoundError(f"{params_dir} not found: the drafter checkpoint has no params")
   dtype = hf.DTYPES[config["dtype"]]
   layers = tuple(config["feature_layers"])
+  vocab = config.get("draft_vocab", [])
+  if not isinstance(vocab, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in vocab):
+    raise DrafterCheckpointError(f"{path}: draft_vocab must be a list of token ids")
+  try:
+    check_draft_vocab(target_config.vocab_size, vocab)
+  except ValueError as e:
+    raise DrafterCheckpointError(f"{path}: {e}") from None
   graphdef, abstract, rest = nnx.split(
-      nnx.eval_shape(lambda: Drafter(target_config, feature_layers=layers, dtype=dtype, rngs=nnx.Rngs(0))),
+      nnx.eval_shape(lambda: Drafter(target_config, feature_layers=layers, draft_vocab=vocab, dtype=dtype,
+                                     rngs=nnx.Rngs(0))),
       nnx.Param, ...)
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)

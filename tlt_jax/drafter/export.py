@@ -10,12 +10,16 @@ The format is the one of the EAGLE authors' published EAGLE-1 checkpoints, which
   layers.0.post_attention_layernorm.weight
   layers.0.mlp.{gate,up,down}_proj.weight
   embed_tokens.weight [V, H]          the target's embedding (serving engines share it or load it)
-  lm_head.weight [V, H]               the target's lm_head (its embedding when tied)
+  lm_head.weight [V, H]               the target's lm_head (its embedding when tied); [N, H], its rows
+                                      of the draft vocabulary, for a reduced-vocabulary drafter, with
+  d2t [N] int64, t2d [V] bool         EAGLE-3's vocabulary maps: draft id i is target id i + d2t[i];
+                                      t2d marks the target ids in the draft vocabulary
 
 There is no `layers.0.input_layernorm` (EAGLE drops it) and no final norm. config.json is the
 target's Hugging Face config with `num_hidden_layers: 1` and `bias: true` (fc has a bias, as in
 EAGLE-1; SGLang reads this key, while vLLM's Llama EAGLE module builds fc without bias and
-ignores `fc.bias`, so serve a tlt_jax drafter there only after checking that). The embedding and
+ignores `fc.bias`, so serve a tlt_jax drafter there only after checking that). A reduced head adds
+`draft_vocab_size: N` to config.json, as EAGLE-3 checkpoints carry it. The embedding and
 lm_head are snapshots of the policy at export time: export after the last RL step.
 
 EAGLE-3 drafters are not exported: their published format (midlayer.*, a 2H-input attention,
@@ -54,12 +58,20 @@ def eagle_tensors(target: CausalLM, drafter: Drafter) -> dict[str, np.ndarray]:
   out["embed_tokens.weight"] = embedding
   out["lm_head.weight"] = embedding if target.config.tie_word_embeddings else host(
       target.lm_head.kernel.get_value()).T
+  if drafter.draft_vocab:
+    ids = np.asarray(drafter.draft_vocab, np.int64)
+    out["lm_head.weight"] = out["lm_head.weight"][ids]
+    out["d2t"] = ids - np.arange(len(ids))
+    out["t2d"] = np.isin(np.arange(target.config.vocab_size), ids)
   return out
 
 
-def eagle_config(target: CausalLM, dtype: str) -> dict:
-  return {**target.config.to_hf(), "num_hidden_layers": 1, "bias": True, "tie_word_embeddings": False,
-          "torch_dtype": dtype}
+def eagle_config(target: CausalLM, drafter: Drafter, dtype: str) -> dict:
+  config = {**target.config.to_hf(), "num_hidden_layers": 1, "bias": True, "tie_word_embeddings": False,
+            "torch_dtype": dtype}
+  if drafter.draft_vocab:
+    config["draft_vocab_size"] = len(drafter.draft_vocab)
+  return config
 
 
 def export_eagle(target: CausalLM, drafter: Drafter, out_dir: str) -> dict[str, tuple[int, ...]]:
@@ -68,5 +80,5 @@ def export_eagle(target: CausalLM, drafter: Drafter, out_dir: str) -> dict[str, 
   with files.atomic_directory(out_dir) as tmp:
     safetensors.numpy.save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
-      json.dump(eagle_config(target, tensors["fc.weight"].dtype.name), f, indent=2)
+      json.dump(eagle_config(target, drafter, tensors["fc.weight"].dtype.name), f, indent=2)
   return {k: v.shape for k, v in tensors.items()}

@@ -3,7 +3,10 @@
 A sequence x_0..x_{L-1} (prompt + response) and the target's features f_0..f_{L-1} give the
 drafter pairs (f_t, x_{t+1}) at position t, each predicting f_{t+1}. The loss at pair t is
   SmoothL1(predicted, f_{t+1})  +  0.1 * CE(softmax(lm_head(f_{t+1})), log_softmax(lm_head(predicted)))
-over pairs whose x_{t+1} is a response token. EAGLE-3 drafters (`feature_layers` set) read a
+over pairs whose x_{t+1} is a response token. A drafter with a reduced-vocabulary head
+(`draft_vocab`) takes the cross-entropy over its N tokens (the target's distribution restricted
+to them, renormalised, as EAGLE-3 trains its `draft_vocab_size` head); `frequent_tokens` picks
+the N from the training data. EAGLE-3 drafters (`feature_layers` set) read a
 learned fusion of three target layers, which lives in a different space from f_{t+1}, so their
 feature term has weight 0 (only the logit term trains them; EAGLE-3's multi-step
 "training-time test" is not implemented here).
@@ -68,8 +71,14 @@ def _sequence_pairs(graphdef, feature_layers, params, tokens, positions, segment
                next_hidden=shift(hidden))
 
 
-def loss_fn(drafter: Drafter, target: CausalLM, pairs: Pairs) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Weighted mean EAGLE loss over the pairs, and metrics (losses, top-1 agreement, pair count)."""
+def loss_fn(drafter: Drafter, target: CausalLM, pairs: Pairs,
+            exact_top1: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Weighted mean EAGLE loss over the pairs, and metrics (losses, top-1 agreement, pair count).
+
+  top1: the drafter's most likely token is the target's. With a reduced vocabulary it is compared
+  within the draft vocabulary (cheap, for training steps) unless `exact_top1`, which compares it
+  with the target's most likely token over its whole vocabulary (a full lm_head pass, for evaluation).
+  """
   b, t = pairs.tokens.shape
   features = drafter.target_features(pairs.hidden, pairs.aux)
   cache = drafter.empty_cache(b, t, features.dtype)
@@ -77,17 +86,39 @@ def loss_fn(drafter: Drafter, target: CausalLM, pairs: Pairs) -> tuple[jax.Array
   predicted = predicted.astype(jnp.float32)
   true_next = pairs.next_hidden.astype(jnp.float32)
   feature = optax.huber_loss(predicted, true_next, delta=1.0).mean(-1)  # SmoothL1 with beta 1
-  target_logits = target.logits(pairs.next_hidden)
-  logits = target.logits(predicted)
+  head = drafter.head(target)
+  target_logits = drafter.logits(target, head, pairs.next_hidden)
+  logits = drafter.logits(target, head, predicted)
   logit = -jnp.sum(jax.nn.softmax(target_logits) * jax.nn.log_softmax(logits), axis=-1)
   feature_weight = 0.0 if drafter.feature_layers else 1.0
   w = pairs.weights
   n = jnp.maximum(w.sum(), 1.0)
   mean = lambda x: jnp.sum(x * w) / n
   loss = feature_weight * mean(feature) + LOGIT_WEIGHT * mean(logit)
-  top1 = jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)
+  if exact_top1 and drafter.draft_vocab:
+    top1 = drafter.target_ids(jnp.argmax(logits, -1)) == jnp.argmax(target.logits(pairs.next_hidden), -1)
+  else:
+    top1 = jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)
   return loss, {"loss": loss, "feature_loss": mean(feature), "logit_loss": mean(logit), "top1": mean(top1),
                 "pairs": w.sum()}
+
+
+def frequent_tokens(sequences: Sequences, vocab_size: int, n: int) -> tuple[int, ...]:
+  """The draft vocabulary of `n` tokens: the most frequent response tokens of `sequences` (ties and
+  unseen fill-ins by lower id), in increasing id order."""
+  if not 1 <= n <= vocab_size:
+    raise ValueError(f"a draft vocabulary of {n} tokens does not fit the target's vocabulary of {vocab_size}")
+  counts = np.zeros((vocab_size,), np.int64)
+  for _, response in sequences:
+    np.add.at(counts, np.asarray(response, np.int64), 1)
+  order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then id
+  return tuple(int(i) for i in np.sort(order[:n]))
+
+
+def coverage(sequences: Sequences, draft_vocab: Sequence[int]) -> float:
+  """Fraction of the response tokens of `sequences` inside `draft_vocab`."""
+  tokens = np.concatenate([np.asarray(r, np.int64) for _, r in sequences] or [np.zeros((0,), np.int64)])
+  return float(np.isin(tokens, np.asarray(draft_vocab)).mean()) if len(tokens) else 0.0
 
 
 def cosine_schedule(learning_rate: float, steps: int, warmup_steps: int | None = None) -> optax.Schedule:
@@ -138,14 +169,15 @@ def apply_gradients(optimizer: optax.GradientTransformation, params, opt_state, 
 def make_eval_step(drafter: Drafter, target: CausalLM) -> Callable:
   """Jitted `evaluate(drafter_params, target_params, pairs) -> metrics` (no update)."""
   drafter_def, target_def = nnx.graphdef(drafter), nnx.graphdef(target)
-  return jax.jit(lambda dp, tp, pairs: loss_fn(nnx.merge(drafter_def, dp), nnx.merge(target_def, tp), pairs)[1])
+  return jax.jit(lambda dp, tp, pairs: loss_fn(nnx.merge(drafter_def, dp), nnx.merge(target_def, tp), pairs,
+                                               exact_top1=True)[1])
 
 
 @dataclasses.dataclass
 class DistillResult:
   losses: list[float]  # training loss per step
   metrics: list[dict[str, float]]  # per step: loss, feature_loss, logit_loss, top1, pairs
-  eval: dict[str, float] | None  # pair-weighted metrics on `eval_sequences`, when given
+  eval: dict[str, float] | None  # pair-weighted metrics on `eval_data`, when given
 
 
 def _pairs_in_batches(target: CausalLM, feature_layers, rows: np.ndarray, batch_rows: int) -> list[Pairs]:
@@ -158,34 +190,44 @@ def _pairs_in_batches(target: CausalLM, feature_layers, rows: np.ndarray, batch_
   return out
 
 
-def distill(target: CausalLM, drafter: Drafter, sequences: Sequences, *, steps: int, batch_rows: int, row_len: int,
-            lr: float, seed: int = 0, eval_sequences: Sequences = (), warmup_steps: int | None = None,
+def all_pairs(target: CausalLM, feature_layers, data: Sequences | Pairs, *, row_len: int, batch_rows: int) -> Pairs:
+  """Host `Pairs` of every packed row of `data`: `data` itself when it is `Pairs` already (features a
+  rollout captured, `DataBuffer.packed`), else its sequences packed into rows of `row_len` and their
+  features computed by target forwards of `batch_rows` rows."""
+  if isinstance(data, Pairs):
+    return data
+  rows = pack(data, row_len)
+  logging.info("distill: %d sequences packed into %d rows of %d tokens", len(data), rows.shape[1], row_len)
+  batches = _pairs_in_batches(target, feature_layers, rows, batch_rows)
+  return jax.tree.map(lambda *xs: np.concatenate(xs)[:rows.shape[1]], *batches)
+
+
+def distill(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, steps: int, batch_rows: int,
+            row_len: int, lr: float, seed: int = 0, eval_data: Sequences | Pairs = (), warmup_steps: int | None = None,
             on_step: Callable[[int, dict[str, float]], None] | None = None) -> DistillResult:
-  """Trains `drafter` in place on the target's `sequences` for `steps` steps of `batch_rows` packed rows."""
+  """Trains `drafter` in place for `steps` steps of `batch_rows` packed rows of `data`: the target's
+  sequences (features recomputed) or `Pairs` of captured features (see `all_pairs`)."""
   if steps < 1 or batch_rows < 1:
     raise ValueError(f"steps and batch_rows must be positive, got steps={steps}, batch_rows={batch_rows}")
-  layers = drafter.feature_layers
-  rows = pack(sequences, row_len)
-  logging.info("distill: %d sequences packed into %d rows of %d tokens", len(sequences), rows.shape[1], row_len)
-  batches = _pairs_in_batches(target, layers, rows, batch_rows)
-  # One host array per field (padding rows cut off), from which each step gathers its rows.
-  all_pairs = jax.tree.map(lambda *xs: np.concatenate(xs)[:rows.shape[1]], *batches)
+  # One host array per field, from which each step gathers its rows.
+  pairs = all_pairs(target, drafter.feature_layers, data, row_len=row_len, batch_rows=batch_rows)
+  num_rows = pairs.tokens.shape[0]
   optimizer = make_optimizer(cosine_schedule(lr, steps, warmup_steps))
   _, target_params = nnx.split(target)
   _, params = nnx.split(drafter)
   opt_state = optimizer.init(params)
   # Compiled ahead of time: a plain jit would compile again at step 2, once the fresh (uncommitted)
   # drafter state has come back committed to the target's mesh.
-  abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((batch_rows, *x.shape[1:]), x.dtype), all_pairs)
+  abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((batch_rows, *x.shape[1:]), x.dtype), pairs)
   step = make_train_step(drafter, target, optimizer).lower(params, opt_state, target_params, abstract_batch).compile()
   rng = np.random.default_rng(seed)
   order = np.empty(0, np.int64)
   losses, metrics = [], []
   for i in range(steps):
     while len(order) < batch_rows:  # epochs of shuffled rows; fewer rows than batch_rows repeat
-      order = np.concatenate([order, rng.permutation(rows.shape[1])])
+      order = np.concatenate([order, rng.permutation(num_rows)])
     take, order = order[:batch_rows], order[batch_rows:]
-    batch = jax.tree.map(lambda x: x[take], all_pairs)
+    batch = jax.tree.map(lambda x: x[take], pairs)
     params, opt_state, m = step(params, opt_state, target_params, batch)
     m = {k: float(v) for k, v in m.items()}
     losses.append(m["loss"])
@@ -193,21 +235,25 @@ def distill(target: CausalLM, drafter: Drafter, sequences: Sequences, *, steps: 
     if on_step is not None:
       on_step(i, m)
   nnx.update(drafter, params)
-  eval_metrics = evaluate(target, drafter, eval_sequences, batch_rows=batch_rows, row_len=row_len) \
-      if eval_sequences else None
+  has_eval = isinstance(eval_data, Pairs) or len(eval_data) > 0
+  eval_metrics = evaluate(target, drafter, eval_data, batch_rows=batch_rows, row_len=row_len) if has_eval else None
   return DistillResult(losses, metrics, eval_metrics)
 
 
-def evaluate(target: CausalLM, drafter: Drafter, sequences: Sequences, *, batch_rows: int,
+def evaluate(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, batch_rows: int,
              row_len: int) -> dict[str, float]:
-  """Pair-weighted loss and top-1 agreement of the drafter on `sequences`."""
-  rows = pack(sequences, row_len)
+  """Pair-weighted loss and (exact) top-1 agreement of the drafter on `data` (as `distill` takes it)."""
+  pairs = all_pairs(target, drafter.feature_layers, data, row_len=row_len, batch_rows=batch_rows)
   evaluate_fn = make_eval_step(drafter, target)
   _, drafter_params = nnx.split(drafter)
   _, target_params = nnx.split(target)
   sums, total = {}, 0.0
-  for pairs in _pairs_in_batches(target, drafter.feature_layers, rows, batch_rows):
-    m = {k: float(v) for k, v in evaluate_fn(drafter_params, target_params, pairs).items()}
+  num_rows = pairs.tokens.shape[0]
+  for start in range(0, num_rows, batch_rows):
+    take = np.arange(start, start + batch_rows)  # one shape: the last chunk's padding rows weigh 0
+    chunk = jax.tree.map(lambda x: np.where(
+        (take < num_rows).reshape((-1,) + (1,) * (x.ndim - 1)), x[np.minimum(take, num_rows - 1)], 0), pairs)
+    m = {k: float(v) for k, v in evaluate_fn(drafter_params, target_params, chunk).items()}
     total += m["pairs"]
     for k, v in m.items():
       if k != "pairs":

@@ -2,26 +2,23 @@
 
 Functional core: `RowState` (KV caches, last token, per-row counters, outputs) goes through pure
 functions compiled ahead of time for every batch bucket: `init`, `prefill` (a chunk of unique
-prompts, copied into each of their sample rows: GRPO groups share one prefill), `segment`
-(up to `segment_steps` plain steps in a `lax.while_loop`), `draft` and `verify` (one
-speculative step, in two executables) and `halve` (compaction into the next smaller bucket).
-Imperative shell: `Engine.generate` regains control after each segment or speculative step,
-harvests finished rows, and when the active rows fit a smaller bucket it compacts them, so the
-long tail runs a small executable instead of dragging finished rows along.
+prompts, copied into each of their sample rows: GRPO groups share one prefill), the segments
+(one `lax.while_loop` of up to `segment_steps` iterations: plain decoding steps, or speculative
+iterations of one strategy) and `halve` (compaction into the next smaller bucket). Imperative
+shell: `Engine.generate` regains control after each segment, harvests finished rows, and when
+the active rows fit a smaller bucket it compacts them, so the long tail runs a small executable
+instead of dragging finished rows along. A segment ends on the device as soon as that happens.
 
 One verify function serves plain and speculative decoding: a plain step verifies the one-node
-tree (the last token), a speculative step verifies the tree `draft` built; both accept with
-`speculative.accept`. With a drafter attached, the committed (feature, token) pairs are fed to it
-after every speculative step and at the end of every plain segment (one chunked drafter pass for
-the segment's steps), so its cache is current whenever the tail switches speculation on.
+tree (the last token), a speculative iteration drafts an EAGLE-2 tree, verifies it, accepts with
+`speculative.accept`, commits the accepted path's keys/values and feeds the committed (feature,
+token) pairs to the drafter, all inside the loop: the host never drives a speculative step. A
+plain segment feeds the drafter once at its end (one chunked pass), so the drafter cache is
+current whenever the tail switches speculation on.
 
 In the tail (at most `sd_max_batch` active rows) the arm, SD off or a strategy, is chosen
-before every play: SD off plays one fused plain segment (on a dispatch-bound backend the fused
-loop is what makes plain decoding fast), a strategy plays one speculative step. The host syncs
-after each play, so its wall time and emitted tokens give the bandit a reward per speculative
-step. A speculative step is a draft executable per (bucket, strategy) and a verify executable
-per (bucket, verify tokens), shared by the strategies with that verify count (TLT's memory trick
-for its CUDA graphs).
+before every play, and a play is one segment of that arm: one executable per (bucket, strategy).
+The host syncs after each play, so its wall time and emitted tokens give the bandit a reward.
 
 Guard: every drafter feed also records whether the drafter's outputs stayed finite
 (`RowState.drafter_finite`, read with each play's sync). Once a row's are not (NaN/inf drafter
@@ -121,6 +118,15 @@ class RowState:
   drafter_cache: KVCache | None  # one layer; pairs (f_p, x_{p+1}) for every committed position p
   draft_feat: jax.Array | None  # [B, H] drafter output for the last committed pair
   drafter_finite: jax.Array | None  # [B] bool: every drafter output of the row was finite
+
+
+@flax.struct.dataclass
+class Pairs:
+  """Committed (feature, token) pairs for the drafter: pair j of row b is (f_p, x_{p+1})."""
+
+  features: jax.Array  # [B, M, H]
+  tokens: jax.Array  # [B, M]
+  count: jax.Array  # [B] valid pairs per row (the first `count`)
 
 
 @dataclasses.dataclass
@@ -299,10 +305,11 @@ class Engine:
     return drafter(model, features_BxMxH, tokens_BxM, positions, dcache, causal, kv_block=kv_block,
                    attention=self.config.attention)
 
-  def _feed_drafter(self, model, drafter, st: RowState, features_BxMxH, tokens_BxM, count_B, kv_block):
+  def _feed_drafter(self, model, drafter, st: RowState, pairs: Pairs, kv_block) -> RowState:
     """Writes the committed pairs (f_p, x_{p+1}) into the drafter cache; keeps the last output."""
-    out, dcache = self._drafter_pass(model, drafter, st.drafter_cache, features_BxMxH, tokens_BxM, kv_block)
-    last = out[jnp.arange(tokens_BxM.shape[0]), jnp.maximum(count_B - 1, 0)]
+    out, dcache = self._drafter_pass(model, drafter, st.drafter_cache, pairs.features, pairs.tokens, kv_block)
+    count_B = pairs.count
+    last = out[jnp.arange(count_B.shape[0]), jnp.maximum(count_B - 1, 0)]
     finite = jnp.isfinite(last).all(-1) | (count_B == 0)
     return dataclasses.replace(st, drafter_cache=dataclasses.replace(dcache, lengths=dcache.lengths + count_B),
                                draft_feat=jnp.where((count_B > 0)[:, None], last, st.draft_feat),
@@ -342,31 +349,13 @@ class Engine:
     dcache = KVCache(k=dcache.k.at[:, :, :t].set(copy_rows(shared.k[:, src], dcache.k[:, :, :t])),
                      v=dcache.v.at[:, :, :t].set(copy_rows(shared.v[:, src], dcache.v[:, :, :t])),
                      lengths=jnp.where(sel, last, dcache.lengths))
-    return self._feed_drafter(model, drafter, dataclasses.replace(st, drafter_cache=dcache),
-                              features[src][rows, last][:, None], acc.tokens[:, :1], sel.astype(jnp.int32), None)
-
-  def _draft(self, params, drafter_params, st: RowState, strategy: Strategy):
-    """Drafts every row's EAGLE-2 tree; the drafter cache gets the tree levels past its lengths."""
-    model, drafter = self._models(params, drafter_params)
-    kv_block = self.config.kv_block
-
-    def draft_fn(cache, feats, tokens, positions, mask):
-      return drafter(model, feats, tokens, positions, cache, mask, kv_block=kv_block,
-                     attention=self.config.attention)
-
-    tree, dcache = speculative.draft_tree(draft_fn, model.logits, st.draft_feat, st.last_token, st.drafter_cache,
-                                          strategy)
-    return dataclasses.replace(st, drafter_cache=dcache), tree
-
-  def _verify(self, params, drafter_params, st: RowState, tree: speculative.Tree, depth: int) -> RowState:
-    model, drafter = self._models(params, drafter_params)
-    st, pairs = self._verify_step(model, drafter, st, tree, depth)
-    return st if pairs is None else self._feed_drafter(model, drafter, st, *pairs, self.config.kv_block)
+    first = Pairs(features[src][rows, last][:, None], acc.tokens[:, :1], sel.astype(jnp.int32))
+    return self._feed_drafter(model, drafter, dataclasses.replace(st, drafter_cache=dcache), first, None)
 
   def _verify_step(self, model, drafter, st: RowState, tree: speculative.Tree, depth: int):
     """Verifies `tree` (paths at most `depth` below the root) for every active row and commits the
     accepted path; with the one-node tree this is a plain step. Returns the state and, with a
-    drafter, the committed pairs for it (features [B, M, H], tokens [B, M], count [B])."""
+    drafter, the committed pairs for it."""
     active = ~st.done
     layers = drafter.feature_layers if drafter is not None else ()
     out = transformer.verify(model, tree.tokens, st.cache.lengths[:, None] + tree.depths, tree.mask, st.cache,
@@ -381,36 +370,59 @@ class Engine:
     st = self._record(dataclasses.replace(st, cache=cache), active, acc, out.hidden[rows, acc.nodes])
     if drafter is None:
       return st, None
-    return st, (drafter.target_features(out.hidden, out.aux_hidden)[rows, acc.nodes], acc.tokens, acc.count)
+    return st, Pairs(drafter.target_features(out.hidden, out.aux_hidden)[rows, acc.nodes], acc.tokens, acc.count)
 
-  def _segment(self, params, drafter_params, st: RowState):
-    """Up to `segment_steps` plain steps; stops early once every row is done.
+  def _segment(self, params, drafter_params, st: RowState, stop_at, strategy: Strategy | None):
+    """One play: up to `segment_steps` iterations of plain decoding (`strategy` None) or of
+    draft -> verify -> accept -> commit -> drafter feed, in one `lax.while_loop` on the device.
 
-    With a drafter, the segment's committed pairs are collected and fed to it in ONE call at the
-    end (a chunk of up to `segment_steps` positions, like a prefill), so plain decoding pays one
-    drafter pass per segment instead of one per step, and the drafter cache is current at every
-    play boundary, ready for the bandit to switch speculation on.
+    The loop runs at least once and ends early once at most `stop_at` rows are active (every row
+    done, a smaller batch bucket fits the rest, or the tail begins), or, speculating, once a
+    drafter output is not finite (the host then turns speculation off). A plain segment collects
+    its committed pairs and feeds them to the drafter in ONE call at the end (a chunk of up to
+    `segment_steps` positions, like a prefill), so the drafter cache is current at every play
+    boundary, ready for the bandit to switch speculation on.
     """
     model, drafter = self._models(params, drafter_params)
     n, b = self.config.segment_steps, st.last_token.shape[0]
+    kv_block = self.config.kv_block
     rows = jnp.arange(b)
+
+    def running(i, st):
+      go = (i < n) & ((i == 0) | (jnp.sum(~st.done) > stop_at))
+      return go if strategy is None else go & jnp.all(st.drafter_finite)
+
+    if strategy is not None:
+      head = drafter.head(model)  # gathered once per play, outside the loop
+
+      def draft_fn(cache, feats, tokens, positions, mask):
+        return drafter(model, feats, tokens, positions, cache, mask, kv_block=kv_block, attention=self.config.attention)
+
+      def speculate(carry):
+        i, st = carry
+        tree, dcache = speculative.draft_tree(draft_fn, lambda f: drafter.logits(model, head, f), st.draft_feat,
+                                              st.last_token, st.drafter_cache, strategy, drafter.target_ids)
+        st, pairs = self._verify_step(model, drafter, dataclasses.replace(st, drafter_cache=dcache), tree,
+                                      strategy.depth)
+        return i + 1, self._feed_drafter(model, drafter, st, pairs, kv_block)
+
+      return jax.lax.while_loop(lambda c: running(*c), speculate, (jnp.int32(0), st))[1]
 
     def step(carry):
       i, st, pairs = carry
       st, new = self._verify_step(model, drafter, st, speculative.root_only(st.last_token), 0)
       if pairs is not None:  # append each row's committed pair (0 or 1 of them) at its own count
-        feats, tokens, count = pairs
-        at = jnp.where(new[2] > 0, count, n)  # n: dropped
-        pairs = (feats.at[rows, at].set(new[0][:, 0].astype(feats.dtype), mode="drop"),
-                 tokens.at[rows, at].set(new[1][:, 0], mode="drop"), count + new[2])
+        at = jnp.where(new.count > 0, pairs.count, n)  # n: dropped
+        pairs = Pairs(pairs.features.at[rows, at].set(new.features[:, 0].astype(pairs.features.dtype), mode="drop"),
+                      pairs.tokens.at[rows, at].set(new.tokens[:, 0], mode="drop"), pairs.count + new.count)
       return i + 1, st, pairs
 
     pairs = None
     if drafter is not None:
-      pairs = (jnp.zeros((b, n, st.draft_feat.shape[-1]), self._dtype), jnp.zeros((b, n), jnp.int32), jnp.zeros((b,), jnp.int32))
-    cond = lambda carry: (carry[0] < n) & ~jnp.all(carry[1].done)
-    _, st, pairs = jax.lax.while_loop(cond, step, (jnp.int32(0), st, pairs))
-    return st if pairs is None else self._feed_drafter(model, drafter, st, *pairs, self.config.kv_block)
+      pairs = Pairs(jnp.zeros((b, n, st.draft_feat.shape[-1]), self._dtype), jnp.zeros((b, n), jnp.int32),
+                    jnp.zeros((b,), jnp.int32))
+    _, st, pairs = jax.lax.while_loop(lambda c: running(c[0], c[1]), step, (jnp.int32(0), st, pairs))
+    return st if pairs is None else self._feed_drafter(model, drafter, st, pairs, kv_block)
 
   @staticmethod
   def _halve(st: RowState, keep_b):
@@ -482,16 +494,15 @@ class Engine:
     for b in cfg.batch_buckets:
       if b > b0 or (b < b0 and not cfg.compact):  # without compaction only b0 runs
         continue
-      self._compile(("segment", b), self._segment, [*params, state(b)], state(b), donate=(2,))
-      if self._uses_sd(b):
-        for s in cfg.strategies:
-          self._compile(("draft", b, s), functools.partial(self._draft, strategy=s), [*params, state(b)],
-                        (state(b), self._abstract_tree(b, s.verify_tokens)), donate=(2,))
-        for v, depth in self._verify_depth.items():
-          self._compile(("verify", b, v), functools.partial(self._verify, depth=depth),
-                        [*params, state(b), self._abstract_tree(b, v)], state(b), donate=(2,))
+      for s in (None, *(cfg.strategies if self._uses_sd(b) else ())):
+        self._compile(self._segment_key(b, s), functools.partial(self._segment, strategy=s),
+                      [*params, state(b), i32()], state(b), donate=(2,))
       if b > 1 and cfg.compact:
         self._compile(("halve", b // 2, b), self._halve, [state(b), i32(b // 2)], state(b // 2))
+
+  @staticmethod
+  def _segment_key(bucket: int, strategy: Strategy | None) -> tuple:
+    return ("plain", bucket) if strategy is None else ("speculate", bucket, strategy.name)
 
   def _prompt_bucket(self, n: int) -> int:
     return next(t for t in self.config.prompt_buckets if t >= n)
@@ -574,16 +585,18 @@ class Engine:
           b //= 2
         done, generated, passes = jax.device_get((st.done, st.num_generated, st.passes))
         metrics.compact_s += time.perf_counter() - t0
-      tail = self._uses_sd(b) and active <= cfg.sd_max_batch and not metrics.drafter_nonfinite
+      speculating = self._uses_sd(b) and not metrics.drafter_nonfinite
+      tail = speculating and active <= cfg.sd_max_batch
       strategy = None
       if tail:
         strategy = cfg.strategies[0] if self.bandit is None else self.bandit.choose(active)
+      # The play ends on the device once a smaller bucket fits the active rows (compaction) or,
+      # before the tail, once the tail begins (the bandit's turn).
+      stop_at = b // 2 if cfg.compact else 0
+      if speculating and not tail:
+        stop_at = max(stop_at, cfg.sd_max_batch)
       t0 = time.perf_counter()
-      if strategy is None:
-        st = pool[("segment", b)](self.params, self.drafter_params, st)
-      else:
-        st, tree = pool[("draft", b, strategy)](self.params, self.drafter_params, st)
-        st = pool[("verify", b, strategy.verify_tokens)](self.params, self.drafter_params, st, tree)
+      st = pool[self._segment_key(b, strategy)](self.params, self.drafter_params, st, np.int32(stop_at))
       before = generated, passes
       done, generated, passes = jax.device_get((st.done, st.num_generated, st.passes))  # waits for the play
       seconds = time.perf_counter() - t0

@@ -84,20 +84,23 @@ def ancestor_mask(parents_BxV, depth: int):
   return mask
 
 
-def draft_tree(draft_fn, logits_fn, draft_feat_BxH, root_B, cache: KVCache, strategy: Strategy):
+def draft_tree(draft_fn, logits_fn, draft_feat_BxH, root_B, cache: KVCache, strategy: Strategy,
+               to_target=lambda ids: ids):
   """EAGLE-2 dynamic tree: expand the top-k frontier level by level, keep the best V-1 nodes.
 
   `draft_feat_BxH` is the drafter's output for the last committed pair (it predicts the root's
   feature); `draft_fn(cache, features_BxKxH, tokens_BxK, positions_BxK, mask_BxKxW)` runs the
   drafter on one frontier, writing the drafter cache past its lengths, and returns (predicted
-  features, cache); `logits_fn` maps features to target vocabulary logits. Scores are
-  cumulative draft log-probs. Returns the tree and the drafter cache (lengths unchanged).
+  features, cache); `logits_fn` maps features to the drafter's vocabulary logits and `to_target`
+  its token ids to the target's (a reduced-vocabulary head). Scores are cumulative draft
+  log-probs. Returns the tree and the drafter cache (lengths unchanged).
   """
   lengths_B = cache.lengths
   k, depth, v = strategy.top_k, strategy.depth, strategy.verify_tokens
   b = root_B.shape[0]
   rows = jnp.arange(b)[:, None]
   score, token = jax.lax.top_k(jax.nn.log_softmax(logits_fn(draft_feat_BxH), axis=-1), k)
+  token = to_target(token)
   pool_token, pool_score = [token], [score]
   pool_parent, pool_depth = [jnp.full((b, k), -1)], [jnp.ones((b, k), jnp.int32)]
   frontier = jnp.broadcast_to(jnp.arange(k), (b, k))  # pool indices of the frontier
@@ -111,6 +114,7 @@ def draft_tree(draft_fn, logits_fn, draft_feat_BxH, root_B, cache: KVCache, stra
     out, cache = draft_fn(cache, feats, token, lengths_B[:, None] + d - 2 + jnp.zeros((b, k), jnp.int32),
                           own[:, :, :(d - 1) * k])
     child_score, child_token = jax.lax.top_k(jax.nn.log_softmax(logits_fn(out), axis=-1), k)
+    child_token = to_target(child_token)
     cum = (score[:, :, None] + child_score).reshape(b, k * k)
     pool_token.append(child_token.reshape(b, k * k))
     pool_score.append(cum)

@@ -1,0 +1,119 @@
+"""Where a speculative iteration's time goes: each phase compiled and timed alone on a real state.
+
+`phase_times(engine, prompts, strategy)` prefills `prompts` (one row each) with the engine's own
+executables, then times, as separate jitted functions on that state (median of `repeats` runs
+after a warm-up, each waited for):
+
+  draft      the EAGLE-2 tree: the drafter's levels and its head (full or reduced vocabulary)
+  verify     the target over the tree, acceptance (sampling) and the KV commit
+  feed       the drafter over the accepted pairs (its cache, the next root's feature)
+  iteration  the three together, one jitted function: what the fused loop runs per iteration
+  plain      one plain decoding step (the one-node tree), the baseline per token
+  segment    the engine's own speculative segment executable, per iteration (its host call and
+             sync included, over `segment_steps` iterations)
+
+`segment - iteration` is what the host and the loop cost per iteration; `iteration - (draft +
+verify + feed)` what fusing saves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from tlt_jax.rollout import speculative
+from tlt_jax.rollout.engine import Engine
+from tlt_jax.rollout.speculative import Strategy
+
+
+def _median_s(fn, args, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))  # compile and warm up
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def prefilled_state(engine: Engine, prompts: Sequence[Sequence[int]]):
+  """The engine's state after prefilling `prompts` (one row each; empty rows pad it to its bucket)."""
+  n = len(prompts)
+  b = engine.config.bucket(n)
+  engine.prepare(n, [len(p) for p in prompts])
+  t = engine._prompt_bucket(max(map(len, prompts)))
+  p = min(engine.config.prefill_batch, b)
+  ids = np.arange(b, dtype=np.int32)
+  st = engine.pool[("init", b)](np.minimum(ids, n - 1), ids * 0, np.where(ids < n, ids, -1).astype(np.int32),
+                                np.full((b,), engine.sampling.max_new_tokens, np.int32))
+  for c in range(0, n, p):
+    chunk = prompts[c:c + p]
+    tokens = np.zeros((p, t), np.int32)
+    for i, x in enumerate(chunk):
+      tokens[i, :len(x)] = x
+    lengths = np.asarray([len(x) for x in chunk] + [0] * (p - len(chunk)), np.int32)
+    row_prompt = np.where((ids >= c) & (ids < min(c + p, n)), ids - c, -1).astype(np.int32)
+    st = engine.pool[("prefill", b, p, t)](engine.params, engine.drafter_params, st, tokens, lengths, row_prompt)
+  return st
+
+
+def phase_times(engine: Engine, prompts: Sequence[Sequence[int]], strategy: Strategy,
+                repeats: int = 10) -> dict[str, float]:
+  """Milliseconds per phase of one speculative iteration at batch len(prompts); see the module docstring."""
+  cfg = engine.config
+  st = prefilled_state(engine, prompts)
+  params = (engine.params, engine.drafter_params)
+
+  def models(p, d):
+    return engine._models(p, d)
+
+  def draft(p, d, st):
+    model, drafter = models(p, d)
+    head = drafter.head(model)
+
+    def draft_fn(cache, feats, tokens, positions, mask):
+      return drafter(model, feats, tokens, positions, cache, mask, kv_block=cfg.kv_block, attention=cfg.attention)
+
+    return speculative.draft_tree(draft_fn, lambda f: drafter.logits(model, head, f), st.draft_feat, st.last_token,
+                                  st.drafter_cache, strategy, drafter.target_ids)
+
+  def verify(p, d, st, tree, dcache):
+    model, drafter = models(p, d)
+    return engine._verify_step(model, drafter, dataclasses.replace(st, drafter_cache=dcache), tree, strategy.depth)
+
+  def feed(p, d, st, pairs):
+    model, drafter = models(p, d)
+    return engine._feed_drafter(model, drafter, st, pairs, cfg.kv_block)
+
+  def iteration(p, d, st):
+    return feed(p, d, *verify(p, d, st, *draft(p, d, st)))
+
+  def plain(p, d, st):
+    model, drafter = models(p, d)
+    return engine._verify_step(model, drafter, st, speculative.root_only(st.last_token), 0)[0]
+
+  draft, verify, feed, iteration, plain = (jax.jit(f) for f in (draft, verify, feed, iteration, plain))
+  tree, dcache = draft(*params, st)
+  verified, pairs = verify(*params, st, tree, dcache)
+  ms = lambda fn, *args: 1e3 * _median_s(fn, (*params, *args), repeats)
+  out = {"draft": ms(draft, st), "verify": ms(verify, st, tree, dcache), "feed": ms(feed, verified, pairs),
+         "iteration": ms(iteration, st), "plain": ms(plain, st)}
+  segment = engine.pool[engine._segment_key(cfg.bucket(len(prompts)), strategy)]
+
+  def run_segment():
+    state = jax.tree.map(lambda x: x.copy(), st)  # the executable donates its state
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    done = segment(*params, state, np.int32(0))
+    passes, generated = jax.device_get((done.passes, done.num_generated))  # waits, as the host loop's sync does
+    return time.perf_counter() - t0, passes.sum(), generated.sum() - int(jax.device_get(st.num_generated).sum())
+
+  run_segment()
+  runs = [run_segment() for _ in range(max(repeats // 3, 3))]
+  out["segment"] = 1e3 * float(np.median([s * len(prompts) / max(n, 1) for s, n, _ in runs]))
+  out["accept_len"] = float(runs[0][2] / max(runs[0][1], 1))
+  return {k: round(v, 3) for k, v in out.items()}
