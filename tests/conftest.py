@@ -110,7 +110,7 @@ def float_order_mismatches(initial, reference, other) -> dict[str, float]:
     other batches; a relative tolerance of 1e-5 per element fails). Such elements are few: in L2
     they weigh little.
   - "loss": absolute. A mean (token weights sum to 1) of terms |advantage| * ratio ~ 1 which may
-    cancel to near 0, so its rounding is absolute: <= 2e-7 vs >= 5e-2 in some update.
+    cancel to near 0, so its rounding is absolute: <= 2e-7 vs >= 4e-2 in some update.
   - "grad_norm": relative (a sum of squares: no cancellation; later updates start from params
     that rounding already moved): <= 1e-6 (2e-5 on other batches) vs >= 2e-2 in some update.
   """

@@ -18,8 +18,8 @@ from tlt_jax.models import hf
 from tlt_jax.rl.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Equal in both runs: the rollout is lossless and row keys are global, so the samples are too (the
-# rounding that moves the step-1 policy apart is far too small to change a step-2 sample).
+# Equal in both runs: the rollout is lossless and row keys are global, so the samples are too (step
+# 2's as well: it is rolled out from the initial policy, see _tlt_config).
 EXACT = ("reward/", "response_length/", "groups_kept", "samples_trained", "train/updates")
 
 
