@@ -461,8 +461,8 @@ class SpotTrainer:
       self.buffer.load_state_dict(rl_checkpoint.unstack_processes(tree["buffer"], state["arrays"]),
                                   state["processes"][jax.process_index()])
     else:
-      logging.warning("drafter: the checkpoint's data buffer %s; online training goes on from an empty buffer (its "
-                      "next updates differ from those of a run that was not interrupted)",
+      logging.warning("drafter: the checkpoint's data buffer %s; online training goes on without it (its next "
+                      "updates differ from those of a run that was not interrupted)",
                       "was written by another number of processes or devices" if "buffer_state" in metadata
                       else "is missing")
     if not bool(self._all_finite(tree["params"])):
