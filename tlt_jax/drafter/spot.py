@@ -473,6 +473,8 @@ class SpotTrainer:
     self.version = int(metadata["version"])
     self._push()
     self._good = self._snapshot()
+    logging.info("drafter: restored version %d, its optimizer and its data buffer of %d samples (%d pairs) of step %d",
+                 self.version, len(self.buffer.entries), self.buffer.num_pairs, self.buffer.step)
 
   def wait_for_checkpoints(self) -> None:
     if self._checkpointer is not None:
