@@ -120,7 +120,9 @@ def straight(tmp_path_factory, tiny_policy_dir, drafter_dir, xla_cache):
 
 
 def _timing(key: str) -> bool:
-  return key.endswith(("_s", "_share")) or key.startswith("time/")
+  """Figures that follow the wall clock: times, and the acceptance length (the bandit picks SD on or
+  off by measured speed, so which tail steps were speculative varies; the samples do not)."""
+  return key.endswith(("_s", "_share")) or key.startswith("time/") or key == "rollout/accept_len"
 
 
 def test_sigkill_and_sigterm_at_random_points_resume_exactly(tmp_path, straight, tiny_policy_dir, drafter_dir,
