@@ -34,7 +34,7 @@ def test_dry_run_compiles_and_sizes_every_part(report):
   assert report["rollout_group_mesh"]["tensor"] == 2
   names = set(report["executables"])
   assert {"train/gradient", "train/update"} <= names
-  assert any(n.startswith("rollout/segment/8") for n in names)  # the largest bucket, plain
+  assert any(n.startswith("rollout/plain/8") for n in names)  # the largest bucket, plain
   assert any(n.startswith("rollout_tail/") for n in names)  # the speculative tail's bucket
   gradient = report["executables"]["train/gradient"]
   assert gradient["tflops"] > 0 and gradient["resident_gb"] > 0
