@@ -2,6 +2,7 @@
 with TLT like one process on 8 devices: 2 steps (rewards equal, the policy update equal up to
 float rounding), checkpoints written once, and a fresh 2-process run restores the last one."""
 
+import json
 import os
 import socket
 import subprocess
@@ -112,9 +113,13 @@ def test_two_processes_match_one(tmp_path, tiny_policy_dir, xla_cache, monkeypat
   assert [r["step"] for r in records] == [1, 2] and all(r["spot/groups"] == 2 for r in records)
   assert records[-1]["drafter/version"] >= 1 and sorted(os.listdir(two / "checkpoints")) == ["1", "2"]
   os.rename(two / "export", tmp_path / "export")
-  # A fresh 2-process run restores step 2 (drafter and bandits too) and exports it again.
+  # A fresh 2-process run restores step 2 (drafter, each process's drafter data buffer, bandits) and exports it again.
   logs = _launch(c, tmp_path)
   assert all("resumed from" in log and "at step 2" in log for log in logs)
+  with open(two / "checkpoints" / "2" / "meta" / "metadata", encoding="utf-8") as f:  # each process's buffer
+    shapes = json.load(f)["drafter"]["buffer_state"]["arrays"]["shapes"]
+  for log, shape in zip(logs, shapes, strict=True):
+    assert f"data buffer of {shape['entries'][0]} samples ({shape['tokens'][0] - shape['entries'][0]} pairs)" in log
   for part in ("policy/model.safetensors", "drafter/model.safetensors"):
     with open(two / "export" / part, "rb") as f, open(tmp_path / "export" / part, "rb") as g:
       assert f.read() == g.read(), part

@@ -34,12 +34,16 @@ def test_dry_run_compiles_and_sizes_every_part(report):
   assert report["rollout_group_mesh"]["tensor"] == 2
   names = set(report["executables"])
   assert {"train/gradient", "train/update"} <= names
-  assert any(n.startswith("rollout/segment/8") for n in names)  # the largest bucket, plain
+  assert any(n.startswith("rollout/plain/8") for n in names)  # the largest bucket, plain
   assert any(n.startswith("rollout_tail/") for n in names)  # the speculative tail's bucket
   gradient = report["executables"]["train/gradient"]
   assert gradient["tflops"] > 0 and gradient["resident_gb"] > 0
   # Params are split over fsdp: the update's resident memory is well under the whole state's.
   assert report["executables"]["train/update"]["resident_gb"] < 3 * report["policy_gb"]
+  # The drafter buffer's share of a checkpoint: 32 x 8 samples of this step and the longest quarter
+  # of the previous step's, up to 64 + 64 tokens each (126 pairs, 127 tokens and 96-float features).
+  entries = 256 + 64
+  assert report["drafter_buffer_checkpoint_gb"] == round((entries * 127 * (96 * 4 + 4) + entries * 16) / (1 << 30), 6)
 
 
 def test_dry_run_fails_naming_what_does_not_fit(report):

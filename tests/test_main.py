@@ -1,5 +1,6 @@
-"""`python -m tlt_jax.main`: bad config keys and values are rejected with their names; a run
-interrupted by SIGKILL (also inside a checkpoint write) and SIGTERM resumes exactly."""
+"""`python -m tlt_jax.main`: bad config keys and values are rejected with their names; a TLT run
+interrupted by SIGKILL (also inside a checkpoint write) and SIGTERM resumes exactly, its policy
+and its online drafter."""
 
 import json
 import os
@@ -18,6 +19,8 @@ from flax import nnx
 from configs import tiny
 from tests.conftest import tiny_rl_config
 from tlt_jax import metrics
+from tlt_jax.drafter import checkpoint as drafter_checkpoint
+from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
 from tlt_jax.rl.trainer import Trainer
 
@@ -58,11 +61,21 @@ def _overrides(config) -> list[str]:
   return list(walk(config, base, ""))
 
 
-def _fault_config(workdir, steps, policy_dir, cache_dir):
+def _fault_config(workdir, steps, policy_dir, drafter_dir, cache_dir):
+  """TLT on one rollout group: the drafter trains a fixed number of steps after each rollout
+  (with several groups the count depends on how long the tail takes, so no two runs agree)."""
   c = tiny_rl_config(workdir, steps, cache_dir)
   c.policy.path = policy_dir
   c.checkpoint.every = 1
   c.mesh.cpu_devices = 0  # the 8 devices XLA_FLAGS gives this process and its subprocesses: one compilation cache
+  c.rollout.speculative = True
+  c.rollout.strategies = "2_1_3"
+  c.rollout.sd_max_batch = 4
+  c.drafter.path = drafter_dir
+  c.drafter.row_len = 64
+  c.drafter.online_rows_per_device = 1
+  c.drafter.online_warmup_steps = 1
+  c.drafter.solo_steps = 2
   return c
 
 
@@ -87,30 +100,43 @@ def _wait(condition, timeout=300.0, every=0.001):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, tiny_policy_dir, xla_cache):
+def drafter_dir(tmp_path_factory, tiny_policy_dir):
+  """A random drafter for the tiny policy (online training is what the fault test follows)."""
+  path = str(tmp_path_factory.mktemp("drafter") / "drafter")
+  drafter_checkpoint.save_drafter(Drafter(hf.read_config(tiny_policy_dir)[0], rngs=nnx.Rngs(0)), path)
+  return path
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, tiny_policy_dir, drafter_dir, xla_cache):
   """An uninterrupted in-process run (it also fills the compilation cache the subprocesses read)."""
   workdir = tmp_path_factory.mktemp("straight")
-  trainer = Trainer(_fault_config(workdir, STEPS, tiny_policy_dir, xla_cache))
+  trainer = Trainer(_fault_config(workdir, STEPS, tiny_policy_dir, drafter_dir, xla_cache))
   try:
     trainer.run()
-    return jax.tree.map(np.asarray, trainer.actor.params), metrics.read(trainer.metrics.path)
+    return workdir, jax.tree.map(np.asarray, trainer.actor.params), metrics.read(trainer.metrics.path)
   finally:
     trainer.close()
 
 
 def _timing(key: str) -> bool:
-  return key.endswith(("_s", "_share")) or key.startswith("time/")
+  """Figures that follow the wall clock: times, and the acceptance length (the bandit picks SD on or
+  off by measured speed, so which tail steps were speculative varies; the samples do not)."""
+  return key.endswith(("_s", "_share")) or key.startswith("time/") or key == "rollout/accept_len"
 
 
-def test_sigkill_and_sigterm_at_random_points_resume_exactly(tmp_path, straight, tiny_policy_dir, xla_cache):
-  """One run, interrupted three times in a row once it has trained a step: SIGKILL inside a
+def test_sigkill_and_sigterm_at_random_points_resume_exactly(tmp_path, straight, tiny_policy_dir, drafter_dir,
+                                                            xla_cache):
+  """One TLT run, interrupted three times in a row once it has trained a step: SIGKILL inside a
   checkpoint write (orbax's temporary directory exists), SIGKILL at a seeded random moment, then
   SIGTERM at one (the step in flight finishes, a checkpoint is written, exit 0 with a resume
   message). Each restart resumes from the newest complete checkpoint, redoing at most the step
-  in flight; the last run completes and equals the uninterrupted one record for record and in
-  its final params. (Subprocess starts dominate the cost: the SIGTERM shares this chain.)"""
+  in flight; the last run completes and equals the uninterrupted one record for record (the
+  drafter's loss, held-out loss and top-1 included: its data buffer is in the checkpoint), in
+  its final policy and in the exported drafter's bytes. (Subprocess starts dominate the cost:
+  the SIGTERM shares this chain.)"""
   workdir = tmp_path / "run"
-  config = _fault_config(workdir, STEPS, tiny_policy_dir, xla_cache)
+  config = _fault_config(workdir, STEPS, tiny_policy_dir, drafter_dir, xla_cache)
   checkpoints = workdir / "checkpoints"
   writing = lambda: any(n.endswith(".orbax-checkpoint-tmp") for n in os.listdir(checkpoints))
   rng = np.random.default_rng(7)
@@ -154,7 +180,10 @@ def test_sigkill_and_sigterm_at_random_points_resume_exactly(tmp_path, straight,
   evals = [r for r in records if "eval/reward" in r]
   assert (summary["eval_reward_first"], summary["eval_reward_last"]) == (evals[0]["eval/reward"], evals[-1]["eval/reward"])
   strip = lambda r: {k: v for k, v in r.items() if not _timing(k)}
-  params, expected = straight
+  straight_dir, params, expected = straight
+  assert all("drafter/loss" in r and r["drafter/steps"] == 2 for r in expected[1:])
   assert [strip(r) for r in records] == [strip(r) for r in expected]
   exported = nnx.state(hf.from_pretrained(str(workdir / "export" / "policy")))
   assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), exported, params)))
+  drafter = lambda d: (d / "export" / "drafter" / "model.safetensors").read_bytes()
+  assert drafter(workdir) == drafter(straight_dir)

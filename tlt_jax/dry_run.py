@@ -7,7 +7,9 @@ config.model when that directory is absent), places them on the run's meshes (on
 executables (largest batch bucket, and the speculative tail's bucket with every strategy) for one
 rollout group and the trainer's micro-batch gradient and optimizer update, and reports per-device
 memory (XLA's memory analysis of each executable) and FLOPs. It fails, naming the executable and
-the config keys to change, when one needs more than `mesh.device_memory_gb`.
+the config keys to change, when one needs more than `mesh.device_memory_gb`. With TLT it also
+bounds what the drafter's online data buffer adds to each process's checkpoint
+(`drafter_buffer_checkpoint_gb`: captured features and tokens, at most `drafter.buffer_pairs` pairs).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from flax import nnx
 
 from tlt_jax import config as config_lib
 from tlt_jax import sharding
+from tlt_jax.drafter.buffer import BufferConfig
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, ModelConfig
 from tlt_jax.rl import actor as actor_lib
@@ -134,6 +137,12 @@ def run(config) -> dict:
 
   report["executables"] = executables
   report["policy_gb"] = round(_bytes(nnx.state(policy)) / GB, 6)
+  if strategies:  # the rollout's captured features: this many bytes per process in each checkpoint at most
+    r = config.rollout
+    buffer = BufferConfig(max_pairs=config.drafter.buffer_pairs).state_bytes(
+        r.prompts_per_step * r.num_samples, config.data.max_prompt_len + r.max_new_tokens, cfg.hidden_size,
+        dtype.itemsize)
+    report["drafter_buffer_checkpoint_gb"] = round(buffer / GB, 6)
   report.update(check_fit(executables, config.mesh.device_memory_gb, on_cpu=devices[0].platform == "cpu"))
   report["seconds"] = round(time.perf_counter() - start, 1)
   return report

@@ -1,7 +1,10 @@
-"""DataBuffer: pairing of captured features, segment isolation of packed rows, bounds, offset rule."""
+"""DataBuffer: pairing of captured features, segment isolation of packed rows, bounds, offset rule,
+state round trip (what a resumed run trains on) and its size bound."""
 
 import dataclasses
+import json
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -144,3 +147,75 @@ def test_prompt_slots_are_weightless_context_and_the_pairing_crosses_into_the_re
   assert short.weights.sum() == 3 and (short.segments > 0).sum() == 3
   with pytest.raises(ValueError, match=r"3 prompt and 4 response tokens but 2 and 4 hidden states"):
     buf.add(0, [dataclasses.replace(s, prompt_hidden=s.prompt_hidden[:2])], [[10, 11, 12]])
+
+
+
+def _same_batches(a: DataBuffer, b: DataBuffer):
+  same = lambda x, y: jax.tree.map(np.testing.assert_array_equal, x, y)
+  for seed in range(3):
+    rng = lambda: np.random.default_rng(seed)
+    same(a.batch(rng(), rows=2, row_len=8), b.batch(rng(), rows=2, row_len=8))
+  assert a.eval_batch(rows=2, row_len=8) is not None
+  same(a.eval_batch(rows=2, row_len=8), b.eval_batch(rows=2, row_len=8))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
+def test_state_round_trip_draws_the_same_batches_now_and_after_the_next_step(dtype):
+  """A buffer rebuilt from `state_dict` (as a resumed run's is) holds the same entries: the same
+  batches and held-out batch now, and after the next step's samples the same offset entries
+  (the previous step's long ones) and held-out choice (the count of samples goes on)."""
+  config = BufferConfig(eval_every=3, long_fraction=0.5)
+  cast = lambda s: dataclasses.replace(s, hidden=s.hidden.astype(dtype), prompt_hidden=s.prompt_hidden.astype(dtype))
+  prompts = [[5], [6, 7, 8]]
+  step = lambda k: [cast(sample(n, tag=10 * k + n, seed=10 * k + n, prompt_len=len(prompts[n % 2]),
+                                prompt_index=n % 2)) for n in (3, 9, 5, 12, 4)]
+  empty = DataBuffer(config)
+  arrays, meta = DataBuffer(config).state_dict()
+  assert arrays["hidden"].shape == (0, 0)
+  empty.load_state_dict(arrays, meta)  # an empty buffer's state round-trips too
+  assert empty.entries == [] and empty.metadata() == DataBuffer(config).metadata()
+
+  original = DataBuffer(config)
+  for k in range(2):
+    original.add(k, step(k), prompts)
+  arrays, meta = original.state_dict()
+  assert arrays["hidden"].dtype == np.dtype(dtype) and arrays["hidden"].shape == (len(arrays["tokens"]), H)
+  assert json.loads(json.dumps(meta)) == meta
+  resumed = DataBuffer(config)
+  resumed.load_state_dict({k: v.copy() for k, v in arrays.items()}, meta)
+  assert resumed.metadata() == original.metadata() and {e.step for e in resumed.entries} == {0, 1}
+  _same_batches(original, resumed)
+  saved = [e.tokens.tolist() for e in original.entries]
+  for buf in (original, resumed):
+    buf.add(2, step(2), prompts)
+  assert resumed.metadata() == original.metadata()
+  assert [e.tokens.tolist() for e in resumed.entries] == [e.tokens.tolist() for e in original.entries]
+  assert [e.held_out for e in resumed.entries] == [e.held_out for e in original.entries]
+  _same_batches(original, resumed)
+
+  # A smaller bound in the resumed run's config applies (oldest out first); a state whose arrays
+  # disagree is refused.
+  small = DataBuffer(BufferConfig(max_pairs=12))
+  small.load_state_dict(arrays, meta)
+  kept = [e.tokens.tolist() for e in small.entries]
+  assert 0 < small.num_pairs <= 12 and kept == saved[-len(kept):]
+  with pytest.raises(ValueError, match=r"its entries hold \d+ tokens but it has \d+ tokens"):
+    DataBuffer(config).load_state_dict({**arrays, "tokens": arrays["tokens"][1:]}, meta)
+
+
+def test_state_bytes_bound_what_a_step_stores():
+  """`BufferConfig.state_bytes` bounds `state_dict()`'s bytes (exactly, for samples of the longest
+  length with no pair bound in reach), also when the pair bound evicts."""
+  nbytes = lambda buf: sum(x.nbytes for x in buf.state_dict()[0].values())
+  prompts, n = [[1, 2, 3]], 8
+  longest = [sample(9, seed=k, prompt_len=3) for k in range(n)]  # 3 + 9 = 12 tokens: 10 pairs each
+  for config in (BufferConfig(eval_every=0), BufferConfig(eval_every=0, max_pairs=25)):
+    buf = DataBuffer(config)
+    for k in range(3):
+      buf.add(k, longest, prompts)
+      assert nbytes(buf) <= config.state_bytes(n, 12, H, 4)
+  # This step's 8 entries and the previous step's longest 2, 11 tokens and features each.
+  unbounded = DataBuffer(BufferConfig(eval_every=0))
+  for k in range(2):
+    unbounded.add(k, longest, prompts)
+  assert nbytes(unbounded) == 10 * 11 * (H * 4 + 4) + 10 * 4 * 4 == BufferConfig().state_bytes(n, 12, H, 4)

@@ -1,7 +1,11 @@
 """Spot trainer on 8 simulated devices in 4 groups with skewed lengths: who trains, when it stops,
-one merged drafter, versions, losslessness, async selective checkpoints, non-finite drafters."""
+one merged drafter, versions, losslessness, async selective checkpoints, non-finite drafters, and a
+state reloaded from `state_dict` that trains on as before."""
+
+import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -76,7 +80,7 @@ def test_idle_groups_train_one_drafter_losslessly(policy, tmp_path):
   ckpt = trainer._checkpointer
   assert ckpt.latest_version() == 2
   params, opt_state, saved_meta = ckpt.restore(tree["params"], tree["opt_state"])
-  assert saved_meta == meta and meta["version"] == 2 and meta["rl_step"] == 1
+  assert saved_meta == trainer.metadata() and meta["version"] == 2 and meta["rl_step"] == 1
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, params), master)
   jax.tree.map(np.testing.assert_array_equal, *(jax.tree.map(np.asarray, x) for x in (opt_state, tree["opt_state"])))
   trainer.load_state_dict(tree, {**meta, "version": 5})
@@ -85,7 +89,8 @@ def test_idle_groups_train_one_drafter_losslessly(policy, tmp_path):
     trainer.load_state_dict({"params": tree["params"]}, meta)
 
 
-def test_one_group_trains_in_the_gap_and_a_non_finite_drafter_is_restored(policy, caplog):
+def test_one_group_trains_in_the_gap_a_non_finite_drafter_is_restored_and_a_reloaded_state_trains_on_alike(
+    policy, caplog):
   trainer = SpotTrainer(policy, Drafter(CFG, rngs=nnx.Rngs(1)), ENGINE, SAMPLING, jax.devices()[:2], 1,
                         DataBuffer(BufferConfig(eval_every=0)), SpotConfig(rows_per_device=1, row_len=32, solo_steps=3))
   prompts, limits = prompts_and_limits(0)
@@ -113,3 +118,19 @@ def test_one_group_trains_in_the_gap_and_a_non_finite_drafter_is_restored(policy
   trainer.load_state_dict({"params": nan(tree["params"]), "opt_state": tree["opt_state"]}, {**meta, "version": 9})
   assert trainer.version == 1
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, trainer.engines[0].drafter_params), good)
+
+  # What a resumed run rebuilds: `state_dict()` (data buffer with the previous step's long samples,
+  # optimizer, version, RL step; the metadata through JSON as a checkpoint stores it) loaded back
+  # gives the same drafter updates and metrics in the next rollouts.
+  tree, meta = trainer.state_dict()
+  saved = jax.tree.map(jnp.copy, tree), json.loads(json.dumps(meta))  # the next update donates the params
+  step_prompts = [prompts_and_limits(step)[0][:2] for step in (1, 2)]
+  runs = []
+  for _ in range(2):
+    trainer.load_state_dict(*saved)
+    metrics = [trainer.rollout(p, 1, [len(x) + 10 for x in p])[1] for p in step_prompts]
+    runs.append(([{k: v for k, v in m.items() if not k.endswith("_s")} for m in metrics],
+                 jax.tree.map(np.asarray, trainer.params)))
+  (a, params_a), (b, params_b) = runs
+  assert a == b and [m["drafter/steps"] for m in a] == [3, 3] and a[-1]["drafter/version"] == 3
+  jax.tree.map(np.testing.assert_array_equal, params_a, params_b)

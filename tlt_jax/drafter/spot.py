@@ -35,12 +35,18 @@ API (one call per RL step):
   trainer = SpotTrainer(policy, drafter, engine_config, sampling, devices, groups, buffer, SpotConfig())
   samples, metrics = trainer.rollout(prompts, num_samples, max_total_len)
   trainer.set_policy_params(nnx.state(policy))          # after each actor update
-  tree, meta = trainer.state_dict(); trainer.load_state_dict(tree, meta)   # RL checkpoints
+  tree, meta = trainer.state_dict()                      # RL checkpoints (every process calls it)
+  trainer.load_state_dict(restored_tree, meta)           # restored like trainer.abstract_state(meta)
 `samples` are engine `Sample`s in (prompt_index, sample_index) order; `metrics` is a flat dict
 of floats: drafter/{steps,loss,top1,eval_loss,version,version_used}, rollout/accept_len,
 spot/{groups,idle_device_s,harvested_device_s,train_rounds,overrun_s,gap_s,checkpoint_s,wall_s},
 drafter/restored.
-`tree` (orbax-saveable) holds the drafter params and optimizer state; `meta` is JSON-able.
+`tree` (orbax-saveable) holds the drafter params and optimizer state and each process's data buffer
+(`tlt_jax.checkpoint.stack_processes`); `meta` is JSON-able (version, RL step, the buffers' step and
+count of samples, their arrays' shapes). That is all the drafter's next updates depend on: the
+batches' random draws derive from (seed, RL step, round, group), not from a generator carried
+along, so a resumed run trains the drafter as an uninterrupted one would (given the same rounds:
+with one group a fixed number per step; with several, as many as fit while the tail decodes).
 Executables (every group's engine and gradient step, the update, the evaluation) are compiled
 before the first rollout starts decoding; no round compiles.
 """
@@ -61,6 +67,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from tlt_jax import checkpoint as rl_checkpoint
 from tlt_jax import distributed, sharding
 from tlt_jax.drafter import checkpoint, train
 from tlt_jax.drafter.buffer import DataBuffer
@@ -151,7 +158,6 @@ class SpotTrainer:
     self.last: dict = {}  # the latest rollout's schedule: finish times, rounds, end (for tests and logs)
     self.version = 0
     self.rl_step = -1
-    self._rng = np.random.default_rng(config.seed)
     self._compiled: dict | None = None
     self._checkpointer = checkpoint.AsyncDrafterCheckpointer(config.checkpoint_dir) if config.checkpoint_dir else None
     self.set_policy_params(nnx.state(policy))
@@ -311,7 +317,7 @@ class SpotTrainer:
         for g in idle:
           if g in state:
             state[g] = TRAINING
-        batches = {g: self.buffer.batch(self._rng, self._rows(g), self.config.row_len) for g in idle if g in state}
+        batches = {g: self._batch(g, len(rounds)) for g in idle if g in state}
       rounds.append(self._round(compiled, idle, batches))
     for t in threads:
       t.join()
@@ -331,7 +337,7 @@ class SpotTrainer:
     gap_s = 0.0
     if G == 1 and self.config.enabled and self._trainable():
       for _ in range(self.config.solo_steps):
-        rounds.append(self._round(compiled, (0,), {0: self.buffer.batch(self._rng, self._rows(0), self.config.row_len)}))
+        rounds.append(self._round(compiled, (0,), {0: self._batch(0, len(rounds))}))
       gap_s = time.perf_counter() - stop
     checkpoint_s = 0.0
     faults = [g for g, r in enumerate(results) if r.metrics.drafter_nonfinite]
@@ -354,6 +360,13 @@ class SpotTrainer:
 
   def _trainable(self) -> bool:
     return bool(self.buffer.training_entries())
+
+  def _batch(self, g: int, round_index: int) -> train.Pairs:
+    """Group g's batch of this step's round `round_index`. Its draws come from a generator of
+    (seed, RL step, round, group), not one carried across steps: nothing to checkpoint, and the
+    processes of a multi-process run draw independently."""
+    rng = np.random.default_rng([self.config.seed, self.rl_step, round_index, g])
+    return self.buffer.batch(rng, self._rows(g), self.config.row_len)
 
   def _round(self, compiled, groups: tuple[int, ...], batches: dict[int, train.Pairs]) -> Round:
     """One synchronous update: a gradient per group on its devices, pair-weighted mean, one apply.
@@ -420,8 +433,19 @@ class SpotTrainer:
     return {"version": self.version, "rl_step": self.rl_step, "buffer": self.buffer.metadata()}
 
   def state_dict(self) -> tuple[dict, dict]:
-    """(orbax-saveable pytree: drafter params and optimizer state, JSON-able metadata)."""
-    return {"params": self.params, "opt_state": self.opt_state}, self.metadata()
+    """(orbax-saveable pytree: drafter params, optimizer state and data buffer; JSON-able metadata).
+    Every process calls it at the same point (the buffers' shapes are exchanged)."""
+    local, buffer_meta = self.buffer.state_dict()
+    buffer, spec = rl_checkpoint.stack_processes(local)
+    metadata = {**self.metadata(), "buffer_state": {"arrays": spec, "processes": distributed.allgather(buffer_meta)}}
+    return {"params": self.params, "opt_state": self.opt_state, "buffer": buffer}, metadata
+
+  def abstract_state(self, metadata: dict) -> dict:
+    """The shapes of the tree `state_dict` returned with `metadata`, to restore it. Without the
+    buffer when the checkpoint has none this run can read (`load_state_dict` says so)."""
+    tree = {"params": self.params, "opt_state": self.opt_state}
+    buffer = rl_checkpoint.stacked_like(metadata["buffer_state"]["arrays"]) if "buffer_state" in metadata else None
+    return tree if buffer is None else {**tree, "buffer": buffer}
 
   def load_state_dict(self, tree: dict, metadata: dict) -> None:
     """Restores what `state_dict` returned and pushes the drafter to every engine."""
@@ -432,6 +456,15 @@ class SpotTrainer:
       if key not in metadata:
         raise KeyError(f"spot trainer metadata has no {key!r}")
     self.rl_step = int(metadata["rl_step"])
+    if "buffer" in tree:
+      state = metadata["buffer_state"]
+      self.buffer.load_state_dict(rl_checkpoint.unstack_processes(tree["buffer"], state["arrays"]),
+                                  state["processes"][jax.process_index()])
+    else:
+      logging.warning("drafter: the checkpoint's data buffer %s; online training goes on without it (its next "
+                      "updates differ from those of a run that was not interrupted)",
+                      "was written by another number of processes or devices" if "buffer_state" in metadata
+                      else "is missing")
     if not bool(self._all_finite(tree["params"])):
       self._restore_good(f"the restored state (version {metadata['version']}) has non-finite params")
       return
@@ -440,6 +473,8 @@ class SpotTrainer:
     self.version = int(metadata["version"])
     self._push()
     self._good = self._snapshot()
+    logging.info("drafter: restored version %d, its optimizer and its data buffer of %d samples (%d pairs) of step %d",
+                 self.version, len(self.buffer.entries), self.buffer.num_pairs, self.buffer.step)
 
   def wait_for_checkpoints(self) -> None:
     if self._checkpointer is not None:

@@ -263,7 +263,7 @@ class Trainer:
     self.checkpoints = checkpoint_lib.Checkpoints(os.path.join(c.workdir, "checkpoints"), c.checkpoint.every,
                                                   c.checkpoint.keep)
     self.saved_step = None
-    restored = self.checkpoints.restore_latest(self._arrays())
+    restored = self.checkpoints.restore_latest(self._abstract)
     if restored is not None:
       self._restore(*restored)
     # Nothing restored: records left by a run killed before its first checkpoint (its step-0
@@ -273,19 +273,29 @@ class Trainer:
 
   # ---- checkpoints ----
 
-  def _arrays(self):
+  def _policy_arrays(self) -> dict:
     arrays = {"policy": self.actor.params, "opt_state": self.actor.opt_state}
     if self.ref_params is not None:
       arrays["ref"] = self.ref_params
-    if self.spot is not None:
-      arrays["drafter"] = self.spot.state_dict()[0]
     return arrays
 
-  def _meta(self) -> dict:
+  def _state(self) -> tuple[dict, dict]:
+    """What a checkpoint holds: (arrays, JSON-able metadata). Every process calls it at the same point."""
     local = [(g, e.bandit.state_dict()) for g, e in zip(self._groups, self.engines) if e.bandit is not None]
     bandits = sorted((item for part in distributed.allgather(local) for item in part), key=lambda item: item[0])
-    return {"step": self.step, "skipped_in_a_row": self.skipped_in_a_row, "bandits": [state for _, state in bandits],
-            "drafter": None if self.spot is None else self.spot.state_dict()[1]}
+    arrays, meta = self._policy_arrays(), {"step": self.step, "skipped_in_a_row": self.skipped_in_a_row,
+                                           "bandits": [state for _, state in bandits], "drafter": None}
+    if self.spot is not None:
+      arrays["drafter"], meta["drafter"] = self.spot.state_dict()
+    return arrays, meta
+
+  def _abstract(self, meta: dict) -> dict:
+    """The arrays of a checkpoint with metadata `meta`, as shapes to restore them into (the
+    drafter's data buffer is as large as the checkpoint's metadata says)."""
+    arrays = self._policy_arrays()
+    if self.spot is not None:
+      arrays["drafter"] = self.spot.abstract_state(meta.get("drafter") or {})
+    return arrays
 
   def _restore(self, step: int, arrays, meta: dict) -> None:
     self.actor.params, self.actor.opt_state = arrays["policy"], arrays["opt_state"]
@@ -387,7 +397,7 @@ class Trainer:
               "time/rollout_s": rollout_s, "time/train_s": train_s, "time/step_s": time.perf_counter() - start}
     if self._eval_due():
       record.update(self.evaluate())
-    if self.checkpoints.save(self.step, self._arrays(), self._meta()):
+    if self.checkpoints.due(self.step) and self.checkpoints.save(self.step, *self._state()):
       self.saved_step = self.step
     if self.metrics is not None:
       self.metrics.write(self.step, record)
@@ -451,7 +461,7 @@ class Trainer:
                         step_s=f"{record['time/step_s']:.1f}", refresh=False)
         bar.update(1)
     if self.saved_step != self.step:
-      self.checkpoints.save(self.step, self._arrays(), self._meta(), force=True)
+      self.checkpoints.save(self.step, *self._state(), force=True)
       self.saved_step = self.step
     self.checkpoints.wait()
     self.stopped = reason if self.step < total else None
