@@ -8,6 +8,8 @@ import sys
 
 from flax import nnx
 
+from tlt_jax.drafter import checkpoint
+from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, ModelConfig, hf
 from tlt_jax.rl import tokenizer as tokenizer_lib
 
@@ -25,7 +27,8 @@ def tiny_model_dir(tmp_path):
 
 
 def run_bench(*args):
-  proc = subprocess.run([sys.executable, "-m", "tlt_jax.bench", "--drafter=random", "--verbosity=-1", *args], cwd=REPO,
+  drafter = [] if any(a.startswith("--drafter=") for a in args) else ["--drafter=random"]
+  proc = subprocess.run([sys.executable, "-m", "tlt_jax.bench", *drafter, "--verbosity=-1", *args], cwd=REPO,
                         capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -64,10 +67,16 @@ def test_phases_mode_splits_an_iteration_and_reads_prompt_files(tmp_path):
   prompts = tmp_path / "prompts.jsonl"
   prompts.write_text("".join(json.dumps({"prompt": f"Calculate {i} + {i + 2}."}) + "\n" for i in range(3)))
   out = tmp_path / "phases.json"
-  run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--phases", "--batch_sizes=1,2",
-            "--strategies=2_2_4", "--max_new_tokens=40", f"--prompts={prompts}")
+  model_dir = tiny_model_dir(tmp_path)
+  cfg, _ = hf.read_config(model_dir)
+  drafter_dir = str(tmp_path / "drafter")  # a reduced head: timed beside the full one on the same layers
+  checkpoint.save_drafter(Drafter(cfg, draft_vocab=tuple(range(0, cfg.vocab_size, 2)), rngs=nnx.Rngs(0)), drafter_dir)
+  run_bench(f"--model={model_dir}", f"--output={out}", "--phases", "--batch_sizes=1,2", "--strategies=2_2_4",
+            "--max_new_tokens=40", f"--prompts={prompts}", f"--drafter={drafter_dir}")
   records = json.loads(out.read_text())
-  assert [(r["batch_size"], r["strategy"]) for r in records] == [(1, "2_2_4"), (2, "2_2_4")]
+  half = (cfg.vocab_size + 1) // 2
+  assert [(r["batch_size"], r["strategy"], r["draft_vocab"]) for r in records] == [
+      (1, "2_2_4", half), (1, "2_2_4", cfg.vocab_size), (2, "2_2_4", half), (2, "2_2_4", cfg.vocab_size)]
   for r in records:
     assert all(r[k] > 0 for k in ("draft", "verify", "feed", "iteration", "plain", "segment"))
     assert 1 <= r["accept_len"] <= 3

@@ -19,7 +19,9 @@ table as CSV next to it. The counterpart of the reference's bench_sd.
 Phases mode (`--phases`): per batch size and strategy, one speculative iteration split into its
 phases (draft, verify with acceptance and commit, drafter feed), each timed alone, beside the
 fused iteration, a plain step and the engine's segment executable per iteration
-(`tlt_jax.rollout.profile`): where the time goes when speculation does not pay.
+(`tlt_jax.rollout.profile`): where the time goes when speculation does not pay. A drafter with a
+reduced-vocabulary head is also timed with the full head on the same layers (`draft_vocab` column):
+draft cost and acceptance length side by side.
 
 Adaptive mode (`--adaptive`): one long-tailed rollout of `--rows` problems (compaction on,
 speculation once at most `--sd_max_batch` rows are active), run with plain decoding, with each
@@ -158,19 +160,23 @@ def run(model, drafter: Drafter, prompts, batch_sizes, strategies, temperature, 
 
 
 def run_phases(model, drafter: Drafter, prompts, batch_sizes, strategies, temperature, max_new_tokens, seed):
-  """`profile.phase_times` per batch size and strategy (rows never stop: every phase runs on all of them)."""
+  """`profile.phase_times` per batch size and strategy (rows never stop: every phase runs on all of them).
+  A reduced-vocabulary drafter is timed twice, its own head beside the same layers with the full one."""
   records = []
   params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
-  with tqdm(total=len(batch_sizes) * len(strategies), desc="bench --phases", file=sys.stderr) as bar:
+  heads = [(drafter.vocab_size, drafter)] + ([(model.config.vocab_size, drafter.with_full_vocab())]
+                                             if drafter.draft_vocab else [])
+  with tqdm(total=len(batch_sizes) * len(strategies) * len(heads), desc="bench --phases", file=sys.stderr) as bar:
     for b in batch_sizes:
       batch = prompts[:b]
       for strategy in strategies:
         buckets = tuple(2**i for i in range((b - 1).bit_length() + 1))
         config = EngineConfig(batch_buckets=buckets, max_prompt_len=max(map(len, batch)), max_new_tokens=max_new_tokens,
                               segment_steps=16, compact=False, strategies=(strategy,), sd_max_batch=b)
-        times = profile.phase_times(Engine(model, config, params, drafter=drafter), batch, strategy)
-        records.append({"batch_size": b, "strategy": strategy.name, **times})
-        bar.update()
+        for vocab, d in heads:
+          times = profile.phase_times(Engine(model, config, params, drafter=d), batch, strategy)
+          records.append({"batch_size": b, "strategy": strategy.name, "draft_vocab": vocab, **times})
+          bar.update()
   return records
 
 

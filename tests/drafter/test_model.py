@@ -68,6 +68,10 @@ def test_reduced_vocabulary_head_is_the_live_lm_heads_rows():
       target.lm_head.kernel[...] = target.lm_head.kernel[...] * 2
     np.testing.assert_allclose(drafter.logits(target, drafter.head(target), feats), 2 * full[..., list(vocab)],
                                rtol=1e-5, atol=1e-5)
+    full_head = drafter.with_full_vocab()  # the same layers, the whole vocabulary; the original unchanged
+    assert full_head.vocab_size == 40 and drafter.vocab_size == 5 and full_head.head(target) is None
+    np.testing.assert_array_equal(full_head.fc.kernel[...], drafter.fc.kernel[...])
+    np.testing.assert_allclose(full_head.logits(target, None, feats), 2 * full, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("vocab, match", [(tuple(range(41)), "41 tokens is larger than the target's vocabulary of 40"),

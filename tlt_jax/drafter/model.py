@@ -86,6 +86,12 @@ class Drafter(nnx.Module):
       return target.logits(features)
     return jnp.dot(features.astype(head_HxN.dtype), head_HxN).astype(jnp.float32)
 
+  def with_full_vocab(self) -> "Drafter":
+    """The same trained layers scoring the target's whole vocabulary (a reduced head's comparison)."""
+    full = nnx.clone(self)
+    full.draft_vocab = ()
+    return full
+
   def target_ids(self, draft_ids):
     """Target token ids of draft ids."""
     if not self.draft_vocab:
