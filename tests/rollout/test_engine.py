@@ -419,3 +419,47 @@ def test_nan_drafter_turns_speculation_off_losslessly(models, caplog):
   assert bad.metrics.drafter_nonfinite and bad.metrics.summary()["rollout/drafter_nonfinite"] == 1
   assert not any(s.strategy for s in bad.metrics.segments)
   assert "speculation is off for the rest of this rollout" in caplog.text
+
+
+def count_compiles():
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+  return compiles
+
+
+def configured(config, **changes):
+  return EngineConfig(**{**config.__dict__, **changes})
+
+
+@pytest.mark.parametrize("sampling,strategy", [(dict(temperature=0), None), (dict(temperature=1.0, top_p=0.9), None),
+                                               (dict(temperature=0), "3_2_6"), (dict(temperature=1.0), "2_1_3")])
+def test_refill_equals_rows_run_one_by_one_and_in_waves(models, sampling, strategy):
+  """18 rows through a largest bucket of 8: refilled, in waves, and each row alone (a bucket of one)
+  give every row the same tokens; with a drafter, the tail after the last refill speculates."""
+  model = models["qwen3"]
+  params = SamplingParams(max_new_tokens=40, stop_token_ids=(STOP, 2, 3, 4), seed=7, **sampling)
+  drafter = Drafter(model.config, rngs=nnx.Rngs(1)) if strategy else None
+  config = with_sd(CONFIG, strategy, sd_max_batch=4) if strategy else CONFIG
+  ps = prompts(6, seed=40)
+  limits = [len(p) + 6 + 7 * i for i, p in enumerate(ps)]  # budgets end at different places
+  engine = Engine(model, config, params, drafter=drafter)
+  engine.prepare(18, [len(p) for p in ps])
+  compiles = count_compiles()
+  refilled = engine.generate(ps, num_samples=3, max_total_len=limits)
+  assert not compiles, "the refilled rollout compiled something"
+  m = refilled.metrics
+  assert m.refills > 0 and max(m.buckets()) == 8
+  assert sorted(m.started) == [(i, j) for i in range(6) for j in range(3)]
+  assert m.tokens == sum(len(s.tokens) for s in refilled.samples)
+  assert sum(s.tokens for s in m.segments) + len(refilled.samples) == m.tokens  # each row's first token: its prefill
+  assert all(s.waiting == 0 or s.bucket == 8 for s in m.segments)  # the batch stays full while rows wait
+  if strategy:
+    assert any(s.strategy for s in m.segments) and all(s.active_rows <= 4 for s in m.segments if s.strategy)
+  waves = Engine(model, configured(config, refill=False), params, drafter=drafter).generate(
+      ps, num_samples=3, max_total_len=limits)
+  assert waves.metrics.refills == 0
+  alone = Engine(model, configured(CONFIG, batch_buckets=(1,), refill=False), params).generate(
+      ps, num_samples=3, max_total_len=limits)
+  assert sample_set(refilled) == sample_set(waves) == sample_set(alone)
+  assert len({len(t) for t in sample_set(alone).values()}) > 4  # rows finish at many different times
