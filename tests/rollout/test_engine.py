@@ -11,7 +11,7 @@ from flax import nnx
 from tests.conftest import FAMILIES, VOCAB
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, ModelConfig, hf
-from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.engine import Engine, EngineConfig, RolloutMetrics, SegmentRecord
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
 
@@ -467,6 +467,8 @@ def test_refill_equals_rows_run_one_by_one_and_in_waves(models, sampling, strate
     assert len(compiles) == compiled, "the rollout in waves compiled something"
     assert waves.metrics.refills == 0 and waves.metrics.buckets().count(8) < len(waves.metrics.buckets())
     assert sample_set(waves) == sample_set(alone)
+    # One tail instead of one per wave: fewer slot-steps spent on no row.
+    assert m.idle_slot_fraction < waves.metrics.idle_slot_fraction
   assert len({len(t) for t in sample_set(alone).values()}) > 4  # rows finish at many different times
 
 
@@ -504,3 +506,15 @@ def test_longest_expected_first_changes_the_order_not_the_tokens(refill_engine):
   assert sample_set(longest) == sample_set(in_order)
   with pytest.raises(ValueError, match="expected_lengths has 5 entries for 6 prompts"):
     refill_engine.generate(ps, expected_lengths=expected[:5])
+
+
+def test_occupancy_idle_slots_and_tail_share():
+  m = RolloutMetrics(decode_s=10.0)
+  # bucket, active rows at the start, tokens, seconds, strategy, row-steps, steps, tail, waiting
+  m.segments = [SegmentRecord(8, 8, 60, 4.0, None, 60, 8, False, 5), SegmentRecord(8, 6, 30, 2.0, None, 30, 8),
+                SegmentRecord(4, 4, 8, 3.0, "2_1_3", 8, 4, True), SegmentRecord(2, 1, 3, 1.0, None, 3, 3)]
+  np.testing.assert_allclose(m.occupancy(), [7.5, 3.75, 2.0, 1.0])
+  summary = m.summary()
+  assert summary["rollout/idle_slot_fraction"] == pytest.approx(1 - 101 / (64 + 64 + 16 + 6))
+  assert summary["rollout/tail_share"] == pytest.approx((3.0 + 1.0) / 10.0)  # plays begun with <= 4 of 8 rows
+  assert summary["rollout/refills"] == 0
