@@ -4,10 +4,14 @@ Functional core: `RowState` (KV caches, last token, per-row counters, outputs) g
 functions compiled ahead of time for every batch bucket: `init`, `prefill` (a chunk of unique
 prompts, copied into each of their sample rows: GRPO groups share one prefill), the segments
 (one `lax.while_loop` of up to `segment_steps` iterations: plain decoding steps, or speculative
-iterations of one strategy) and `halve` (compaction into the next smaller bucket). Imperative
-shell: `Engine.generate` regains control after each segment, harvests finished rows, and when
-the active rows fit a smaller bucket it compacts them, so the long tail runs a small executable
-instead of dragging finished rows along. A segment ends on the device as soon as that happens.
+iterations of one strategy), `halve` (compaction into the next smaller bucket) and `reset`
+(empties chosen slots for new rows). Imperative shell: `Engine.generate` regains control after
+each segment and harvests finished rows. With more rows than the largest bucket (continuous
+batching, `EngineConfig.refill`), the batch stays at that bucket while rows wait: once a chunk
+of its slots is free, their rows are harvested and waiting rows reset into them and prefilled,
+so a rollout pays one tail, not one per wave. Once nothing waits, and when the active rows fit a
+smaller bucket, it compacts them, so the long tail runs a small executable instead of dragging
+finished rows along. A segment ends on the device as soon as either point is reached.
 
 One verify function serves plain and speculative decoding: a plain step verifies the one-node
 tree (the last token), a speculative iteration drafts an EAGLE-2 tree, verifies it, accepts with
