@@ -36,6 +36,10 @@ def test_dry_run_compiles_and_sizes_every_part(report):
   assert {"train/gradient", "train/update"} <= names
   assert any(n.startswith("rollout/plain/8") for n in names)  # the largest bucket, plain
   assert any(n.startswith("rollout_tail/") for n in names)  # the speculative tail's bucket
+  # 32 prompts x 8 samples over 4 groups: 64 rows each through a bucket of 8, refilled (its reset compiled).
+  assert report["rollout_batches"] == {"rows_per_group": 64, "rows_in_flight": 8, "refill": True,
+                                       "tails_with_waves": 8, "tails_with_refill": 1}
+  assert "rollout/reset/8" in names
   gradient = report["executables"]["train/gradient"]
   assert gradient["tflops"] > 0 and gradient["resident_gb"] > 0
   # Params are split over fsdp: the update's resident memory is well under the whole state's.

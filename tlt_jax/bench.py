@@ -7,6 +7,8 @@
 
   python -m tlt_jax.bench --phases --model=DIR --drafter=DIR --output=FILE.json [--batch_sizes=1,4 ...]
 
+  python -m tlt_jax.bench --refill --model=DIR --output=FILE.json [--rows=32 --num_samples=1 --bucket=8 ...]
+
 Prompts: `--prompts=FILE.jsonl` (text prompts chat-templated when the tokenizer has a template, as
 train_drafter reads them), else procedural `--task` problems.
 
@@ -34,6 +36,13 @@ round's) and, for the bandit, its ratio to the best and the worst of its arms pl
 and each strategy; `speedup` is against plain decoding without a drafter),
 its plays during warm-up and the timed rounds, the median round's rollout summary, and its
 plays and median rewards per bucket (it keeps learning across all rounds).
+
+Refill mode (`--refill`): one long-tailed rollout of `--rows` problems x `--num_samples` through a
+largest batch bucket of `--bucket`, plain decoding (no drafter), run in waves (each waits for
+its longest row) and with refill (finished rows' slots take waiting rows), interleaved over
+`--repeats` timed rounds after a warm-up one. Records {mode, tokens_per_s, speedup (over waves),
+wall_s, refills, idle_slot_fraction, tail_share, p99_over_median, same_samples} (the median
+round's) and prints the refill / waves tokens/s ratio.
 """
 
 from __future__ import annotations
@@ -78,7 +87,11 @@ _ADAPTIVE = flags.DEFINE_bool("adaptive", False, "Bandit vs every fixed strategy
 _ROWS = flags.DEFINE_integer("rows", 64, "Rows of the adaptive mode's rollout.", lower_bound=1)
 _SD_MAX_BATCH = flags.DEFINE_integer("sd_max_batch", 32, "Adaptive mode: speculate at most this many active rows.",
                                      lower_bound=1)
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Adaptive mode: timed rounds after the warm-up round.", lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Adaptive and refill modes: timed rounds after the warm-up round.",
+                                lower_bound=1)
+_REFILL = flags.DEFINE_bool("refill", False, "Refill vs waves on a rollout of more rows than the largest bucket.")
+_BUCKET = flags.DEFINE_integer("bucket", 8, "Refill mode: the largest batch bucket (a power of two).", lower_bound=1)
+_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Refill mode: samples per prompt (a GRPO group).", lower_bound=1)
 
 
 def _timed(engine: Engine, prompts, repeats: int = 3):
@@ -132,6 +145,38 @@ def run_adaptive(model, drafter: Drafter, prompts, strategies, temperature, max_
   records[-1].update(vs_best_fixed=round(records[-1]["tokens_per_s"] / max(fixed), 3),
                      vs_worst_fixed=round(records[-1]["tokens_per_s"] / min(fixed), 3), warmup_plays=warmup_plays,
                      timed_plays=total_plays - warmup_plays, summary=median["bandit"].summary(), bandit=bandit.stats())
+  return records
+
+
+def run_refill(model, prompts, num_samples, bucket, temperature, max_new_tokens, seed, stop_ids, repeats):
+  """Waves vs refill on one rollout of len(prompts) x num_samples rows through a largest bucket of `bucket`."""
+  base = EngineConfig(batch_buckets=tuple(2**i for i in range(bucket.bit_length())),
+                      max_prompt_len=max(map(len, prompts)), max_new_tokens=max_new_tokens)
+  params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
+                          stop_token_ids=tuple(stop_ids))
+  modes = [("waves", Engine(model, EngineConfig(**{**base.__dict__, "refill": False}), params)),
+           ("refill", Engine(model, base, params))]
+  runs = {name: [] for name, _ in modes}
+  with tqdm(total=len(modes) * (repeats + 1), desc="bench --refill", file=sys.stderr) as bar:
+    for round_ in range(repeats + 1):  # round 0 is the warm-up
+      for name, engine in modes:
+        rollout = engine.generate(prompts, num_samples)
+        if round_:
+          runs[name].append(rollout)
+        bar.update()
+  records = []
+  for name, _ in modes:
+    rs = runs[name]
+    r = rs[int(np.argsort([x.metrics.tokens_per_s for x in rs])[len(rs) // 2])]
+    lengths = [len(s.tokens) for s in r.samples]
+    m = r.metrics
+    records.append({"mode": name, "rows": len(r.samples), "bucket": bucket, "tokens_per_s": round(m.tokens_per_s, 2),
+                    "wall_s": round(m.wall_s, 3), "refills": m.refills,
+                    "idle_slot_fraction": round(m.idle_slot_fraction, 3), "tail_share": round(m.tail_share, 3),
+                    "p99_over_median": round(float(np.percentile(lengths, 99) / np.median(lengths)), 2)})
+  same = [s.tokens.tolist() for s in runs["waves"][0].samples] == [s.tokens.tolist() for s in runs["refill"][0].samples]
+  for r in records:  # refill changes when a row runs, never its tokens
+    r.update(speedup=round(r["tokens_per_s"] / records[0]["tokens_per_s"], 3), same_samples=same)
   return records
 
 
@@ -208,7 +253,7 @@ def _prompts(tokenizer, cfg, needed: int) -> list[list[int]]:
   if tokenizer is None:
     raise cli.InputError(f"--model={_MODEL.value} has no tokenizer to build --task={_TASK.value} prompts with")
   with cli.named("model", _MODEL.value):
-    if _ADAPTIVE.value:  # the task's own long-tailed difficulty
+    if _ADAPTIVE.value or _REFILL.value:  # the task's own long-tailed difficulty
       return [ex.prompt_ids for ex in datasets.from_tasks(_TASK.value, tokenizer, size=needed, seed=_SEED.value)]
     difficulty = tasks.Difficulty(min_terms=_MIN_TERMS.value, max_terms=max(_MIN_TERMS.value, 24))
     return [ex.prompt_ids for ex in datasets.from_tasks(_TASK.value, tokenizer, size=needed, seed=_SEED.value,
@@ -232,8 +277,14 @@ def main(argv):
   with cli.named("model", _MODEL.value):  # the cheap parts first: config, tokenizer, drafter
     cfg, _ = hf.read_config(_MODEL.value)
     tokenizer = hf.load_tokenizer(_MODEL.value)
-  prompts = _prompts(tokenizer, cfg, _ROWS.value if _ADAPTIVE.value else max(batch_sizes))
-  if _DRAFTER.value == "random":
+  prompts = _prompts(tokenizer, cfg, _ROWS.value if _ADAPTIVE.value or _REFILL.value else max(batch_sizes))
+  if _BUCKET.value & (_BUCKET.value - 1):
+    raise cli.InputError(f"--bucket={_BUCKET.value}: must be a power of two")
+  if _REFILL.value:
+    drafter = None  # plain decoding: refill and waves differ before the tail, where speculation does not run
+  elif not _DRAFTER.value:
+    raise cli.InputError("--drafter: a drafter directory or 'random' is needed outside --refill")
+  elif _DRAFTER.value == "random":
     drafter = Drafter(cfg, rngs=nnx.Rngs(_SEED.value))
   else:
     with cli.named("drafter", _DRAFTER.value):
@@ -241,7 +292,10 @@ def main(argv):
   with cli.named("model", _MODEL.value):
     model = hf.from_pretrained(_MODEL.value)
   stop = set(model.config.stop_token_ids) | ({tokenizer.eos_token_id} if tokenizer is not None else set())
-  if _PHASES.value:
+  if _REFILL.value:
+    records = run_refill(model, prompts, _NUM_SAMPLES.value, _BUCKET.value, _TEMPERATURE.value, _MAX_NEW.value,
+                         _SEED.value, sorted(stop), _REPEATS.value)
+  elif _PHASES.value:
     records = run_phases(model, drafter, prompts, batch_sizes, strategies, _TEMPERATURE.value, _MAX_NEW.value,
                          _SEED.value)
   elif _ADAPTIVE.value:
@@ -259,8 +313,10 @@ def main(argv):
       writer.writerows(records)
   for r in records:
     print(json.dumps(r))
+  if _REFILL.value:
+    print(f"refill / waves tokens/s: {records[1]['speedup']:.3f}")
 
 
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["model", "drafter", "output"])
+  flags.mark_flags_as_required(["model", "output"])
   cli.run(main)

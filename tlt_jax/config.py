@@ -98,6 +98,7 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.max_new_tokens = 384
   c.rollout.groups = 1  # data-parallel rollout groups (each its devices' share of the prompts)
   c.rollout.batch_buckets = 128  # largest batch bucket per rollout group (powers of two below it)
+  c.rollout.refill = True  # more rows than that bucket: refill finished rows' slots (False: consecutive waves)
   c.rollout.segment_steps = 16
   c.rollout.kv_block = 64
   c.rollout.strategies = "3_1_4,4_2_6"  # draft depth_topk_verify, comma-separated (bandit arms beside SD off)

@@ -6,7 +6,9 @@ config.model when that directory is absent), places them on the run's meshes (on
 `mesh.dry_run_devices` simulated devices stand in for the accelerators), compiles the rollout
 executables (largest batch bucket, and the speculative tail's bucket with every strategy) for one
 rollout group and the trainer's micro-batch gradient and optimizer update, and reports per-device
-memory (XLA's memory analysis of each executable) and FLOPs. It fails, naming the executable and
+memory (XLA's memory analysis of each executable) and FLOPs. `rollout_batches` states the rows a
+step gives each rollout group, the rows in flight at once (its largest bucket) and the tails a step
+pays: one per wave in waves, one with refill (`rollout.refill`). It fails, naming the executable and
 the config keys to change, when one needs more than `mesh.device_memory_gb`. With TLT it also
 bounds what the drafter's online data buffer adds to each process's checkpoint
 (`drafter_buffer_checkpoint_gb`: captured features and tokens, at most `drafter.buffer_pairs` pairs).
@@ -122,6 +124,8 @@ def run(config) -> dict:
   sampling = SamplingParams(temperature=config.rollout.temperature, top_k=config.rollout.top_k,
                             top_p=config.rollout.top_p, max_new_tokens=config.rollout.max_new_tokens, seed=config.seed)
   base = trainer_lib.engine_config(config, strategies)
+  report["rollout_batches"] = batches(config, base.batch_buckets[-1])
+  rows = report["rollout_batches"]["rows_per_group"]
   sd_bucket = base.bucket(min(base.sd_max_batch, base.batch_buckets[-1]))
   for label, largest in (("rollout", base.batch_buckets[-1]), ("rollout_tail", sd_bucket)):
     engine_cfg = trainer_lib.engine_config(config, strategies, largest_bucket=largest, compact=False)
@@ -129,7 +133,7 @@ def run(config) -> dict:
     engine = Engine(group_policy, engine_cfg, sampling, mesh=group_mesh, drafter=drafter, bandit=bandit)
     logging.info("dry run: compiling %s executables (bucket %d)", label, largest)
     with jax.set_mesh(group_mesh):
-      engine.prepare(largest, [config.data.max_prompt_len])
+      engine.prepare(rows if label == "rollout" else largest, [config.data.max_prompt_len])  # refill's reset too
     for key in engine.pool.keys():
       executables[f"{label}/{'/'.join(map(str, key))}"] = _sizes(engine.pool[key])
     if largest == sd_bucket:
@@ -146,6 +150,16 @@ def run(config) -> dict:
   report.update(check_fit(executables, config.mesh.device_memory_gb, on_cpu=devices[0].platform == "cpu"))
   report["seconds"] = round(time.perf_counter() - start, 1)
   return report
+
+
+def batches(config, largest: int) -> dict:
+  """Rows a step gives the busiest rollout group, rows in flight at once, and the batches it runs:
+  in waves, one per `largest` rows, each waiting for its longest row (a tail each); with refill,
+  one batch kept full while rows wait (one tail)."""
+  r = config.rollout
+  rows = -(-r.prompts_per_step // r.groups) * r.num_samples
+  return {"rows_per_group": rows, "rows_in_flight": min(rows, largest), "refill": bool(r.refill),
+          "tails_with_waves": -(-rows // largest), "tails_with_refill": 1}
 
 
 def check_fit(executables: dict[str, dict[str, float]], limit_gb: float, on_cpu: bool) -> dict:

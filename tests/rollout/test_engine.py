@@ -11,7 +11,7 @@ from flax import nnx
 from tests.conftest import FAMILIES, VOCAB
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, ModelConfig, hf
-from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.engine import Engine, EngineConfig, RolloutMetrics, SegmentRecord
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
 
@@ -419,3 +419,103 @@ def test_nan_drafter_turns_speculation_off_losslessly(models, caplog):
   assert bad.metrics.drafter_nonfinite and bad.metrics.summary()["rollout/drafter_nonfinite"] == 1
   assert not any(s.strategy for s in bad.metrics.segments)
   assert "speculation is off for the rest of this rollout" in caplog.text
+
+
+def count_compiles():
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+  return compiles
+
+
+def configured(config, **changes):
+  return EngineConfig(**{**config.__dict__, **changes})
+
+
+@pytest.mark.parametrize("sampling,strategy", [(dict(temperature=0), None), (dict(temperature=1.0, top_p=0.9), None),
+                                               (dict(temperature=0), "3_2_6"), (dict(temperature=1.0), "2_1_3")])
+def test_refill_equals_rows_run_one_by_one_and_in_waves(models, sampling, strategy):
+  """18 rows through a largest bucket of 8: refilled, in waves, and each row alone (a bucket of one)
+  give every row the same tokens; with a drafter, the tail after the last refill speculates."""
+  model = models["qwen3"]
+  params = SamplingParams(max_new_tokens=40, stop_token_ids=(STOP, 2, 3, 4), seed=7, **sampling)
+  drafter = Drafter(model.config, rngs=nnx.Rngs(1)) if strategy else None
+  config = with_sd(CONFIG, strategy, sd_max_batch=2) if strategy else CONFIG
+  ps = prompts(6, seed=40)
+  limits = [len(p) + 6 + 7 * i for i, p in enumerate(ps)]  # budgets end at different places
+  engine = Engine(model, config, params, drafter=drafter)
+  engine.prepare(18, [len(p) for p in ps])
+  compiles = count_compiles()
+  refilled = engine.generate(ps, num_samples=3, max_total_len=limits)
+  assert not compiles, "the refilled rollout compiled something"
+  m = refilled.metrics
+  assert m.refills > 0 and max(m.buckets()) == 8 and ("reset", 8) in engine.pool.keys()
+  assert sorted(m.started) == [(i, j) for i in range(6) for j in range(3)]
+  assert m.tokens == sum(len(s.tokens) for s in refilled.samples)
+  assert sum(s.tokens for s in m.segments) + len(refilled.samples) == m.tokens  # each row's first token: its prefill
+  assert all(s.waiting == 0 or s.bucket == 8 for s in m.segments)  # the batch stays full while rows wait
+  if strategy:
+    assert any(s.strategy for s in m.segments) and all(s.active_rows <= 2 for s in m.segments if s.strategy)
+  alone = Engine(model, configured(CONFIG, batch_buckets=(1,), refill=False), params).generate(
+      ps, num_samples=3, max_total_len=limits)
+  assert sample_set(refilled) == sample_set(alone)
+  if not strategy:  # waves are the path the speculative tests above cover
+    engine = Engine(model, configured(config, refill=False), params)
+    engine.prepare(18, [len(p) for p in ps])  # the last wave's bucket (2 rows) included
+    compiled = len(compiles)
+    waves = engine.generate(ps, num_samples=3, max_total_len=limits)
+    assert len(compiles) == compiled, "the rollout in waves compiled something"
+    assert waves.metrics.refills == 0 and waves.metrics.buckets().count(8) < len(waves.metrics.buckets())
+    assert sample_set(waves) == sample_set(alone)
+    # One tail instead of one per wave: fewer decode steps (batch forward passes) for the same tokens.
+    steps = lambda metrics: sum(s.steps for s in metrics.segments)
+    assert steps(m) < steps(waves.metrics), (steps(m), steps(waves.metrics))
+  assert len({len(t) for t in sample_set(alone).values()}) > 4  # rows finish at many different times
+
+
+@pytest.fixture(scope="module")
+def refill_engine(models):
+  """Sampling with early stops through a largest bucket of 4: 9 or 18 rows are refilled."""
+  params = SamplingParams(temperature=1.0, max_new_tokens=30, stop_token_ids=(STOP, 2, 3), seed=11)
+  engine = Engine(models["llama3"], configured(CONFIG, batch_buckets=(1, 2, 4)), params)
+  engine.prepare(18, [len(p) for p in prompts(6, seed=41)])
+  return engine
+
+
+def test_refilled_shards_sample_what_one_engine_samples(refill_engine):
+  """Data-parallel rollout groups each run a shard of the prompts at its `prompt_offset` (as
+  tlt_jax.drafter.spot does); refilled shards sample what one refilled rollout does, compiling nothing."""
+  ps = prompts(6, seed=41)
+  compiles = count_compiles()
+  whole = refill_engine.generate(ps, num_samples=3)
+  shards = [refill_engine.generate(ps[a:a + 3], num_samples=3, prompt_offset=a) for a in (0, 3)]
+  assert not compiles, "a refilled rollout compiled something"
+  assert all(r.metrics.refills > 0 for r in [whole, *shards])
+  assert sample_set(whole) == {**sample_set(shards[0]), **sample_set(shards[1])}
+
+
+def test_longest_expected_first_changes_the_order_not_the_tokens(refill_engine):
+  ps = prompts(6, seed=41)
+  in_order = refill_engine.generate(ps, num_samples=3)
+  rows = [(i, j) for i in range(6) for j in range(3)]
+  assert in_order.metrics.started == rows
+  # Expected lengths from an earlier epoch: here the mean response length of the rollout above.
+  expected = [np.mean([len(s.tokens) for s in in_order.samples if s.prompt_index == i]) for i in range(6)]
+  longest = refill_engine.generate(ps, num_samples=3, expected_lengths=expected)
+  assert longest.metrics.started == sorted(rows, key=lambda r: -expected[r[0]])
+  assert longest.metrics.started[4:8] != in_order.metrics.started[4:8]  # the first refills take other rows
+  assert sample_set(longest) == sample_set(in_order)
+  with pytest.raises(ValueError, match="expected_lengths has 5 entries for 6 prompts"):
+    refill_engine.generate(ps, expected_lengths=expected[:5])
+
+
+def test_occupancy_idle_slots_and_tail_share():
+  m = RolloutMetrics(decode_s=10.0)
+  # bucket, active rows at the start, tokens, seconds, strategy, row-steps, steps, tail, waiting
+  m.segments = [SegmentRecord(8, 8, 60, 4.0, None, 60, 8, False, 5), SegmentRecord(8, 6, 30, 2.0, None, 30, 8),
+                SegmentRecord(4, 4, 8, 3.0, "2_1_3", 8, 4, True), SegmentRecord(2, 1, 3, 1.0, None, 3, 3)]
+  np.testing.assert_allclose(m.occupancy(), [7.5, 3.75, 2.0, 1.0])
+  summary = m.summary()
+  assert summary["rollout/idle_slot_fraction"] == pytest.approx(1 - 101 / (64 + 64 + 16 + 6))
+  assert summary["rollout/tail_share"] == pytest.approx((3.0 + 1.0) / 10.0)  # plays begun with <= 4 of 8 rows
+  assert summary["rollout/refills"] == 0

@@ -262,7 +262,7 @@ class SpotTrainer:
     limit = lambda a, b: list(max_total_len[a:b]) if isinstance(max_total_len, Sequence) else max_total_len
     def prepare(g, engine):
       a, b = bounds[g], bounds[g + 1]
-      engine.prepare(min((b - a) * num_samples, engine.config.batch_buckets[-1]), [len(p) for p in prompts[a:b]])
+      engine.prepare((b - a) * num_samples, [len(p) for p in prompts[a:b]])  # refill or waves included
     # Each group compiles its own executables (they are bound to its devices): in parallel, since
     # XLA compiles one module per thread.
     with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as pool:

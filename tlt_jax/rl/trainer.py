@@ -172,7 +172,8 @@ def engine_config(config, strategies=(), largest_bucket: int | None = None, comp
   return EngineConfig(batch_buckets=buckets, max_prompt_len=config.data.max_prompt_len, max_new_tokens=r.max_new_tokens,
                       segment_steps=r.segment_steps, kv_block=r.kv_block, strategies=tuple(strategies),
                       sd_max_batch=r.sd_max_batch, compilation_cache_dir=r.compilation_cache_dir or None,
-                      compact=compact, attention=config.kernels.attention, capture_hidden=capture_hidden)
+                      compact=compact, attention=config.kernels.attention, capture_hidden=capture_hidden,
+                      refill=r.refill)
 
 
 def sampling_params(config, tok) -> SamplingParams:

@@ -4,10 +4,14 @@ Functional core: `RowState` (KV caches, last token, per-row counters, outputs) g
 functions compiled ahead of time for every batch bucket: `init`, `prefill` (a chunk of unique
 prompts, copied into each of their sample rows: GRPO groups share one prefill), the segments
 (one `lax.while_loop` of up to `segment_steps` iterations: plain decoding steps, or speculative
-iterations of one strategy) and `halve` (compaction into the next smaller bucket). Imperative
-shell: `Engine.generate` regains control after each segment, harvests finished rows, and when
-the active rows fit a smaller bucket it compacts them, so the long tail runs a small executable
-instead of dragging finished rows along. A segment ends on the device as soon as that happens.
+iterations of one strategy), `halve` (compaction into the next smaller bucket) and `reset`
+(empties chosen slots for new rows). Imperative shell: `Engine.generate` regains control after
+each segment and harvests finished rows. With more rows than the largest bucket (continuous
+batching, `EngineConfig.refill`), the batch stays at that bucket while rows wait: once a chunk
+of its slots is free, their rows are harvested and waiting rows reset into them and prefilled,
+so a rollout pays one tail, not one per wave. Once nothing waits, and when the active rows fit a
+smaller bucket, it compacts them, so the long tail runs a small executable instead of dragging
+finished rows along. A segment ends on the device as soon as either point is reached.
 
 One verify function serves plain and speculative decoding: a plain step verifies the one-node
 tree (the last token), a speculative iteration drafts an EAGLE-2 tree, verifies it, accepts with
@@ -73,6 +77,10 @@ class EngineConfig:
   compilation_cache_dir: str | None = None  # persistent XLA cache: later processes skip compiling
   strategies: tuple[Strategy, ...] = ()  # draft strategies for the tail (need a drafter; several: a bandit)
   sd_max_batch: int = 32  # speculate while at most this many rows are active (TLT: 32)
+  # More rows than the largest bucket: True keeps that batch full, prefilling waiting rows into
+  # finished rows' slots (one tail per rollout); False runs them in consecutive waves (one tail each).
+  refill: bool = True
+  refill_rows: int = 0  # refill once this many slots are free (0: a quarter of the largest bucket)
 
   def __post_init__(self):
     b = self.batch_buckets
@@ -80,6 +88,8 @@ class EngineConfig:
       raise ValueError(f"batch_buckets must be 1, 2, 4, ... (powers of two), got {b}")
     if self.attention not in tree_attention.IMPLEMENTATIONS:
       raise ValueError(f"attention must be one of {tree_attention.IMPLEMENTATIONS}, got {self.attention!r}")
+    if not 0 <= self.refill_rows <= b[-1]:
+      raise ValueError(f"refill_rows must be in [0, {b[-1]}] (the largest bucket), got {self.refill_rows}")
 
   @property
   def capacity(self) -> int:
@@ -97,6 +107,10 @@ class EngineConfig:
 
   def bucket(self, rows: int) -> int:
     return next(b for b in self.batch_buckets if b >= rows)
+
+  @property
+  def refill_chunk(self) -> int:
+    return self.refill_rows or max(1, self.batch_buckets[-1] // 4)
 
 
 @flax.struct.dataclass
@@ -152,6 +166,7 @@ class SegmentRecord:
   passes: int = 0  # row-steps: target forward passes summed over active rows
   steps: int = 1  # decode steps (target forward passes of the batch)
   tail: bool = False  # speculation was an option (the arm was chosen, SD off included)
+  waiting: int = 0  # rows of the rollout not yet in the batch when the play began
 
 
 @dataclasses.dataclass
@@ -162,6 +177,8 @@ class RolloutMetrics:
   tokens: int = 0
   segments: list[SegmentRecord] = dataclasses.field(default_factory=list)
   drafter_nonfinite: bool = False  # the drafter's outputs were NaN/inf: speculation was turned off
+  refills: int = 0  # times waiting rows were prefilled into finished rows' slots
+  started: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (prompt, sample) in batch-entry order
 
   @property
   def wall_s(self) -> float:
@@ -173,6 +190,22 @@ class RolloutMetrics:
 
   def buckets(self) -> list[int]:
     return [s.bucket for s in self.segments]
+
+  def occupancy(self) -> list[float]:
+    """Active rows per play, averaged over its decode steps (row-steps / steps)."""
+    return [s.passes / max(s.steps, 1) for s in self.segments]
+
+  @property
+  def idle_slot_fraction(self) -> float:
+    """Share of the batch's slot-steps spent on no row (finished rows dragged along, empty slots)."""
+    slot_steps = sum(s.steps * s.bucket for s in self.segments)
+    return 1 - sum(s.passes for s in self.segments) / max(slot_steps, 1)
+
+  @property
+  def tail_share(self) -> float:
+    """Share of decode time in plays that began with at most half the largest bucket's rows active."""
+    half = max(self.buckets(), default=0) / 2
+    return sum(s.seconds for s in self.segments if s.active_rows <= half) / max(self.decode_s, 1e-9)
 
   @property
   def sd_s(self) -> float:
@@ -194,7 +227,9 @@ class RolloutMetrics:
            "rollout/prefill_s": self.prefill_s, "rollout/decode_s": self.decode_s, "rollout/compact_s": self.compact_s,
            "rollout/sd_s": self.sd_s, "rollout/plain_s": self.decode_s - self.sd_s,
            "rollout/sd_share": self.sd_s / max(self.wall_s, 1e-9), "rollout/accept_len": self.accept_len,
-           "rollout/verify_passes": self.verify_passes, "rollout/drafter_nonfinite": int(self.drafter_nonfinite)}
+           "rollout/verify_passes": self.verify_passes, "rollout/drafter_nonfinite": int(self.drafter_nonfinite),
+           "rollout/refills": self.refills, "rollout/tail_share": self.tail_share,
+           "rollout/idle_slot_fraction": self.idle_slot_fraction}
     for s in self.segments:
       key = f"rollout/steps/b{s.bucket}"
       out[key] = out.get(key, 0) + s.steps
@@ -278,6 +313,15 @@ class Engine:
         drafter_cache=KVCache.zeros(mc, b, cfg.capacity, self._dtype, num_layers=1) if drafting else None,
         draft_feat=jnp.zeros((b, mc.hidden_size), self._dtype) if drafting else None,
         drafter_finite=jnp.ones((b,), bool) if drafting else None)
+
+  def _reset(self, st: RowState, prompt_index, sample_index, row_id, max_new):
+    """Empties the slots with `row_id >= 0` for those new rows (identity, budget; counters and outputs
+    as `init` makes them), ready for `prefill`; other slots are unchanged. The caches are left as
+    they are: the prefill writes a new row's prompt slots and lengths, and nothing reads past them."""
+    no_cache = lambda x: dataclasses.replace(x, cache=None, drafter_cache=None)
+    fresh = self._init(prompt_index, sample_index, row_id, max_new)
+    out = jax.tree.map(functools.partial(_where_rows, row_id >= 0), no_cache(fresh), no_cache(st))
+    return dataclasses.replace(out, cache=st.cache, drafter_cache=st.drafter_cache)
 
   def _record(self, st: RowState, active, acc: speculative.Accepted, hidden_BxMxH):
     """Writes the accepted tokens (and the features that produced them) into the row outputs."""
@@ -480,13 +524,19 @@ class Engine:
     return bool(cfg.strategies) and bucket <= cfg.bucket(min(cfg.sd_max_batch, cfg.batch_buckets[-1]))
 
   def prepare(self, rows: int, prompt_lens: Sequence[int] = ()) -> None:
-    """Compiles everything a rollout of `rows` rows needs (no-op for what the pool holds)."""
+    """Compiles everything a rollout of `rows` rows needs (no-op for what the pool holds): with more
+    rows than the largest bucket, the slot reset of refill, or the smaller last wave's executables."""
     cfg = self.config
-    b0 = cfg.bucket(rows)
+    largest = cfg.batch_buckets[-1]
+    if rows > largest and not cfg.refill and rows % largest:
+      self.prepare(rows % largest, prompt_lens)
+    b0 = cfg.bucket(min(rows, largest))
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     params = (self.params, self.drafter_params)
     state = self._abstract_state
     self._compile(("init", b0), self._init, [i32(b0)] * 4, state(b0))
+    if rows > largest and cfg.refill:
+      self._compile(("reset", b0), self._reset, [state(b0), *[i32(b0)] * 4], state(b0), donate=(0,))
     p = min(cfg.prefill_batch, b0)
     for t in sorted({self._prompt_bucket(n) for n in prompt_lens} or set(cfg.prompt_buckets)):
       self._compile(("prefill", b0, p, t), self._prefill, [*params, state(b0), i32(p, t), i32(p), i32(b0)], state(b0),
@@ -511,13 +561,17 @@ class Engine:
 
   def generate(self, prompts: Sequence[Sequence[int]], num_samples: int = 1,
                max_total_len: Sequence[int] | int | None = None,
-               on_progress: Callable[[int, int], None] | None = None, prompt_offset: int = 0) -> Rollout:
+               on_progress: Callable[[int, int], None] | None = None, prompt_offset: int = 0,
+               expected_lengths: Sequence[float] | None = None) -> Rollout:
     """Samples `num_samples` continuations of each prompt (token ids).
 
     `on_progress(rows_finished_delta, tokens_delta)` is called at every segment boundary.
     `prompt_offset`: the prompts are a shard starting at this index of a larger batch (data-parallel
     rollout); RNG keys and `Sample.prompt_index` use the global index, so a sharded rollout
     samples exactly what one engine would.
+    `expected_lengths`: per prompt, e.g. its mean response length in an earlier epoch; rows enter the
+    batch longest expected first (ties in order) instead of in order, so the longest rows do not
+    start last and stretch the tail. Order changes when a row runs, never its tokens.
     """
     cfg, sp = self.config, self.sampling
     budgets = []
@@ -530,28 +584,33 @@ class Engine:
         raise ValueError(f"prompt {i}: {len(p)} tokens leave no room under max_total_len={limit}")
       budgets.append(budget)
     rows = [(i, j) for i in range(len(prompts)) for j in range(num_samples)]
-    wave = cfg.batch_buckets[-1]
+    if expected_lengths is not None:
+      if len(expected_lengths) != len(prompts):
+        raise ValueError(f"expected_lengths has {len(expected_lengths)} entries for {len(prompts)} prompts")
+      rows.sort(key=lambda r: -expected_lengths[r[0]])  # stable: in order among equals
+    self.prepare(len(rows), [len(p) for p in prompts])
+    largest = cfg.batch_buckets[-1]
+    batches = [rows] if cfg.refill else [rows[s:s + largest] for s in range(0, len(rows), largest)]
     metrics = RolloutMetrics()
     samples = []
-    for start in range(0, len(rows), wave):
-      chunk = rows[start:start + wave]
-      self.prepare(len(chunk), [len(prompts[i]) for i, _ in chunk])
-      samples += self._wave(prompts, chunk, budgets, metrics, on_progress or (lambda rows, tokens: None),
-                            prompt_offset)
+    for batch in batches:
+      samples += self._run(prompts, batch, budgets, metrics, on_progress or (lambda rows, tokens: None),
+                           prompt_offset)
     samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
     return Rollout(samples, metrics)
 
-  def _wave(self, prompts, rows, budgets, metrics, on_progress, prompt_offset) -> list[Sample]:
-    """One batch of (prompt index, sample index) rows, from prefill until every row is done."""
-    cfg, pool = self.config, self.pool
-    b = cfg.bucket(len(rows))
-    pad = lambda xs, fill: np.asarray(list(xs) + [fill] * (b - len(xs)), np.int32)
-    t0 = time.perf_counter()
-    st = pool[("init", b)](pad([prompt_offset + i for i, _ in rows], 0), pad([j for _, j in rows], 0),
-                           pad(range(len(rows)), -1),
-                           pad([budgets[i] for i, _ in rows], 1))
-    unique = sorted({i for i, _ in rows})
-    p = min(cfg.prefill_batch, b)
+  def _identity(self, rows, slot_row: np.ndarray, budgets, prompt_offset) -> list[np.ndarray]:
+    """`init`/`reset` arguments: prompt, sample, row id and budget of the row in each slot (-1: none)."""
+    pick = lambda f, empty: np.asarray([f(r) if r >= 0 else empty for r in slot_row], np.int32)
+    return [pick(lambda r: prompt_offset + rows[r][0], 0), pick(lambda r: rows[r][1], 0), pick(lambda r: r, -1),
+            pick(lambda r: budgets[rows[r][0]], 1)]
+
+  def _prefill_slots(self, st: RowState, prompts, rows, slot_row: np.ndarray) -> RowState:
+    """Prefills the rows of the slots `slot_row >= 0`: each unique prompt once per chunk of
+    `prefill_batch` prompts, copied into its rows' slots."""
+    b = slot_row.shape[0]
+    p = min(self.config.prefill_batch, b)
+    unique = sorted({rows[r][0] for r in slot_row if r >= 0})
     for c in range(0, len(unique), p):
       chunk = unique[c:c + p]
       t = self._prompt_bucket(max(len(prompts[i]) for i in chunk))
@@ -561,20 +620,58 @@ class Engine:
         tokens[k, :len(prompts[i])] = prompts[i]
         lengths[k] = len(prompts[i])
       slot = {i: k for k, i in enumerate(chunk)}
-      row_prompt = pad([slot.get(i, -1) for i, _ in rows], -1)
-      st = pool[("prefill", b, p, t)](self.params, self.drafter_params, st, tokens, lengths, row_prompt)
+      row_prompt = np.asarray([slot.get(rows[r][0], -1) if r >= 0 else -1 for r in slot_row], np.int32)
+      st = self.pool[("prefill", b, p, t)](self.params, self.drafter_params, st, tokens, lengths, row_prompt)
+    return st
+
+  def _run(self, prompts, rows, budgets, metrics, on_progress, prompt_offset) -> list[Sample]:
+    """Decodes (prompt index, sample index) `rows`, in this order of entry, until every one is done.
+
+    The batch takes the first rows that fit the largest bucket. While rows wait, it stays at that
+    bucket: once `refill_chunk` of its slots are free (or every waiting row fits) the play ends on
+    the device, the finished rows are harvested and waiting rows are prefilled into their slots.
+    Each refill pays one sync and a fixed-shape prefill whatever the rows it brings, so waiting
+    for a chunk amortises it while keeping the batch at least 3/4 full (default chunk: a quarter).
+    Once nothing waits, the tail compacts into smaller buckets and may speculate.
+    """
+    cfg, pool = self.config, self.pool
+    b = cfg.bucket(min(len(rows), cfg.batch_buckets[-1]))
+    t0 = time.perf_counter()
+    queued = min(b, len(rows))  # rows[queued:] wait
+    first = np.asarray(list(range(queued)) + [-1] * (b - queued), np.int32)
+    st = pool[("init", b)](*self._identity(rows, first, budgets, prompt_offset))
+    st = self._prefill_slots(st, prompts, rows, first)
     # Host copies of the per-row counters, refreshed by every play's sync.
     done, generated, passes = jax.device_get((st.done, st.num_generated, st.passes))
     self._check_drafter(st, metrics)
     metrics.prefill_s += time.perf_counter() - t0
-    metrics.tokens += len(rows)
-    on_progress(int(done[:len(rows)].sum()), len(rows))
+    metrics.tokens += queued
+    metrics.started += rows[:queued]
+    on_progress(int(done[:queued].sum()), queued)
     out: list[Sample] = []
     harvested = np.zeros((len(rows),), bool)
     prompt_lens = [len(prompts[i]) for i, _ in rows]
-    while not done.all():
+    while queued < len(rows) or not done.all():
       active = int((~done).sum())
-      if cfg.compact and cfg.bucket(active) < b:
+      waiting = len(rows) - queued
+      if waiting and b - active >= min(cfg.refill_chunk, waiting):
+        t0 = time.perf_counter()
+        out += self._harvest(st, harvested, prompt_lens)
+        free = np.flatnonzero(done)[:waiting]
+        new = np.full((b,), -1, np.int32)
+        new[free] = np.arange(queued, queued + len(free))
+        st = pool[("reset", b)](st, *self._identity(rows, new, budgets, prompt_offset))
+        st = self._prefill_slots(st, prompts, rows, new)
+        done, generated, passes = jax.device_get((st.done, st.num_generated, st.passes))
+        self._check_drafter(st, metrics)
+        metrics.prefill_s += time.perf_counter() - t0
+        metrics.tokens += len(free)
+        metrics.refills += 1
+        metrics.started += rows[queued:queued + len(free)]
+        queued += len(free)
+        on_progress(int(done[free].sum()), len(free))
+        continue
+      if not waiting and cfg.compact and cfg.bucket(active) < b:
         t0 = time.perf_counter()
         out += self._harvest(st, harvested, prompt_lens)
         while cfg.bucket(active) < b:
@@ -590,9 +687,10 @@ class Engine:
       strategy = None
       if tail:
         strategy = cfg.strategies[0] if self.bandit is None else self.bandit.choose(active)
-      # The play ends on the device once a smaller bucket fits the active rows (compaction) or,
-      # before the tail, once the tail begins (the bandit's turn).
-      stop_at = b // 2 if cfg.compact else 0
+      # The play ends on the device once enough slots are free for a refill, or, with nothing
+      # waiting, once a smaller bucket fits the active rows (compaction); before the tail, once the
+      # tail begins (the bandit's turn).
+      stop_at = b - min(cfg.refill_chunk, waiting) if waiting else (b // 2 if cfg.compact else 0)
       if speculating and not tail:
         stop_at = max(stop_at, cfg.sd_max_batch)
       t0 = time.perf_counter()
@@ -605,7 +703,8 @@ class Engine:
       metrics.decode_s += seconds
       metrics.tokens += produced
       metrics.segments.append(SegmentRecord(b, active, produced, seconds, strategy and strategy.name,
-                                            int(passes.sum() - before[1].sum()), int((passes - before[1]).max()), tail))
+                                            int(passes.sum() - before[1].sum()), int((passes - before[1]).max()), tail,
+                                            waiting))
       if self.bandit is not None and tail:
         self.bandit.update(active, strategy, produced, seconds)
       on_progress(active - int((~done).sum()), produced)

@@ -45,20 +45,10 @@ def prefilled_state(engine: Engine, prompts: Sequence[Sequence[int]]):
   n = len(prompts)
   b = engine.config.bucket(n)
   engine.prepare(n, [len(p) for p in prompts])
-  t = engine._prompt_bucket(max(map(len, prompts)))
-  p = min(engine.config.prefill_batch, b)
-  ids = np.arange(b, dtype=np.int32)
-  st = engine.pool[("init", b)](np.minimum(ids, n - 1), ids * 0, np.where(ids < n, ids, -1).astype(np.int32),
-                                np.full((b,), engine.sampling.max_new_tokens, np.int32))
-  for c in range(0, n, p):
-    chunk = prompts[c:c + p]
-    tokens = np.zeros((p, t), np.int32)
-    for i, x in enumerate(chunk):
-      tokens[i, :len(x)] = x
-    lengths = np.asarray([len(x) for x in chunk] + [0] * (p - len(chunk)), np.int32)
-    row_prompt = np.where((ids >= c) & (ids < min(c + p, n)), ids - c, -1).astype(np.int32)
-    st = engine.pool[("prefill", b, p, t)](engine.params, engine.drafter_params, st, tokens, lengths, row_prompt)
-  return st
+  rows = [(i, 0) for i in range(n)]
+  slots = np.asarray(list(range(n)) + [-1] * (b - n), np.int32)
+  st = engine.pool[("init", b)](*engine._identity(rows, slots, [engine.sampling.max_new_tokens] * n, 0))
+  return engine._prefill_slots(st, prompts, rows, slots)
 
 
 def phase_times(engine: Engine, prompts: Sequence[Sequence[int]], strategy: Strategy,
