@@ -537,7 +537,7 @@ class Engine:
     self._compile(("init", b0), self._init, [i32(b0)] * 4, state(b0))
     if rows > largest and cfg.refill:
       self._compile(("reset", b0), self._reset, [state(b0), *[i32(b0)] * 4], state(b0), donate=(0,))
-    for p in self._prefill_sizes(b0, refill=rows > largest and cfg.refill):
+    for p in self._prefill_sizes(b0):
       for t in sorted({self._prompt_bucket(n) for n in prompt_lens} or set(cfg.prompt_buckets)):
         self._compile(("prefill", b0, p, t), self._prefill, [*params, state(b0), i32(p, t), i32(p), i32(b0)],
                       state(b0), donate=(2,))
@@ -550,13 +550,15 @@ class Engine:
       if b > 1 and cfg.compact:
         self._compile(("halve", b // 2, b), self._halve, [state(b), i32(b // 2)], state(b // 2))
 
-  def _prefill_sizes(self, bucket: int, refill: bool) -> tuple[int, ...]:
-    """Unique prompts per prefill call: up to `prefill_batch`, and with refill also the (power of
-    two) size of a refill chunk, so bringing in a few rows does not prefill a full call's padding."""
-    full = min(self.config.prefill_batch, bucket)
-    if not refill:
+  def _prefill_sizes(self, bucket: int) -> tuple[int, ...]:
+    """Unique prompts per prefill call at `bucket`: up to `prefill_batch`; at the largest bucket of
+    a refilling engine also the (power of two) size of a refill chunk, so bringing in a few rows
+    does not prefill a full call's padding. The same for every rollout: what one prepared, all use."""
+    cfg = self.config
+    full = min(cfg.prefill_batch, bucket)
+    if not cfg.refill or bucket < cfg.batch_buckets[-1]:
       return (full,)
-    return tuple(sorted({min(full, 1 << (self.config.refill_chunk - 1).bit_length()), full}))
+    return tuple(sorted({min(full, 1 << (cfg.refill_chunk - 1).bit_length()), full}))
 
   @staticmethod
   def _segment_key(bucket: int, strategy: Strategy | None) -> tuple:
@@ -617,11 +619,11 @@ class Engine:
     """Prefills the rows of the slots `slot_row >= 0`: each unique prompt once per call of up to
     `prefill_batch` prompts (the smallest compiled size that holds them), copied into its rows' slots."""
     b = slot_row.shape[0]
-    sizes = [k[2] for k in self.pool.keys() if k[:2] == ("prefill", b)]
+    sizes = self._prefill_sizes(b)
     unique = sorted({rows[r][0] for r in slot_row if r >= 0})
     c = 0
     while c < len(unique):
-      p = next((n for n in sorted(sizes) if n >= len(unique) - c), max(sizes))
+      p = next((n for n in sizes if n >= len(unique) - c), sizes[-1])
       chunk = unique[c:c + p]
       c += p
       t = self._prompt_bucket(max(len(prompts[i]) for i in chunk))
