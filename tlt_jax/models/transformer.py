@@ -12,8 +12,16 @@ filled length (`tlt_jax.kernels.tree_attention`), so its cost tracks the filled 
 cache capacity, by the implementation `attention` names ("auto": the backend's Pallas kernel, the
 jnp reference on CPU); `kv_block=None` is one dense, differentiable softmax (training).
 
-Module and parameter names mirror Hugging Face's (`model.layers.3.self_attn.q_proj`), which
-keeps the checkpoint mapping in `hf.py` mechanical.
+The decoder layers run in one of two forms (`ModelConfig.scan_layers`), through one layer body:
+scanned (the default), their parameters stacked along a leading layer axis and one `lax.scan`
+over them, so an executable compiles the body once whatever the depth; or unrolled, each layer
+its own parameters and its own copy of the body in the executable. Scanned, the KV cache's layer
+axis is carried through the scan whole: layer i writes and reads its slice at a traced index
+(the attention kernels take it at run time), and the requested layers' outputs (`hidden_layers`)
+are carried too, each kept when its layer comes by.
+
+Module and parameter names mirror Hugging Face's (`model.layers.3.self_attn.q_proj`; stacked:
+`model.layers.self_attn.q_proj` [L, ...]), which keeps the checkpoint mapping in `hf.py` mechanical.
 """
 
 from __future__ import annotations
@@ -175,13 +183,28 @@ class DecoderLayer(nnx.Module):
     return sharding.constrain(x, sharding.ACTIVATION_AXES), k, v
 
 
+def _stack(layers: Sequence[DecoderLayer]) -> DecoderLayer:
+  """One layer whose parameters hold those of `layers` along a leading, unsharded `layers` axis.
+
+  The layers are built one by one first, so a stacked model's parameters are, layer for layer,
+  the unrolled model's of the same seed.
+  """
+  def stack(*vs):
+    names = vs[0].get_metadata().get("out_sharding") or (None,) * vs[0].ndim
+    return vs[0].replace(jnp.stack([v.get_value() for v in vs]), out_sharding=("layers", *names))
+
+  state = jax.tree.map(stack, *(nnx.state(layer) for layer in layers), is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.merge(nnx.graphdef(layers[0]), state)
+
+
 class Decoder(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
                                   embedding_init=_partitioned(_init, ("vocab", "embed")),
                                   rngs=rngs)
-    self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+    layers = [DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)]
+    self.layers = _stack(layers) if cfg.scan_layers else nnx.List(layers)
     self.norm = _norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
 
 
@@ -215,16 +238,32 @@ class CausalLM(nnx.Module):
     cfg = self.config
     x = sharding.constrain(self.model.embed_tokens(tokens_BxT), sharding.ACTIVATION_AXES)
     cos, sin = rope_tables(cfg, positions_BxT, x.dtype)
-    k, v, aux = cache.k, cache.v, []
-    run = (lambda layer, *args: layer(*args))
-    if remat:
-      run = nnx.remat(run, static_argnums=(4, 9, 10, 11))
-    for i, layer in enumerate(self.model.layers):
-      x, k, v = run(layer, x, cos, sin, i, k, v, cache.lengths, mask_BxTxW, kv_block, attention, query_block)
-      if i in hidden_layers:
-        aux.append(x)
-    cache = dataclasses.replace(cache, k=k, v=v)
-    return self.model.norm(x), tuple(aux), cache
+    if cfg.scan_layers:
+      layer_def, stacked = nnx.split(self.model.layers)
+    else:
+      layer_def = nnx.graphdef(self.model.layers[0])
+
+    def run(state, x, k, v, i):
+      return nnx.merge(layer_def, state)(x, cos, sin, i, k, v, cache.lengths, mask_BxTxW, kv_block, attention,
+                                         query_block)
+
+    if remat:  # the unrolled form's layer index is a Python int: static, as the kernels like it
+      run = jax.checkpoint(run, static_argnums=() if cfg.scan_layers else (4,))
+
+    def step(carry, layer):
+      """Layer i over the carry (x, caches, requested outputs); the body of both forms."""
+      (x, k, v, aux), (i, state) = carry, layer
+      x, k, v = run(state, x, k, v, i)
+      return (x, k, v, tuple(jnp.where(i == j, x, a) for j, a in zip(hidden_layers, aux))), None
+
+    carry = (x, cache.k, cache.v, tuple(jnp.zeros_like(x) for _ in hidden_layers))
+    if cfg.scan_layers:  # the cache's layer axis is carried whole: layer i writes and reads its own slice
+      carry, _ = jax.lax.scan(step, carry, (jnp.arange(cfg.num_layers), stacked))
+    else:
+      for i, layer in enumerate(self.model.layers):
+        carry, _ = step(carry, (i, nnx.state(layer)))
+    x, k, v, aux = carry
+    return self.model.norm(x), aux, dataclasses.replace(cache, k=k, v=v)
 
 
 def prefill(model: CausalLM, tokens_BxT, lengths_B, cache: KVCache, *, all_logits: bool = False,
