@@ -247,7 +247,7 @@ class CausalLM(nnx.Module):
       return nnx.merge(layer_def, state)(x, cos, sin, i, k, v, cache.lengths, mask_BxTxW, kv_block, attention,
                                          query_block)
 
-    if remat:  # the unrolled form's layer index is a Python int: static, as the kernels like it
+    if remat:  # unrolled, the layer index stays a Python int: each copy indexes the cache at a constant
       run = jax.checkpoint(run, static_argnums=() if cfg.scan_layers else (4,))
 
     def step(carry, layer):
