@@ -38,7 +38,8 @@ API (one call per RL step):
   tree, meta = trainer.state_dict()                      # RL checkpoints (every process calls it)
   trainer.load_state_dict(restored_tree, meta)           # restored like trainer.abstract_state(meta)
 `samples` are engine `Sample`s in (prompt_index, sample_index) order; `metrics` is a flat dict
-of floats: drafter/{steps,loss,top1,eval_loss,version,version_used}, rollout/accept_len,
+of floats: drafter/{steps,loss,top1,eval_loss,version,version_used},
+rollout/{accept_len,tokens,refills (summed over groups),tail_share,idle_slot_fraction (group means)},
 spot/{groups,idle_device_s,harvested_device_s,train_rounds,overrun_s,gap_s,checkpoint_s,wall_s},
 drafter/restored.
 `tree` (orbax-saveable) holds the drafter params and optimizer state and each process's data buffer
@@ -415,6 +416,9 @@ class SpotTrainer:
         "drafter/restored": float(self.last["restored"]),
         "rollout/accept_len": spec_tokens / max(passes, 1),
         "rollout/tokens": float(sum(r.metrics.tokens for r in results)),
+        "rollout/refills": float(sum(r.metrics.refills for r in results)),
+        "rollout/tail_share": float(np.mean([r.metrics.tail_share for r in results])),
+        "rollout/idle_slot_fraction": float(np.mean([r.metrics.idle_slot_fraction for r in results])),
     }
     if rounds:
       n = sum(r.metrics["pairs"] for r in rounds)
