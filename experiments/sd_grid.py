@@ -7,7 +7,8 @@
   python experiments/sd_grid.py --config.policy.path=models/smollm2 --config.drafter.path=runs/smollm2/drafter \
       --prompts=runs/smollm2/eval.jsonl --out=runs/sd_grid_smollm2
 
-The policy and drafter: `policy.path` / `drafter.path` when set, else the config's workdir's (`<workdir>/{policy,drafter}`), else built into
+The policy and drafter: `policy.path` / `drafter.path` when set, else the config's workdir's
+(`<workdir>/{policy,drafter}`), else built into
 <out>/init (SFT warm start and drafter warm-up, ~5 minutes on a 2-core CPU). Both tables come from
 `tlt_jax.bench.run` (SD vs plain decoding on the same long prompts, compaction off so every step
 runs at the cell's batch size, the median of 3 timed rollouts after a warm-up one) on `--prompts`
@@ -93,7 +94,8 @@ def main(argv):
   batch_sizes = [int(b) for b in _BATCH_SIZES.value]
   top = max(batch_sizes + [_SWEEP_BATCH.value])
   if FLAGS.prompts:
-    prompts = read_prompts(FLAGS.prompts, tok, chat=bool(tok.chat_template), max_len=model.config.max_position_embeddings,
+    prompts = read_prompts(FLAGS.prompts, tok, chat=bool(tok.chat_template),
+                           max_len=model.config.max_position_embeddings,
                            vocab_size=model.config.vocab_size)[:top]
   else:
     difficulty = tasks.Difficulty(min_terms=FLAGS.min_terms, max_terms=max(FLAGS.min_terms, 24))

@@ -82,7 +82,8 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens per row at most."
 cli.check_sampling_flags(temperature=_TEMPERATURE, max_new_tokens=_MAX_NEW)
 _TASK = flags.DEFINE_string("task", "basic_arithmetic", "Procedural task for prompts (needs a tokenizer in --model).")
 _PROMPTS = flags.DEFINE_string("prompts", None, "Prompts JSONL file (instead of --task problems).")
-_PHASES = flags.DEFINE_bool("phases", False, "Time each phase of one speculative iteration per batch size and strategy.")
+_PHASES = flags.DEFINE_bool("phases", False,
+                            "Time each phase of one speculative iteration per batch size and strategy.")
 _MIN_TERMS = flags.DEFINE_integer("min_terms", 16, "Fewest terms per problem (longer problems, longer responses).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of prompts and sampling.")
 _ADAPTIVE = flags.DEFINE_bool("adaptive", False, "Bandit vs every fixed strategy vs SD off on a long-tail rollout.")

@@ -151,7 +151,8 @@ class SpotTrainer:
     self._grad = train.make_grad_step(drafter, policy)
     self._eval = train.make_eval_step(drafter, policy)
     self._apply = jax.jit(lambda p, s, g: train.apply_gradients(self.optimizer, p, s, g), donate_argnums=(0, 1))
-    self._all_finite = jax.jit(lambda tree: jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
+    self._all_finite = jax.jit(
+        lambda tree: jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
     self._hidden = (policy.config.hidden_size, policy.model.embed_tokens.embedding.dtype)
     self.params = self._on_group(self.home, nnx.state(drafter))
     self._home = sharding.param_shardings(self.params, self.meshes[self.home])
@@ -278,8 +279,8 @@ class SpotTrainer:
       a, b = bounds[g], bounds[g + 1]
       try:
         out = self._engine[g].generate(prompts[a:b], num_samples, limit(a, b), prompt_offset=int(prompt_offset + a))
-        results[g] = dataclasses.replace(out, samples=[dataclasses.replace(s, prompt_index=s.prompt_index - prompt_offset)
-                                                       for s in out.samples])
+        local = [dataclasses.replace(s, prompt_index=s.prompt_index - prompt_offset) for s in out.samples]
+        results[g] = dataclasses.replace(out, samples=local)
         with cond:
           self.buffer.add(self.rl_step, results[g].samples, prompts)
       except BaseException as e:  # re-raised by the scheduler
