@@ -7,7 +7,8 @@
   python experiments/sd_grid.py --config.policy.path=models/smollm2 --config.drafter.path=runs/smollm2/drafter \
       --prompts=runs/smollm2/eval.jsonl --out=runs/sd_grid_smollm2
 
-The policy and drafter: `policy.path` / `drafter.path` when set, else the config's workdir's (`<workdir>/{policy,drafter}`), else built into
+The policy and drafter: `policy.path` / `drafter.path` when set, else the config's workdir's
+(`<workdir>/{policy,drafter}`), else built into
 <out>/init (SFT warm start and drafter warm-up, ~5 minutes on a 2-core CPU). Both tables come from
 `tlt_jax.bench.run` (SD vs plain decoding on the same long prompts, compaction off so every step
 runs at the cell's batch size, the median of 3 timed rollouts after a warm-up one) on `--prompts`
@@ -46,8 +47,9 @@ _SWEEP = flags.DEFINE_list("topk_sweep", ["1", "2", "4"], "Draft top-k values of
 _SWEEP_VERIFY = flags.DEFINE_integer("topk_verify_tokens", 8, "Verify tokens of the sweep (fewer where the tree "
                                      "has fewer candidates: a chain verifies depth + 1).")
 _SWEEP_BATCH = flags.DEFINE_integer("topk_batch_size", 1, "Batch size of the sweep.")
-_PROMPTS = flags.DEFINE_string("prompts", None, "Prompts JSONL file (default: the config task's long problems).")
-FLAGS = flags.FLAGS  # also tlt_jax.bench's --max_new_tokens (default here 128), --min_terms, --temperature
+# Also tlt_jax.bench's --max_new_tokens (default here 128), --min_terms, --temperature and --prompts (a
+# prompts JSONL file; default: the config task's long problems).
+FLAGS = flags.FLAGS
 
 
 def sweep_strategy(top_k: int) -> Strategy:
@@ -91,8 +93,9 @@ def main(argv):
   policy_dir, drafter_dir, model, tok, drafter = starting_point.load(_CONFIG.value, out)
   batch_sizes = [int(b) for b in _BATCH_SIZES.value]
   top = max(batch_sizes + [_SWEEP_BATCH.value])
-  if _PROMPTS.value:
-    prompts = read_prompts(_PROMPTS.value, tok, chat=bool(tok.chat_template), max_len=model.config.max_position_embeddings,
+  if FLAGS.prompts:
+    prompts = read_prompts(FLAGS.prompts, tok, chat=bool(tok.chat_template),
+                           max_len=model.config.max_position_embeddings,
                            vocab_size=model.config.vocab_size)[:top]
   else:
     difficulty = tasks.Difficulty(min_terms=FLAGS.min_terms, max_terms=max(FLAGS.min_terms, 24))

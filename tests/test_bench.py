@@ -84,14 +84,16 @@ def test_phases_mode_splits_an_iteration_and_reads_prompt_files(tmp_path):
 
 
 def test_refill_mode_compares_refill_with_waves(tmp_path):
-  """Not timed: both modes run, sample the same tokens, and refill fills the freed slots."""
+  """Not timed: the three modes run, sample the same tokens, and refill fills the freed slots."""
   out = tmp_path / "refill.json"
   run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--refill", "--rows=6", "--num_samples=2",
             "--bucket=4", "--max_new_tokens=16", "--temperature=1.0", "--repeats=1")
   records = json.loads(out.read_text())
-  assert [r["mode"] for r in records] == ["waves", "refill"]
-  waves, refill = records
-  assert waves["rows"] == refill["rows"] == 12 and waves["speedup"] == 1.0
-  assert waves["refills"] == 0 < refill["refills"] and refill["same_samples"]
-  assert abs(refill["speedup"] - refill["tokens_per_s"] / waves["tokens_per_s"]) < 1e-2
+  assert [r["mode"] for r in records] == ["waves", "refill", "longest_first"]
+  waves, refill, longest = records
+  assert waves["rows"] == refill["rows"] == longest["rows"] == 12 and waves["speedup"] == 1.0
+  assert waves["refills"] == 0 < refill["refills"] and refill["same_samples"] and longest["same_samples"]
+  assert longest["refills"] > 0
+  for r in (refill, longest):
+    assert abs(r["speedup"] - r["tokens_per_s"] / waves["tokens_per_s"]) < 1e-2
   assert all(0 <= r[k] <= 1 for r in records for k in ("idle_slot_fraction", "tail_share"))

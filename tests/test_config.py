@@ -69,7 +69,8 @@ def bad_settings(config, cli: bool = False):
       same(("drafter.feature_layers",), word.filter(lambda w: any(c.isalpha() for c in w)) | st.lists(
           st.integers(-9, 40), min_size=1, max_size=5).filter(lambda f: len(f) != 3 or f != sorted(set(f)) or f[0] < 0)
            .map(lambda f: ",".join(map(str, f)))),
-      st.builds(lambda kv: ("model.num_kv_heads", kv, "model.num_heads"), st.integers(2, 64).filter(lambda k: heads % k)),
+      st.builds(lambda kv: ("model.num_kv_heads", kv, "model.num_heads"),
+                st.integers(2, 64).filter(lambda k: heads % k)),
       st.builds(lambda lo: ("task.min_terms", lo, "task.max_terms"), st.integers(most_terms + 1, 10**6)),
       same(("rl.row_len",), st.integers(2, needed - 1)),  # below data.max_prompt_len + rollout.max_new_tokens
       same(("rl.attention_block",), st.integers(1, 4096).filter(lambda a: row_len % a)),
@@ -146,7 +147,8 @@ cli_overrides = st.one_of(
     st.tuples(st.sampled_from([k for k, v in _LEAVES.items() if not isinstance(v, str)]), _NOT_A_VALUE).map(
         lambda kv: (f"--config.{kv[0]}={kv[1]}", f"--config.{kv[0]}={kv[1]}")),  # ill-typed
     st.tuples(st.sampled_from(sorted({k.split(".")[0] for k in _LEAVES if "." in k})), _NOT_A_VALUE).filter(
-        lambda sw: f"{sw[0]}.{sw[1]}" not in _LEAVES).map(lambda sw: (f"--config.{sw[0]}.{sw[1]}=1", f"{sw[0]}.{sw[1]}")),  # unknown
+        lambda sw: f"{sw[0]}.{sw[1]}" not in _LEAVES).map(
+            lambda sw: (f"--config.{sw[0]}.{sw[1]}=1", f"{sw[0]}.{sw[1]}")),  # unknown
 )
 
 

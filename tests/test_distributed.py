@@ -52,8 +52,8 @@ def _launch(config, logdir, processes=2, timeout_s=600):
   procs = []
   for i, path in enumerate(paths):
     with open(path, "w", encoding="utf-8") as log:
-      procs.append(subprocess.Popen([sys.executable, "-m", "tlt_jax.main", *flags, f"--config.distributed.process_id={i}"],
-                                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+      command = [sys.executable, "-m", "tlt_jax.main", *flags, f"--config.distributed.process_id={i}"]
+      procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
   deadline = time.monotonic() + timeout_s
   while any(p.poll() is None for p in procs):
     if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
@@ -64,7 +64,8 @@ def _launch(config, logdir, processes=2, timeout_s=600):
   for path in paths:
     with open(path, encoding="utf-8") as f:
       logs.append(f.read())
-  report = "".join(f"\n--- process {i} exited {p.returncode}:\n{log[-6000:]}" for i, (p, log) in enumerate(zip(procs, logs)))
+  report = "".join(f"\n--- process {i} exited {p.returncode}:\n{log[-6000:]}"
+                   for i, (p, log) in enumerate(zip(procs, logs)))
   assert all(p.returncode == 0 for p in procs), report
   return logs
 

@@ -32,7 +32,8 @@ def test_greedy_matches_transformers(family, hf_dirs, tmp_path, capsys):
   rng = np.random.RandomState(7)
   prompts = [rng.randint(2, VOCAB, n).tolist() for n in (3, 11, 6)]
   out = tmp_path / "out.jsonl"
-  run_cli([f"--model={model_dir}", f"--prompts={write_jsonl(tmp_path / 'in.jsonl', [{'prompt_ids': p} for p in prompts])}",
+  in_path = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": p} for p in prompts])
+  run_cli([f"--model={model_dir}", f"--prompts={in_path}",
            f"--output={out}", "--temperature=0", "--max_new_tokens=64", "--batch_size=4"])
   summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -52,7 +53,8 @@ def test_one_long_prompt_cuts_only_its_own_budget(hf_dirs, tmp_path, capsys, cap
   rng = np.random.RandomState(3)
   prompts = [rng.randint(2, VOCAB, n).tolist() for n in (5, 250, 9)]
   out = tmp_path / "out.jsonl"
-  run_cli([f"--model={model_dir}", f"--prompts={write_jsonl(tmp_path / 'in.jsonl', [{'prompt_ids': p} for p in prompts])}",
+  in_path = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": p} for p in prompts])
+  run_cli([f"--model={model_dir}", f"--prompts={in_path}",
            f"--output={out}", "--temperature=0", "--max_new_tokens=20", "--batch_size=4"])
   for r in (json.loads(line) for line in out.read_text().splitlines()):
     prompt = prompts[r["prompt_index"]]

@@ -39,7 +39,9 @@ plays and median rewards per bucket (it keeps learning across all rounds).
 
 Refill mode (`--refill`): one long-tailed rollout of `--rows` problems x `--num_samples` through a
 largest batch bucket of `--bucket`, plain decoding (no drafter), run in waves (each waits for
-its longest row) and with refill (finished rows' slots take waiting rows), interleaved over
+its longest row), with refill (finished rows' slots take waiting rows, in order) and with refill
+taking the longest expected rows first (`longest_first`: each prompt's mean response length in the
+warm-up round, known exactly, so the best case of that scheduling policy), interleaved over
 `--repeats` timed rounds after a warm-up one. Records {mode, tokens_per_s, speedup (over waves),
 wall_s, refills, idle_slot_fraction, tail_share, p99_over_median, same_samples} (the median
 round's) and prints the refill / waves tokens/s ratio.
@@ -80,7 +82,8 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens per row at most."
 cli.check_sampling_flags(temperature=_TEMPERATURE, max_new_tokens=_MAX_NEW)
 _TASK = flags.DEFINE_string("task", "basic_arithmetic", "Procedural task for prompts (needs a tokenizer in --model).")
 _PROMPTS = flags.DEFINE_string("prompts", None, "Prompts JSONL file (instead of --task problems).")
-_PHASES = flags.DEFINE_bool("phases", False, "Time each phase of one speculative iteration per batch size and strategy.")
+_PHASES = flags.DEFINE_bool("phases", False,
+                            "Time each phase of one speculative iteration per batch size and strategy.")
 _MIN_TERMS = flags.DEFINE_integer("min_terms", 16, "Fewest terms per problem (longer problems, longer responses).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of prompts and sampling.")
 _ADAPTIVE = flags.DEFINE_bool("adaptive", False, "Bandit vs every fixed strategy vs SD off on a long-tail rollout.")
@@ -149,18 +152,25 @@ def run_adaptive(model, drafter: Drafter, prompts, strategies, temperature, max_
 
 
 def run_refill(model, prompts, num_samples, bucket, temperature, max_new_tokens, seed, stop_ids, repeats):
-  """Waves vs refill on one rollout of len(prompts) x num_samples rows through a largest bucket of `bucket`."""
+  """Waves vs refill (rows in order) vs refill with the longest expected rows first, on one rollout of
+  len(prompts) x num_samples rows through a largest bucket of `bucket`. A prompt's expected length is
+  its mean response length in the warm-up round: the lengths a scheduler would know exactly (the
+  same seed), so `longest_first` is that policy's best case."""
   base = EngineConfig(batch_buckets=tuple(2**i for i in range(bucket.bit_length())),
                       max_prompt_len=max(map(len, prompts)), max_new_tokens=max_new_tokens)
   params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
                           stop_token_ids=tuple(stop_ids))
+  refill = Engine(model, base, params)
   modes = [("waves", Engine(model, EngineConfig(**{**base.__dict__, "refill": False}), params)),
-           ("refill", Engine(model, base, params))]
-  runs = {name: [] for name, _ in modes}
+           ("refill", refill), ("longest_first", refill)]
+  runs, expected = {name: [] for name, _ in modes}, None
   with tqdm(total=len(modes) * (repeats + 1), desc="bench --refill", file=sys.stderr) as bar:
     for round_ in range(repeats + 1):  # round 0 is the warm-up
       for name, engine in modes:
-        rollout = engine.generate(prompts, num_samples)
+        rollout = engine.generate(prompts, num_samples, expected_lengths=expected if name == "longest_first" else None)
+        if expected is None:
+          expected = [float(np.mean([len(s.tokens) for s in rollout.samples if s.prompt_index == i]))
+                      for i in range(len(prompts))]
         if round_:
           runs[name].append(rollout)
         bar.update()
@@ -174,9 +184,11 @@ def run_refill(model, prompts, num_samples, bucket, temperature, max_new_tokens,
                     "wall_s": round(m.wall_s, 3), "refills": m.refills,
                     "idle_slot_fraction": round(m.idle_slot_fraction, 3), "tail_share": round(m.tail_share, 3),
                     "p99_over_median": round(float(np.percentile(lengths, 99) / np.median(lengths)), 2)})
-  same = [s.tokens.tolist() for s in runs["waves"][0].samples] == [s.tokens.tolist() for s in runs["refill"][0].samples]
-  for r in records:  # refill changes when a row runs, never its tokens
-    r.update(speedup=round(r["tokens_per_s"] / records[0]["tokens_per_s"], 3), same_samples=same)
+  tokens = {name: sorted((s.prompt_index, s.sample_index, s.tokens.tolist()) for s in rs[0].samples)
+            for name, rs in runs.items()}
+  for r in records:  # refill and its order change when a row runs, never its tokens
+    r.update(speedup=round(r["tokens_per_s"] / records[0]["tokens_per_s"], 3),
+             same_samples=tokens[r["mode"]] == tokens["waves"])
   return records
 
 
@@ -314,7 +326,7 @@ def main(argv):
   for r in records:
     print(json.dumps(r))
   if _REFILL.value:
-    print(f"refill / waves tokens/s: {records[1]['speedup']:.3f}")
+    print(f"refill / waves tokens/s: {records[1]['speedup']:.3f}, longest first: {records[2]['speedup']:.3f}")
 
 
 if __name__ == "__main__":

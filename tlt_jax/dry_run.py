@@ -119,8 +119,9 @@ def run(config) -> dict:
   strategies = config_lib.strategies(config) if config.rollout.speculative else ()
   # A reduced head's ids come from the warm-up data; any N ids size the executables alike.
   vocab = range(min(config.drafter.draft_vocab_size, cfg.vocab_size))
-  drafter = _abstract(lambda: Drafter(cfg, feature_layers=config_lib.ints(config.drafter.feature_layers),
-                                      draft_vocab=vocab, dtype=dtype, rngs=nnx.Rngs(0)), group_mesh) if strategies else None
+  build_drafter = lambda: Drafter(cfg, feature_layers=config_lib.ints(config.drafter.feature_layers),
+                                  draft_vocab=vocab, dtype=dtype, rngs=nnx.Rngs(0))
+  drafter = _abstract(build_drafter, group_mesh) if strategies else None
   sampling = SamplingParams(temperature=config.rollout.temperature, top_k=config.rollout.top_k,
                             top_p=config.rollout.top_p, max_new_tokens=config.rollout.max_new_tokens, seed=config.seed)
   base = trainer_lib.engine_config(config, strategies)

@@ -16,6 +16,7 @@ from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
 
 STOP = 1
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring's event per XLA compilation
 CONFIG = EngineConfig(batch_buckets=(1, 2, 4, 8), max_prompt_len=24, max_new_tokens=64, kv_block=16, segment_steps=8)
 
 
@@ -82,7 +83,7 @@ def test_samples_do_not_depend_on_batch_size_or_compaction(models, sampling):
 def test_compaction_and_no_compilation_after_warmup(models):
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
-      lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+      lambda event, secs, **kw: compiles.append(event) if event == COMPILE_EVENT else None)
   params = SamplingParams(temperature=1.0, max_new_tokens=60, stop_token_ids=(STOP, 2, 3, 4, 5), seed=0)
   engine = Engine(models["qwen2_tied"], CONFIG, params)
   ps = prompts(8, seed=4)
@@ -178,7 +179,8 @@ def test_speculative_sampling_equals_plain_sampling_with_the_same_seed(models):
 def test_speculation_only_in_the_tail(models):
   model = models["qwen3"]
   params = SamplingParams(temperature=1.0, max_new_tokens=48, stop_token_ids=(STOP, 2, 3, 4, 5, 6), seed=1)
-  engine = Engine(model, with_sd(CONFIG, "2_2_4", sd_max_batch=2), params, drafter=Drafter(model.config, rngs=nnx.Rngs(0)))
+  drafter = Drafter(model.config, rngs=nnx.Rngs(0))
+  engine = Engine(model, with_sd(CONFIG, "2_2_4", sd_max_batch=2), params, drafter=drafter)
   rollout = engine.generate(prompts(8, seed=8))
   segments = rollout.metrics.segments
   assert all((s.strategy is not None) == (s.active_rows <= 2) for s in segments)
@@ -279,7 +281,7 @@ def test_bandit_picks_strategies_losslessly_without_compiling(models):
   assert stats["executables"] == len(kinds) and stats["compile_s"] > 0 and stats["memory_bytes"] > 0
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
-      lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+      lambda event, secs, **kw: compiles.append(event) if event == COMPILE_EVENT else None)
   rollouts = [engine.generate(ps) for _ in range(2)]  # the bandit persists across rollouts
   assert not compiles, "the rollout compiled something"
   expected = sample_set(Engine(model, CONFIG, params).generate(ps))
@@ -425,7 +427,7 @@ def test_nan_drafter_turns_speculation_off_losslessly(models, caplog):
 def count_compiles():
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
-      lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+      lambda event, secs, **kw: compiles.append(event) if event == COMPILE_EVENT else None)
   return compiles
 
 

@@ -156,7 +156,7 @@ class Sample:
 
 @dataclasses.dataclass
 class SegmentRecord:
-  """One play of the decode loop between host syncs: a fused plain segment or one speculative step."""
+  """One play of the decode loop between host syncs: a fused plain or speculative segment."""
 
   bucket: int
   active_rows: int
@@ -270,10 +270,6 @@ class Engine:
     if bandit is not None and bandit.arms != (None, *config.strategies):
       raise ValueError(f"the bandit's arms must be SD off + the engine's strategies {names}")
     self.config, self.sampling, self.mesh, self.bandit = config, params, mesh, bandit
-    # One verify executable per verify-token count: it accepts paths as deep as its deepest strategy's.
-    self._verify_depth = {}
-    for s in config.strategies:
-      self._verify_depth[s.verify_tokens] = max(s.depth, self._verify_depth.get(s.verify_tokens, 0))
     if config.compilation_cache_dir and jax.config.jax_compilation_cache_dir != config.compilation_cache_dir:
       jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
