@@ -71,12 +71,13 @@ def test_phases_mode_splits_an_iteration_and_reads_prompt_files(tmp_path):
   cfg, _ = hf.read_config(model_dir)
   drafter_dir = str(tmp_path / "drafter")  # a reduced head: timed beside the full one on the same layers
   checkpoint.save_drafter(Drafter(cfg, draft_vocab=tuple(range(0, cfg.vocab_size, 2)), rngs=nnx.Rngs(0)), drafter_dir)
-  run_bench(f"--model={model_dir}", f"--output={out}", "--phases", "--batch_sizes=1,2", "--strategies=2_2_4",
+  # One batch size: each cell compiles an engine and its phases; the grid test covers the batch-size loop.
+  run_bench(f"--model={model_dir}", f"--output={out}", "--phases", "--batch_sizes=2", "--strategies=2_2_4",
             "--max_new_tokens=40", f"--prompts={prompts}", f"--drafter={drafter_dir}")
   records = json.loads(out.read_text())
   half = (cfg.vocab_size + 1) // 2
   assert [(r["batch_size"], r["strategy"], r["draft_vocab"]) for r in records] == [
-      (1, "2_2_4", half), (1, "2_2_4", cfg.vocab_size), (2, "2_2_4", half), (2, "2_2_4", cfg.vocab_size)]
+      (2, "2_2_4", half), (2, "2_2_4", cfg.vocab_size)]
   for r in records:
     assert all(r[k] > 0 for k in ("draft", "verify", "feed", "iteration", "plain", "segment"))
     assert 1 <= r["accept_len"] <= 3

@@ -13,7 +13,7 @@ import ml_collections
 from flax import nnx
 
 from configs import tiny
-from tests.conftest import float_order_mismatches, tiny_rl_config
+from tests.conftest import float_order_mismatches, tiny_rl_config, xla_flags_without_device_count
 from tlt_jax import metrics
 from tlt_jax.models import hf
 from tlt_jax.rl.trainer import Trainer
@@ -43,7 +43,7 @@ def _launch(config, logdir, processes=2, timeout_s=600):
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not conftest's 8 devices per process
+  env = {**os.environ, "XLA_FLAGS": xla_flags_without_device_count()}  # not conftest's 8 devices per process
   env.update(JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", PYTHONPATH=ROOT)
   flags = _overrides(config, tiny.get_config()) + [
       "--config.distributed.enabled=True", f"--config.distributed.coordinator_address=localhost:{port}",
