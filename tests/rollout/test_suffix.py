@@ -53,13 +53,22 @@ def test_longest_match_first_then_latest():
   assert drafted(bank, [5, 5, 5, 7], "s1_4_3") == {(9,), (2,)}  # every match l = 1: the latest two
 
 
+def test_a_longer_continuation_ranks_before_a_later_match():
+  # A row repeating itself ("4 4 4 4", the last 4 its root): its latest match (position 7) is right
+  # before its root, one token to propose; the one before (position 6) proposes two.
+  bank = [4, 4, 4, 5, E, 4, 4, 4, 4, E]
+  assert drafted(bank, [4, 4], "s3_1_4") == {(4,), (4, 4)}
+  assert drafted(bank, [4, 4], "s1_1_2") == {(4,)}
+
+
 def test_matches_that_agree_merge_and_the_most_shared_prefix_ranks_first():
   # After "6 7": "8 9 1", "8 9 2", "8 3", "4" (latest first: 4, then 8 3, then 8 9 2, then 8 9 1).
   bank = [6, 7, 8, 9, 1, E, 6, 7, 8, 9, 2, E, 6, 7, 8, 3, E, 6, 7, 4, E]
   assert drafted(bank, [6, 7], "s3_4_10") == {(4,), (8,), (8, 3), (8, 9), (8, 9, 2), (8, 9, 1)}
   # Budget 3: "8" (3 matches share it), "8 9" (2), then the latest of the rest at count 1: "4".
   assert drafted(bank, [6, 7], "s3_4_4") == {(8,), (8, 9), (4,)}
-  assert drafted(bank, [6, 7], "s3_2_7") == {(4,), (8,), (8, 3)}  # the two latest matches only
+  assert drafted(bank, [6, 7], "s3_2_7") == {(8,), (8, 9), (8, 9, 2), (8, 9, 1)}  # the two longest continuations
+  assert drafted(bank, [6, 7], "s1_2_3") == {(4,), (8,)}  # depth 1: every continuation is long enough
 
 
 def reference(bank, context, strategy):
@@ -71,11 +80,14 @@ def reference(bank, context, strategy):
     l = 0
     while l < n and i - l >= 0 and context[n - 1 - l] >= 0 and bank[i - l] == context[n - 1 - l]:
       l += 1
-    if l and bank[i + 1] >= 0:
-      matches.append((l, i))
+    follow = 0
+    while follow < strategy.depth and i + 1 + follow < length and bank[i + 1 + follow] >= 0:
+      follow += 1
+    if l and follow:
+      matches.append((l, follow, i))
   matches = sorted(matches, reverse=True)[:strategy.top_k]
   nodes = {}  # prefix -> [count, longest, depth, rank of its first match]
-  for rank, (l, i) in enumerate(matches):
+  for rank, (l, _, i) in enumerate(matches):
     cont = []
     for t in bank[i + 1:i + 1 + strategy.depth]:
       if t < 0:

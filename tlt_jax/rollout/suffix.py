@@ -22,6 +22,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tlt_jax.rollout import speculative
 from tlt_jax.rollout.speculative import Strategy, Tree
@@ -65,7 +66,8 @@ def draft_tree(bank_BxL, context_BxN, root_B, strategy: Strategy) -> Tree:
   tokens (the root last; -1: none), N the longest suffix matched.
 
   Every bank position i where the context's last l >= 1 tokens end (the longest such l) and a
-  token follows is a match; the `top_k` matches with the longest l, latest first among equals,
+  token follows is a match; the `top_k` matches with the longest l, then the most tokens to
+  propose (up to `depth`; a row's latest match in its own tokens has few), then the latest,
   propose their next `depth` tokens (up to an empty slot). The continuations are merged into a
   trie: a node is a distinct prefix, scored by how many matches share it, then by their longest l
   (a prefix scores at least its extensions). `select_tree` keeps the best `verify_tokens - 1`.
@@ -82,10 +84,15 @@ def draft_tree(bank_BxL, context_BxN, root_B, strategy: Strategy) -> Tree:
     earlier = jnp.pad(bank_BxL, ((0, 0), (m, 0)), constant_values=-1)[:, :length]  # bank[i - m]
     run = run & (earlier == q) & (q >= 0)
     matched = matched + run
-  follows = jnp.pad(bank_BxL[:, 1:], ((0, 0), (0, 1)), constant_values=-1) >= 0
-  key = jnp.where((matched > 0) & follows, matched * length + jnp.arange(length), -1)
-  key, end = jax.lax.top_k(key, k)  # [B, K]: longest match, then latest
-  found_BxK, l_BxK = key >= 0, jnp.maximum(key, 0) // length
+  # The tokens that follow each position, up to depth (and the first empty slot).
+  follow = jnp.zeros((b, length), jnp.int32)
+  run = jnp.ones((b, length), bool)
+  for e in range(1, depth + 1):
+    run = run & (jnp.pad(bank_BxL[:, e:], ((0, 0), (0, e)), constant_values=-1) >= 0)
+    follow = follow + run
+  key = jnp.where((matched > 0) & (follow > 0), (matched * (depth + 1) + follow) * length + jnp.arange(length), -1)
+  key, end = jax.lax.top_k(key, k)  # [B, K]: longest match, then longest continuation, then latest
+  found_BxK, l_BxK = key >= 0, jnp.maximum(key, 0) // (length * (depth + 1))
   at = end[:, :, None] + 1 + jnp.arange(depth)  # [B, K, D] the continuations
   token = jnp.where(at < length, bank_BxL[rows[:, :, None], jnp.minimum(at, length - 1)], -1)
   ok = jnp.cumprod((token >= 0) & found_BxK[:, :, None], axis=2).astype(bool)
@@ -103,3 +110,35 @@ def draft_tree(bank_BxL, context_BxN, root_B, strategy: Strategy) -> Tree:
   pool = lambda x: jnp.swapaxes(x, 1, 2).reshape(b, depth * k)
   return speculative.select_tree(root_B, pool(jnp.maximum(token, 0)), pool(score), pool(parent),
                                  pool(jnp.broadcast_to(d + 1, token.shape)), strategy.verify_tokens, depth)
+
+
+class BankRows:
+  """Host bookkeeping of one rollout's bank rows: a prompt holds one from its first row's entry
+  until its last row is harvested (rows enter prompt by prompt, so with `slots` = the batch + 1
+  there is always one free for a new prompt); each row writes at its sample's region."""
+
+  def __init__(self, layout: Layout, slots: int, rows_per_prompt: dict[int, int]):
+    self.layout = layout
+    self._free = list(range(slots))[::-1]
+    self._row: dict[int, int] = {}  # prompt -> its bank row
+    self._left = dict(rows_per_prompt)  # prompt -> its rows not yet harvested
+    self._fresh = np.zeros((slots,), bool)
+
+  def place(self, prompt: int, sample: int) -> tuple[int, int, int]:
+    """(bank row, offset, room) of a row entering the batch."""
+    if prompt not in self._row:
+      if not self._free:
+        raise RuntimeError(f"prompt {prompt}: every one of the {len(self._fresh)} bank rows is in use")
+      self._row[prompt] = self._free.pop()
+      self._fresh[self._row[prompt]] = True
+    return self._row[prompt], self.layout.offset(sample), self.layout.room
+
+  def take_fresh(self) -> np.ndarray:
+    """[slots] bool: the bank rows given to new prompts since the last call (to be emptied)."""
+    fresh, self._fresh = self._fresh, np.zeros_like(self._fresh)
+    return fresh
+
+  def harvested(self, prompt: int) -> None:
+    self._left[prompt] -= 1
+    if not self._left[prompt]:
+      self._free.append(self._row.pop(prompt))
