@@ -56,10 +56,13 @@ class Strategy:
     return f"{'s' if self.suffix else ''}{self.depth}_{self.top_k}_{self.verify_tokens}"
 
   @classmethod
-  def parse(cls, name: str) -> "Strategy":
+  def parse(cls, name: str, suffix_only: bool = False) -> "Strategy":
     """'depth_topk_verify', e.g. '4_2_8' (EAGLE; top_k 1 is chain drafting), or with an 's' in front,
-    e.g. 's4_2_8', a suffix strategy (branches from 2 bank matches)."""
+    e.g. 's4_2_8', a suffix strategy (branches from 2 bank matches). `suffix_only` (no EAGLE
+    drafter): both spellings name the suffix strategy."""
     suffix = name.startswith("s")
+    if suffix_only and not suffix:
+      return cls.parse("s" + name)
     try:
       depth, top_k, verify = (int(x) for x in name[suffix:].split("_"))
     except ValueError:
