@@ -47,6 +47,14 @@ def test_bench_writes_the_grid(tmp_path):
     assert len(list(csv.DictReader(f))) == 2
 
 
+def test_phases_mode_refuses_suffix_strategies(tmp_path):
+  """They draft without the drafter: no phases to time (refused before any model is read)."""
+  proc = subprocess.run([sys.executable, "-m", "tlt_jax.bench", "--model=m", f"--output={tmp_path / 'p.json'}",
+                         "--phases", "--strategies=2_1_3,s2_1_3"], cwd=REPO, capture_output=True, text=True,
+                        timeout=300, check=False)
+  assert proc.returncode == 1 and "error: --strategies=2_1_3,s2_1_3: --phases times the EAGLE" in proc.stderr
+
+
 def test_adaptive_mode_compares_bandit_fixed_and_plain(tmp_path):
   out = tmp_path / "adaptive.json"
   run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--adaptive", "--rows=4", "--strategies=2_1_3",

@@ -133,6 +133,9 @@ def main(argv):
   strategies, batch_sizes = _strategies(), _batch_sizes()
   if not strategies:
     raise cli.InputError("--strategies: name at least one depth_topk_verify strategy")
+  if _PHASES.value and any(s.suffix for s in strategies):
+    raise cli.InputError(f"--strategies={','.join(_STRATEGIES.value)}: --phases times the EAGLE drafter's phases; "
+                         "suffix strategies have none")
   csv_path = os.path.splitext(_OUTPUT.value)[0] + ".csv"
   inputs = {"model": _MODEL.value, "drafter": _DRAFTER.value}
   if os.path.abspath(csv_path) == os.path.abspath(_OUTPUT.value):
