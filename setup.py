@@ -38,8 +38,10 @@ setup(
         # nbclient / nbformat / ipykernel / matplotlib: tests/test_notebooks.py executes colab/*.ipynb.
         # gguf / accelerate: `python -m tlt_jax.convert_gguf` (transformers reads GGUF files with them, on torch).
         "gguf": ["gguf>=0.10", "accelerate>=1.0", "torch>=2.4,<3"],
-        "test": ["gguf>=0.10", "accelerate>=1.0", "pytest>=8", "pytest-xdist>=3.5,<4", "scipy>=1.11", "torch>=2.4,<3", "hypothesis>=6.100,<7", "nbclient>=0.10,<0.11",
-                 "nbformat>=5.10,<6", "ipykernel>=6.29,<8", "matplotlib>=3.8,<4"],
+        # ruff: tests/test_lint.py checks the code against ruff.toml.
+        "test": ["gguf>=0.10", "accelerate>=1.0", "pytest>=8", "pytest-xdist>=3.5,<4", "scipy>=1.11", "torch>=2.4,<3",
+                 "hypothesis>=6.100,<7", "nbclient>=0.10,<0.11", "nbformat>=5.10,<6", "ipykernel>=6.29,<8",
+                 "matplotlib>=3.8,<4", "ruff>=0.15,<1"],
         "gpu": ["jax[cuda12]"],
         "notebooks": ["jupyter>=1.0,<2", "nbclient>=0.10,<0.11", "matplotlib>=3.8,<4", "datasets>=2.18,<5",
                       "huggingface_hub>=0.30,<3"],

@@ -207,9 +207,9 @@ def qwen_notebook():
       v4.new_markdown_cell(
           "## Speculative-decoding speedup\n\n"
           "The trained policy (exported by the trainer) with the warm-up drafter, SD vs plain decoding on "
-          "the same prompts per batch size (`tlt_jax.bench`, compilation excluded)."),
+          "the same prompts per batch size (`tlt_jax.rollout.benchmark`, compilation excluded)."),
       v4.new_code_cell(
-          'from tlt_jax import bench\n'
+          'from tlt_jax.rollout import benchmark\n'
           'from tlt_jax.drafter import checkpoint\n'
           'from tlt_jax.models import hf\n'
           'from tlt_jax.rl import datasets as tlt_datasets\n\n'
@@ -220,8 +220,9 @@ def qwen_notebook():
           'batch_sizes = [1] if SMOKE else [1, 4, 16]\n'
           'dataset = tlt_datasets.from_file(DATA, tok, max_prompt_len=config.data.max_prompt_len)\n'
           'prompts = [ex.prompt_ids for ex in dataset][:max(batch_sizes)]\n'
-          'grid = bench.run(model, drafter, prompts, batch_sizes, config_lib.strategies(config), temperature=1.0,\n'
-          '                 max_new_tokens=8 if SMOKE else 512, seed=0, stop_ids=[tok.eos_token_id])\n'
+          'grid = benchmark.run_grid(model, drafter, prompts, batch_sizes, config_lib.strategies(config),\n'
+          '                          temperature=1.0, max_new_tokens=8 if SMOKE else 512, seed=0,\n'
+          '                          stop_ids=[tok.eos_token_id])\n'
           'for r in grid:\n'
           '  print(f"batch {r[\'batch_size\']:3d} {r[\'strategy\']:7s} acceptance length {r[\'accept_len\']:.2f}  "\n'
           '        f"speedup {r[\'speedup\']:.2f}x")'),

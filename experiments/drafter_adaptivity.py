@@ -34,8 +34,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
 
-from configs import tiny  # noqa: E402
 from tlt_jax import packing, sft  # noqa: E402
 from tlt_jax.drafter import checkpoint  # noqa: E402
 from tlt_jax.drafter.buffer import BufferConfig, DataBuffer  # noqa: E402
@@ -46,6 +46,8 @@ from tlt_jax.rollout.engine import Engine, EngineConfig  # noqa: E402
 from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
 from tlt_jax.rollout.speculative import Strategy  # noqa: E402
 
+_CONFIG = config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "..", "configs",
+                                                                 "tiny.py"), "Config of the SFT data and task.")
 _POLICY = flags.DEFINE_string("policy", "runs/tiny/policy", "Starting policy (HF directory).")
 _DRAFTER = flags.DEFINE_string("drafter", "runs/tiny/drafter", "Starting drafter (tlt_jax drafter checkpoint).")
 _OUT = flags.DEFINE_string("out", "runs/drafter_adaptivity", "Output directory for CSV, PNG and JSON.")
@@ -96,7 +98,7 @@ def main(argv):
   os.makedirs(_OUT.value, exist_ok=True)
   policy = hf.from_pretrained(_POLICY.value)
   tok = hf.load_tokenizer(_POLICY.value)
-  cfg = tiny.get_config()
+  cfg = _CONFIG.value
   base = sft.difficulty(cfg)
   difficulty = tasks.Difficulty(base.min_terms, _MAX_TERMS.value, base.tail_alpha, min_digits=2, max_digits=2)
   drift = make_drift(policy, tok, difficulty, cfg)

@@ -3,15 +3,21 @@
   python experiments/end_to_end.py [--config=configs/tiny.py] [--config.workdir=runs/tiny] [--steps=6] \
       --out=runs/end_to_end
 
+  # refill vs waves (continuous batching), with a rollout of several waves per group:
+  python experiments/end_to_end.py --config.workdir=runs/tiny --config.rollout.batch_buckets=32 \
+      --arms=tlt,tlt_waves,baseline,baseline_waves --reference=baseline_waves --out=runs/end_to_end_refill
+
 Three trainers from the same config, the same SFT policy and the same warmed-up drafter (the
 config's workdir's, else built into <out>/init), step alternately in one process, so all see the
 same machine conditions (the paper's Fig 11 / Fig 7 arms):
   tlt       tail SD + bandit, the drafter spot-trained on idle rollout groups;
   frozen    the same rollouts with `drafter.online=False` (the warm-up drafter never changes);
-  baseline  `rollout.speculative=False`: plain decoding, data-parallel over the same devices.
+  baseline  `rollout.speculative=False`: plain decoding, data-parallel over the same devices;
+and, by `--arms`, `tlt_waves` / `baseline_waves`: the same with `rollout.refill=False` (a group's rows
+beyond its largest batch bucket run in consecutive waves instead of refilling finished rows' slots).
 Writes steps.csv (one row per trainer and step), curves.png (reward and step time per step) and
-summary.json, and prints the summary: step-time ratios (baseline / arm, first step excluded: it
-compiles) and the mean reward of each over the run.
+summary.json, and prints the summary: step-time ratios (`--reference` / arm, first step excluded:
+it compiles) and the mean reward of each over the run.
 """
 
 from __future__ import annotations
@@ -39,19 +45,30 @@ _OUT = flags.DEFINE_string("out", "runs/end_to_end", "Output directory.")
 
 ARMS = {"tlt": {"rollout.speculative": True, "drafter.online": True},
         "frozen": {"rollout.speculative": True, "drafter.online": False},
-        "baseline": {"rollout.speculative": False}}
+        "baseline": {"rollout.speculative": False},
+        "tlt_waves": {"rollout.speculative": True, "drafter.online": True, "rollout.refill": False},
+        "baseline_waves": {"rollout.speculative": False, "rollout.refill": False}}
+_ARMS = flags.DEFINE_list("arms", ["tlt", "frozen", "baseline"], f"Trainers to step side by side, of {list(ARMS)}.")
+_REFERENCE = flags.DEFINE_string("reference", "baseline", "The arm the step-time ratios divide (one of --arms).")
 KEYS = ("reward/mean", "reward/accuracy", "response_length/median", "response_length/max", "time/step_s",
-        "time/rollout_s", "time/train_s", "rollout/tail_share", "rollout/accept_len")
+        "time/rollout_s", "time/train_s", "rollout/tail_share", "rollout/accept_len", "rollout/refills",
+        "rollout/idle_slot_fraction")
 
 
 def main(argv):
   del argv
-  out = _OUT.value
+  out, arms, reference = _OUT.value, _ARMS.value, _REFERENCE.value
+  unknown = [a for a in arms if a not in ARMS]
+  if unknown or not arms:
+    raise app.UsageError(f"--arms={','.join(arms)}: unknown {unknown}; known: {list(ARMS)}")
+  if reference not in arms:
+    raise app.UsageError(f"--reference={reference}: not one of --arms={','.join(arms)}")
   os.makedirs(out, exist_ok=True)
   config_lib.setup_devices(_CONFIG.value)
   policy_dir, drafter_dir = starting_point.policy_and_drafter(_CONFIG.value, out)
   trainers = {}
-  for name, overrides in ARMS.items():
+  for name in arms:
+    overrides = ARMS[name]
     c = _CONFIG.value.copy_and_resolve_references()
     c.steps = _STEPS.value
     c.update_from_flattened_dict(overrides)
@@ -79,15 +96,15 @@ def main(argv):
       "steps": _STEPS.value,
       "step_s": {name: timed(name, "time/step_s") for name in trainers},
       "rollout_s": {name: timed(name, "time/rollout_s") for name in trainers},
-      "step_time_ratio": {name: timed("baseline", "time/step_s") / timed(name, "time/step_s") for name in trainers},
-      "rollout_time_ratio": {name: timed("baseline", "time/rollout_s") / timed(name, "time/rollout_s")
+      "step_time_ratio": {name: timed(reference, "time/step_s") / timed(name, "time/step_s") for name in trainers},
+      "rollout_time_ratio": {name: timed(reference, "time/rollout_s") / timed(name, "time/rollout_s")
                              for name in trainers},
       "reward_mean": {name: float(np.mean([r["reward/mean"] for r in series[name]])) for name in trainers},
       "reward_first_last": {name: (series[name][0]["reward/mean"], series[name][-1]["reward/mean"])
                             for name in trainers},
       # Over the steps where SD ran (the bandit may play SD off for a whole rollout: 0 there).
       "accept_len": {name: float(np.mean([r["rollout/accept_len"] for r in series[name] if r["rollout/accept_len"] > 0]
-                                         or [0.0])) for name in ("tlt", "frozen")},
+                                         or [0.0])) for name in trainers if ARMS[name]["rollout.speculative"]},
   }
   with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2)

@@ -7,9 +7,10 @@
   python experiments/sd_grid.py --config.policy.path=models/smollm2 --config.drafter.path=runs/smollm2/drafter \
       --prompts=runs/smollm2/eval.jsonl --out=runs/sd_grid_smollm2
 
-The policy and drafter: `policy.path` / `drafter.path` when set, else the config's workdir's (`<workdir>/{policy,drafter}`), else built into
+The policy and drafter: `policy.path` / `drafter.path` when set, else the config's workdir's
+(`<workdir>/{policy,drafter}`), else built into
 <out>/init (SFT warm start and drafter warm-up, ~5 minutes on a 2-core CPU). Both tables come from
-`tlt_jax.bench.run` (SD vs plain decoding on the same long prompts, compaction off so every step
+`tlt_jax.rollout.benchmark.run_grid` (SD vs plain decoding on the same long prompts, compaction off so every step
 runs at the cell's batch size, the median of 3 timed rollouts after a warm-up one) on `--prompts`
 (chat-templated) or the config task's long problems. Writes
 grid.csv, topk.csv, sd_grid.png and summary.json to --out and prints the summary.
@@ -30,9 +31,9 @@ from absl import app, flags  # pylint: disable=wrong-import-position
 from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
 import starting_point  # pylint: disable=wrong-import-position
-from tlt_jax import bench  # pylint: disable=wrong-import-position
 from tlt_jax.prompts import read_prompts  # pylint: disable=wrong-import-position
 from tlt_jax.rl import datasets, tasks  # pylint: disable=wrong-import-position
+from tlt_jax.rollout import benchmark  # pylint: disable=wrong-import-position
 from tlt_jax.rollout.speculative import Strategy  # pylint: disable=wrong-import-position
 
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "..", "configs",
@@ -47,7 +48,9 @@ _SWEEP_VERIFY = flags.DEFINE_integer("topk_verify_tokens", 8, "Verify tokens of 
                                      "has fewer candidates: a chain verifies depth + 1).")
 _SWEEP_BATCH = flags.DEFINE_integer("topk_batch_size", 1, "Batch size of the sweep.")
 _PROMPTS = flags.DEFINE_string("prompts", None, "Prompts JSONL file (default: the config task's long problems).")
-FLAGS = flags.FLAGS  # also tlt_jax.bench's --max_new_tokens (default here 128), --min_terms, --temperature
+_MIN_TERMS = flags.DEFINE_integer("min_terms", 16, "Fewest terms per task problem (long problems, long responses).")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (0 = greedy).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens per row at most.")
 
 
 def sweep_strategy(top_k: int) -> Strategy:
@@ -92,15 +95,16 @@ def main(argv):
   batch_sizes = [int(b) for b in _BATCH_SIZES.value]
   top = max(batch_sizes + [_SWEEP_BATCH.value])
   if _PROMPTS.value:
-    prompts = read_prompts(_PROMPTS.value, tok, chat=bool(tok.chat_template), max_len=model.config.max_position_embeddings,
+    prompts = read_prompts(_PROMPTS.value, tok, chat=bool(tok.chat_template),
+                           max_len=model.config.max_position_embeddings,
                            vocab_size=model.config.vocab_size)[:top]
   else:
-    difficulty = tasks.Difficulty(min_terms=FLAGS.min_terms, max_terms=max(FLAGS.min_terms, 24))
+    difficulty = tasks.Difficulty(min_terms=_MIN_TERMS.value, max_terms=max(_MIN_TERMS.value, 24))
     prompts = [ex.prompt_ids for ex in datasets.from_tasks(_CONFIG.value.task.family, tok, size=top, seed=0,
                                                            difficulty=difficulty)]
   stop = sorted(set(model.config.stop_token_ids) | {tok.eos_token_id})
-  measure = lambda sizes, strategies: bench.run(model, drafter, prompts, sizes, strategies, FLAGS.temperature,
-                                                FLAGS.max_new_tokens, 0, stop)
+  measure = lambda sizes, strategies: benchmark.run_grid(model, drafter, prompts, sizes, strategies,
+                                                         _TEMPERATURE.value, _MAX_NEW.value, 0, stop)
   grid = measure(batch_sizes, [Strategy(_DEPTH.value, _TOP_K.value, int(v)) for v in _VERIFY.value])
   for r in grid:
     r["verify_tokens"] = Strategy.parse(r["strategy"]).verify_tokens
@@ -121,5 +125,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  FLAGS.set_default("max_new_tokens", 128)
   app.run(main)

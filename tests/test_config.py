@@ -19,7 +19,8 @@ COUNTS = (  # must be >= 1
     "model.head_dim", "model.intermediate_size", "model.max_position_embeddings", "task.min_terms", "data.size",
     "data.max_prompt_len", "sft.num_problems", "sft.batch_rows", "sft.eval_max_new_tokens", "rollout.prompts_per_step",
     "rollout.num_samples", "rollout.max_new_tokens", "rollout.groups", "rollout.segment_steps", "rollout.kv_block",
-    "rollout.sd_max_batch", "rollout.bandit_window", "drafter.batch_rows", "drafter.online_rows_per_device",
+    "rollout.sd_max_batch", "rollout.bandit_window", "rollout.suffix_ngram", "drafter.batch_rows",
+    "drafter.online_rows_per_device",
     "drafter.buffer_pairs", "rl.mini_batches", "rl.micro_batch_rows", "rl.logits_chunk", "eval.size",
     "eval.num_samples", "checkpoint.every", "checkpoint.keep")
 NON_NEGATIVE_INTS = (
@@ -30,8 +31,9 @@ NON_NEGATIVE_FLOATS = (
     "mesh.device_memory_gb", "sft.learning_rate", "sft.weight_decay", "rollout.temperature", "drafter.learning_rate",
     "drafter.online_learning_rate", "rl.learning_rate", "rl.weight_decay", "rl.clip_high", "rl.kl_coef")
 POSITIVE_FLOATS = ("model.rope_theta", "task.tail_alpha", "rl.max_grad_norm", "rollout.top_p")
-CHOICES = ("policy.dtype", "data.reward", "kernels.attention", "rl.loss_aggregation")
-VALID_CHOICES = {"float32", "bfloat16", *rewards.REWARDS, *tree_attention.IMPLEMENTATIONS, *grpo.AGGREGATIONS}
+CHOICES = ("policy.dtype", "data.reward", "kernels.attention", "rl.loss_aggregation", "rollout.drafter")
+VALID_CHOICES = {"float32", "bfloat16", *rewards.REWARDS, *tree_attention.IMPLEMENTATIONS, *grpo.AGGREGATIONS, "eagle",
+                 "suffix"}
 
 negative = st.floats(max_value=-1e-9) | st.just(-math.inf) | st.just(math.nan)
 word = st.text("abcdefghijklmnopqrstuvwxyz0123456789_-", max_size=10)
@@ -54,7 +56,7 @@ def bad_settings(config, cli: bool = False):
   same = lambda keys, values: st.tuples(st.sampled_from(keys), values).map(lambda kv: (kv[0], kv[1], kv[0]))
   cases = [
       same(COUNTS, st.integers(max_value=0)),
-      same(("sft.row_len", "drafter.row_len"), st.integers(max_value=1)),
+      same(("sft.row_len", "drafter.row_len", "rollout.suffix_bank_len"), st.integers(max_value=1)),
       same(NON_NEGATIVE_INTS, st.integers(max_value=-1)),
       same(NON_NEGATIVE_FLOATS, negative),
       same(POSITIVE_FLOATS, negative | st.just(0.0)),
@@ -69,7 +71,8 @@ def bad_settings(config, cli: bool = False):
       same(("drafter.feature_layers",), word.filter(lambda w: any(c.isalpha() for c in w)) | st.lists(
           st.integers(-9, 40), min_size=1, max_size=5).filter(lambda f: len(f) != 3 or f != sorted(set(f)) or f[0] < 0)
            .map(lambda f: ",".join(map(str, f)))),
-      st.builds(lambda kv: ("model.num_kv_heads", kv, "model.num_heads"), st.integers(2, 64).filter(lambda k: heads % k)),
+      st.builds(lambda kv: ("model.num_kv_heads", kv, "model.num_heads"),
+                st.integers(2, 64).filter(lambda k: heads % k)),
       st.builds(lambda lo: ("task.min_terms", lo, "task.max_terms"), st.integers(most_terms + 1, 10**6)),
       same(("rl.row_len",), st.integers(2, needed - 1)),  # below data.max_prompt_len + rollout.max_new_tokens
       same(("rl.attention_block",), st.integers(1, 4096).filter(lambda a: row_len % a)),
@@ -99,6 +102,26 @@ def test_fuzz_bad_values_are_rejected_by_name(setting):
   assign(config, key, value)
   with pytest.raises(ValueError, match=f"^config.{re.escape(named)}="):
     config_lib.check(config)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(strategies="3_1_4,s4_1_5", suffix_bank_len=129),
+     "rollout.suffix_bank_len=129: must hold data.max_prompt_len + 2"),
+    (dict(strategies="4_1_5,s4_1_5", drafter="suffix"),
+     "rollout.strategies='4_1_5,s4_1_5': must not name a strategy twice"),
+    (dict(strategies="s4_1_5,4_x_5"), "rollout.strategies='s4_1_5,4_x_5': strategy '4_x_5' is not")])
+def test_bad_suffix_settings_are_named(changes, message):
+  """With suffix strategies the bank must hold a prompt; with rollout.drafter='suffix' '4_1_5' is 's4_1_5'."""
+  config = config_lib.base()
+  for key, value in changes.items():
+    config.rollout[key] = value
+  with pytest.raises(ValueError, match=f"^config.{re.escape(message)}"):
+    config_lib.check(config)
+  config.rollout.update(strategies="3_1_4,s4_1_5", suffix_bank_len=130, drafter="eagle")
+  config_lib.check(config)
+  assert [s.name for s in config_lib.strategies(config)] == ["3_1_4", "s4_1_5"]
+  config.rollout.drafter = "suffix"
+  assert [s.name for s in config_lib.strategies(config)] == ["s3_1_4", "s4_1_5"]
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
@@ -146,7 +169,8 @@ cli_overrides = st.one_of(
     st.tuples(st.sampled_from([k for k, v in _LEAVES.items() if not isinstance(v, str)]), _NOT_A_VALUE).map(
         lambda kv: (f"--config.{kv[0]}={kv[1]}", f"--config.{kv[0]}={kv[1]}")),  # ill-typed
     st.tuples(st.sampled_from(sorted({k.split(".")[0] for k in _LEAVES if "." in k})), _NOT_A_VALUE).filter(
-        lambda sw: f"{sw[0]}.{sw[1]}" not in _LEAVES).map(lambda sw: (f"--config.{sw[0]}.{sw[1]}=1", f"{sw[0]}.{sw[1]}")),  # unknown
+        lambda sw: f"{sw[0]}.{sw[1]}" not in _LEAVES).map(
+            lambda sw: (f"--config.{sw[0]}.{sw[1]}=1", f"{sw[0]}.{sw[1]}")),  # unknown
 )
 
 

@@ -13,7 +13,7 @@ import ml_collections
 from flax import nnx
 
 from configs import tiny
-from tests.conftest import float_order_mismatches, tiny_rl_config
+from tests.conftest import float_order_mismatches, tiny_rl_config, xla_flags_without_device_count
 from tlt_jax import metrics
 from tlt_jax.models import hf
 from tlt_jax.rl.trainer import Trainer
@@ -43,7 +43,7 @@ def _launch(config, logdir, processes=2, timeout_s=600):
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not conftest's 8 devices per process
+  env = {**os.environ, "XLA_FLAGS": xla_flags_without_device_count()}  # not conftest's 8 devices per process
   env.update(JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", PYTHONPATH=ROOT)
   flags = _overrides(config, tiny.get_config()) + [
       "--config.distributed.enabled=True", f"--config.distributed.coordinator_address=localhost:{port}",
@@ -52,8 +52,8 @@ def _launch(config, logdir, processes=2, timeout_s=600):
   procs = []
   for i, path in enumerate(paths):
     with open(path, "w", encoding="utf-8") as log:
-      procs.append(subprocess.Popen([sys.executable, "-m", "tlt_jax.main", *flags, f"--config.distributed.process_id={i}"],
-                                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+      command = [sys.executable, "-m", "tlt_jax.main", *flags, f"--config.distributed.process_id={i}"]
+      procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
   deadline = time.monotonic() + timeout_s
   while any(p.poll() is None for p in procs):
     if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
@@ -64,7 +64,8 @@ def _launch(config, logdir, processes=2, timeout_s=600):
   for path in paths:
     with open(path, encoding="utf-8") as f:
       logs.append(f.read())
-  report = "".join(f"\n--- process {i} exited {p.returncode}:\n{log[-6000:]}" for i, (p, log) in enumerate(zip(procs, logs)))
+  report = "".join(f"\n--- process {i} exited {p.returncode}:\n{log[-6000:]}"
+                   for i, (p, log) in enumerate(zip(procs, logs)))
   assert all(p.returncode == 0 for p in procs), report
   return logs
 

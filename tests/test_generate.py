@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import torch
 from absl import flags
 
 from tests.conftest import FAMILIES, VOCAB
-from tlt_jax import generate
+from tlt_jax import cli, generate
 
 
 def run_cli(args):
@@ -32,7 +33,8 @@ def test_greedy_matches_transformers(family, hf_dirs, tmp_path, capsys):
   rng = np.random.RandomState(7)
   prompts = [rng.randint(2, VOCAB, n).tolist() for n in (3, 11, 6)]
   out = tmp_path / "out.jsonl"
-  run_cli([f"--model={model_dir}", f"--prompts={write_jsonl(tmp_path / 'in.jsonl', [{'prompt_ids': p} for p in prompts])}",
+  in_path = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": p} for p in prompts])
+  run_cli([f"--model={model_dir}", f"--prompts={in_path}",
            f"--output={out}", "--temperature=0", "--max_new_tokens=64", "--batch_size=4"])
   summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -52,7 +54,8 @@ def test_one_long_prompt_cuts_only_its_own_budget(hf_dirs, tmp_path, capsys, cap
   rng = np.random.RandomState(3)
   prompts = [rng.randint(2, VOCAB, n).tolist() for n in (5, 250, 9)]
   out = tmp_path / "out.jsonl"
-  run_cli([f"--model={model_dir}", f"--prompts={write_jsonl(tmp_path / 'in.jsonl', [{'prompt_ids': p} for p in prompts])}",
+  in_path = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": p} for p in prompts])
+  run_cli([f"--model={model_dir}", f"--prompts={in_path}",
            f"--output={out}", "--temperature=0", "--max_new_tokens=20", "--batch_size=4"])
   for r in (json.loads(line) for line in out.read_text().splitlines()):
     prompt = prompts[r["prompt_index"]]
@@ -91,11 +94,29 @@ def test_random_drafter_gives_the_same_greedy_output(hf_dirs, tmp_path, capsys):
   model_dir, _ = hf_dirs["qwen3"]
   prompts = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [5, 9, 14]}, {"prompt_ids": [7, 3]}])
   outputs = {}
-  for name, extra in (("plain", []), ("sd", ["--drafter=random", "--strategy=3_2_5"])):
+  # The random drafter; suffix drafts with no drafter model; both, as bandit arms beside SD off.
+  modes = (("plain", []), ("sd", ["--drafter=random", "--strategy=3_2_5"]),
+           ("suffix", ["--drafter=suffix", "--strategy=3_2_5", "--suffix_bank_len=64"]),
+           ("both", ["--drafter=random", "--strategy=3_2_5,s3_1_4"]))
+  for name, extra in modes:
     out = tmp_path / f"{name}.jsonl"
     run_cli([f"--model={model_dir}", f"--prompts={prompts}", f"--output={out}", "--temperature=0",
              "--max_new_tokens=24", "--batch_size=2", *extra])
     outputs[name] = [json.loads(line)["output_ids"] for line in out.read_text().splitlines()]
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-  assert outputs["sd"] == outputs["plain"]
-  assert summary["verify_passes"] > 0 and summary["accept_len"] >= 1
+    if name != "plain":
+      assert outputs[name] == outputs["plain"], name
+      assert summary["verify_passes"] > 0 and summary["accept_len"] >= 1, name
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--drafter=suffix", "--strategy=4_x_5"], "--strategy=4_x_5: strategy 's4_x_5' is not"),
+    (["--drafter=random", "--strategy=4_2_8,s4_1_9"],
+     "--strategy=4_2_8,s4_1_9: strategy s4_1_9: verify_tokens must be in [2, 5]"),
+    (["--drafter=suffix", "--strategy=4_1_5,s4_1_5"], "a strategy is named twice"),
+    (["--drafter=suffix", "--suffix_bank_len=4"], "--suffix_bank_len=4: must hold the longest prompt (3 tokens) + 2")])
+def test_bad_suffix_flags_are_named(extra, message, hf_dirs, tmp_path):
+  prompts = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [5, 9, 14]}])
+  with pytest.raises(cli.InputError, match=re.escape(message)):
+    run_cli([f"--model={hf_dirs['qwen3'][0]}", f"--prompts={prompts}", f"--output={tmp_path / 'o.jsonl'}", *extra])
+  assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]

@@ -17,35 +17,41 @@ import pytest
 from flax import nnx
 
 from configs import tiny
-from tests.conftest import tiny_rl_config
+from tests.conftest import run_clis, tiny_rl_config
 from tlt_jax import metrics
 from tlt_jax.drafter import checkpoint as drafter_checkpoint
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
 from tlt_jax.rl.trainer import Trainer
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-def _main(*args):
-  return subprocess.run([sys.executable, "-m", "tlt_jax.main", *args], capture_output=True, text=True, timeout=120)
-
-
-@pytest.mark.parametrize("args, message", [
+BAD_CONFIGS = [
     (["--config.rl.bogus=1"], "unknown config key 'bogus' in --config.rl.bogus"),
     (["--config=configs/tiny.py", "--config.rollout.nope=2"], "unknown config key 'nope' in --config.rollout.nope"),
     (["--config.rl.learning_rate=fast"], "--config.rl.learning_rate=fast"),
     (["--config.rl.loss_aggregation=mean"], "config.rl.loss_aggregation='mean'"),
     (["--config.rollout.strategies=4_x_5"], "config.rollout.strategies='4_x_5'"),
-])
-def test_bad_config_is_rejected_by_name(args, message):
-  result = _main(*args)
-  assert result.returncode != 0
-  assert message in result.stderr
-  assert "Traceback" not in result.stderr
+]
+
+
+@pytest.fixture(scope="module")
+def bad_config_runs(tmp_path_factory):
+  """(exit code, stdout, stderr) of `python -m tlt_jax.main` on each of BAD_CONFIGS, in the repository,
+  forked from one process (tests/conftest.py `run_clis`)."""
+  return run_clis([("tlt_jax.main", args, REPO) for args, _ in BAD_CONFIGS], tmp_path_factory.mktemp("logs"))
+
+
+@pytest.mark.parametrize("index", range(len(BAD_CONFIGS)), ids=[" ".join(args) for args, _ in BAD_CONFIGS])
+def test_bad_config_is_rejected_by_name(index, bad_config_runs):
+  code, _, stderr = bad_config_runs[index]
+  assert code != 0
+  assert BAD_CONFIGS[index][1] in stderr
+  assert "Traceback" not in stderr
 
 
 # ---- faults: SIGKILL at random points, SIGTERM ----
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 8  # a run killed soon after its first new step never reaches the end, on any machine
 
 
@@ -92,7 +98,7 @@ def _last_step(workdir) -> int:
   return max([r["step"] for r in metrics.read(path)], default=0) if os.path.exists(path) else 0
 
 
-def _wait(condition, timeout=300.0, every=0.001):
+def _wait(condition, every: float, timeout=300.0):
   deadline = time.monotonic() + timeout
   while not condition():
     assert time.monotonic() < deadline, "timed out"
@@ -144,9 +150,11 @@ def test_sigkill_and_sigterm_at_random_points_resume_exactly(tmp_path, straight,
   for k, sig in enumerate((signal.SIGKILL, signal.SIGKILL, signal.SIGTERM)):
     before = _last_step(workdir)
     proc = _launch(config, tmp_path / f"run{k}.log")
-    _wait(lambda: _last_step(workdir) > before or proc.poll() is not None)
+    # Each check parses metrics.jsonl: every 10 ms leaves the CPU to the run; a checkpoint write lasts
+    # milliseconds, so it is watched every millisecond (a directory listing).
+    _wait(lambda: _last_step(workdir) > before or proc.poll() is not None, every=0.01)
     if k == 0:
-      _wait(lambda: proc.poll() is not None or writing())
+      _wait(lambda: proc.poll() is not None or writing(), every=0.001)
     else:
       time.sleep(rng.uniform(0.0, 0.3))
     during_save = writing()
@@ -178,7 +186,8 @@ def test_sigkill_and_sigterm_at_random_points_resume_exactly(tmp_path, straight,
   assert summary["reward_first_steps"] == pytest.approx(np.mean([r["reward/mean"] for r in records[1:1 + window]]))
   assert summary["reward_last_steps"] == pytest.approx(np.mean([r["reward/mean"] for r in records[-window:]]))
   evals = [r for r in records if "eval/reward" in r]
-  assert (summary["eval_reward_first"], summary["eval_reward_last"]) == (evals[0]["eval/reward"], evals[-1]["eval/reward"])
+  assert summary["eval_reward_first"] == evals[0]["eval/reward"]
+  assert summary["eval_reward_last"] == evals[-1]["eval/reward"]
   strip = lambda r: {k: v for k, v in r.items() if not _timing(k)}
   straight_dir, params, expected = straight
   assert all("drafter/loss" in r and r["drafter/steps"] == 2 for r in expected[1:])

@@ -11,6 +11,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from tests.conftest import xla_flags_without_device_count
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -25,10 +27,10 @@ def execute(name: str, cwd) -> nbformat.NotebookNode:
   assert len(params) == 1 and "SMOKE = False" in params[0].source, f"{name}: one parameters cell with SMOKE = False"
   params[0].source += "\nSMOKE = True"
   # The kernel imports this checkout, simulates its own CPU devices and caches what it compiles.
-  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-         "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": "runs/xla_cache",
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "HF_HUB_OFFLINE": "1"}
+         "XLA_FLAGS": xla_flags_without_device_count(), "JAX_PLATFORMS": "cpu",
+         "JAX_COMPILATION_CACHE_DIR": "runs/xla_cache", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+         "HF_HUB_OFFLINE": "1"}
   client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(cwd)}})
   client.execute(env=env)
   return nb

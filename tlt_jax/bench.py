@@ -9,6 +9,8 @@
 
   python -m tlt_jax.bench --refill --model=DIR --output=FILE.json [--rows=32 --num_samples=1 --bucket=8 ...]
 
+The measurements are `tlt_jax.rollout.benchmark`'s; this module reads flags and files.
+
 Prompts: `--prompts=FILE.jsonl` (text prompts chat-templated when the tokenizer has a template, as
 train_drafter reads them), else procedural `--task` problems.
 
@@ -39,7 +41,9 @@ plays and median rewards per bucket (it keeps learning across all rounds).
 
 Refill mode (`--refill`): one long-tailed rollout of `--rows` problems x `--num_samples` through a
 largest batch bucket of `--bucket`, plain decoding (no drafter), run in waves (each waits for
-its longest row) and with refill (finished rows' slots take waiting rows), interleaved over
+its longest row), with refill (finished rows' slots take waiting rows, in order) and with refill
+taking the longest expected rows first (`longest_first`: each prompt's mean response length in the
+warm-up round, known exactly, so the best case of that scheduling policy), interleaved over
 `--repeats` timed rounds after a warm-up one. Records {mode, tokens_per_s, speedup (over waves),
 wall_s, refills, idle_slot_fraction, tail_share, p99_over_median, same_samples} (the median
 round's) and prints the refill / waves tokens/s ratio.
@@ -50,12 +54,9 @@ from __future__ import annotations
 import csv
 import json
 import os
-import sys
 
-import numpy as np
 from absl import flags
 from flax import nnx
-from tqdm import tqdm
 
 from tlt_jax import cli, files
 from tlt_jax.drafter import checkpoint
@@ -63,10 +64,7 @@ from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
 from tlt_jax.prompts import read_prompts
 from tlt_jax.rl import datasets, tasks
-from tlt_jax.rollout import profile
-from tlt_jax.rollout.bandit import Bandit
-from tlt_jax.rollout.engine import Engine, EngineConfig
-from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout import benchmark
 from tlt_jax.rollout.speculative import Strategy
 
 # Required only when run as the CLI: experiments import this module for its measuring functions and flags.
@@ -80,7 +78,8 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens per row at most."
 cli.check_sampling_flags(temperature=_TEMPERATURE, max_new_tokens=_MAX_NEW)
 _TASK = flags.DEFINE_string("task", "basic_arithmetic", "Procedural task for prompts (needs a tokenizer in --model).")
 _PROMPTS = flags.DEFINE_string("prompts", None, "Prompts JSONL file (instead of --task problems).")
-_PHASES = flags.DEFINE_bool("phases", False, "Time each phase of one speculative iteration per batch size and strategy.")
+_PHASES = flags.DEFINE_bool("phases", False,
+                            "Time each phase of one speculative iteration per batch size and strategy.")
 _MIN_TERMS = flags.DEFINE_integer("min_terms", 16, "Fewest terms per problem (longer problems, longer responses).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of prompts and sampling.")
 _ADAPTIVE = flags.DEFINE_bool("adaptive", False, "Bandit vs every fixed strategy vs SD off on a long-tail rollout.")
@@ -92,137 +91,6 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Adaptive and refill modes: timed 
 _REFILL = flags.DEFINE_bool("refill", False, "Refill vs waves on a rollout of more rows than the largest bucket.")
 _BUCKET = flags.DEFINE_integer("bucket", 8, "Refill mode: the largest batch bucket (a power of two).", lower_bound=1)
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Refill mode: samples per prompt (a GRPO group).", lower_bound=1)
-
-
-def _timed(engine: Engine, prompts, repeats: int = 3):
-  """Metrics of `repeats` rollouts after a warm-up one (which compiles)."""
-  engine.generate(prompts)
-  return [engine.generate(prompts).metrics for _ in range(repeats)]
-
-
-def _rollout_speed(engine: Engine, prompts) -> tuple[float, float]:
-  """Median decode tokens/s and the acceptance length."""
-  runs = _timed(engine, prompts)
-  return float(np.median([sum(s.tokens for s in m.segments) / m.decode_s for m in runs])), runs[0].accept_len
-
-
-def run_adaptive(model, drafter: Drafter, prompts, strategies, temperature, max_new_tokens, seed, stop_ids,
-                 sd_max_batch, repeats):
-  """Plain vs each fixed strategy vs the bandit on one long-tailed rollout."""
-  buckets = tuple(2**i for i in range(int(np.ceil(np.log2(len(prompts)))) + 1))
-  base = EngineConfig(batch_buckets=buckets, max_prompt_len=max(map(len, prompts)), max_new_tokens=max_new_tokens,
-                      sd_max_batch=sd_max_batch)
-  params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
-                          stop_token_ids=tuple(stop_ids))
-  bandit = Bandit(strategies, seed=seed)
-  # "sd_off" is the bandit's SD-off arm played alone: the same engine, its drafter kept current for a
-  # switch that never comes. "plain" has no drafter at all: the gap between the two is that upkeep.
-  modes = [("plain", Engine(model, base, params)), ("sd_off", Engine(model, base, params, drafter=drafter))]
-  modes += [(s.name, Engine(model, EngineConfig(**{**base.__dict__, "strategies": (s,)}), params, drafter=drafter))
-            for s in strategies]
-  modes.append(("bandit", Engine(model, EngineConfig(**{**base.__dict__, "strategies": tuple(strategies)}), params,
-                                 drafter=drafter, bandit=bandit)))
-  runs = {name: [] for name, _ in modes}
-  with tqdm(total=len(modes) * (repeats + 1), desc="bench --adaptive", file=sys.stderr) as bar:
-    for round_ in range(repeats + 1):  # round 0 is the warm-up
-      for name, engine in modes:
-        m = engine.generate(prompts).metrics
-        if round_:
-          runs[name].append(m)
-        bar.update()
-      if not round_:
-        warmup_plays = sum(arm["plays"] for b in bandit.stats().values() for arm in b.values())
-  records, median = [], {}
-  for name, _ in modes:
-    ms = runs[name]
-    median[name] = m = ms[int(np.argsort([r.tokens_per_s for r in ms])[len(ms) // 2])]
-    records.append({"mode": name, "tokens_per_s": round(m.tokens_per_s, 2), "accept_len": round(m.accept_len, 3),
-                    "sd_share": round(m.sd_s / m.wall_s, 3)})
-  for r in records:
-    r["speedup"] = round(r["tokens_per_s"] / records[0]["tokens_per_s"], 3)
-  fixed = [r["tokens_per_s"] for r in records[1:-1]]  # the bandit's arms, each played alone
-  total_plays = sum(arm["plays"] for b in bandit.stats().values() for arm in b.values())
-  records[-1].update(vs_best_fixed=round(records[-1]["tokens_per_s"] / max(fixed), 3),
-                     vs_worst_fixed=round(records[-1]["tokens_per_s"] / min(fixed), 3), warmup_plays=warmup_plays,
-                     timed_plays=total_plays - warmup_plays, summary=median["bandit"].summary(), bandit=bandit.stats())
-  return records
-
-
-def run_refill(model, prompts, num_samples, bucket, temperature, max_new_tokens, seed, stop_ids, repeats):
-  """Waves vs refill on one rollout of len(prompts) x num_samples rows through a largest bucket of `bucket`."""
-  base = EngineConfig(batch_buckets=tuple(2**i for i in range(bucket.bit_length())),
-                      max_prompt_len=max(map(len, prompts)), max_new_tokens=max_new_tokens)
-  params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
-                          stop_token_ids=tuple(stop_ids))
-  modes = [("waves", Engine(model, EngineConfig(**{**base.__dict__, "refill": False}), params)),
-           ("refill", Engine(model, base, params))]
-  runs = {name: [] for name, _ in modes}
-  with tqdm(total=len(modes) * (repeats + 1), desc="bench --refill", file=sys.stderr) as bar:
-    for round_ in range(repeats + 1):  # round 0 is the warm-up
-      for name, engine in modes:
-        rollout = engine.generate(prompts, num_samples)
-        if round_:
-          runs[name].append(rollout)
-        bar.update()
-  records = []
-  for name, _ in modes:
-    rs = runs[name]
-    r = rs[int(np.argsort([x.metrics.tokens_per_s for x in rs])[len(rs) // 2])]
-    lengths = [len(s.tokens) for s in r.samples]
-    m = r.metrics
-    records.append({"mode": name, "rows": len(r.samples), "bucket": bucket, "tokens_per_s": round(m.tokens_per_s, 2),
-                    "wall_s": round(m.wall_s, 3), "refills": m.refills,
-                    "idle_slot_fraction": round(m.idle_slot_fraction, 3), "tail_share": round(m.tail_share, 3),
-                    "p99_over_median": round(float(np.percentile(lengths, 99) / np.median(lengths)), 2)})
-  same = [s.tokens.tolist() for s in runs["waves"][0].samples] == [s.tokens.tolist() for s in runs["refill"][0].samples]
-  for r in records:  # refill changes when a row runs, never its tokens
-    r.update(speedup=round(r["tokens_per_s"] / records[0]["tokens_per_s"], 3), same_samples=same)
-  return records
-
-
-def run(model, drafter: Drafter, prompts, batch_sizes, strategies, temperature, max_new_tokens, seed, stop_ids):
-  records = []
-  top = max(batch_sizes)
-  buckets = tuple(2**i for i in range(int(np.ceil(np.log2(top))) + 1))
-  base = EngineConfig(batch_buckets=buckets, max_prompt_len=max(map(len, prompts)), max_new_tokens=max_new_tokens,
-                      segment_steps=32, compact=False)
-  params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
-                          stop_token_ids=tuple(stop_ids))
-  plain = Engine(model, base, params)
-  with tqdm(total=len(batch_sizes) * (len(strategies) + 1), desc="bench", file=sys.stderr) as bar:
-    for b in batch_sizes:
-      batch = prompts[:b]
-      baseline, _ = _rollout_speed(plain, batch)
-      bar.update()
-      for strategy in strategies:
-        config = EngineConfig(**{**base.__dict__, "strategies": (strategy,), "sd_max_batch": top})
-        speed, accept_len = _rollout_speed(Engine(model, config, params, drafter=drafter), batch)
-        records.append({"batch_size": b, "strategy": strategy.name, "tokens_per_s": round(speed, 2),
-                        "baseline_tokens_per_s": round(baseline, 2), "speedup": round(speed / baseline, 3),
-                        "accept_len": round(accept_len, 3)})
-        bar.update()
-  return records
-
-
-def run_phases(model, drafter: Drafter, prompts, batch_sizes, strategies, temperature, max_new_tokens, seed):
-  """`profile.phase_times` per batch size and strategy (rows never stop: every phase runs on all of them).
-  A reduced-vocabulary drafter is timed twice, its own head beside the same layers with the full one."""
-  records = []
-  params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
-  heads = [(drafter.vocab_size, drafter)] + ([(model.config.vocab_size, drafter.with_full_vocab())]
-                                             if drafter.draft_vocab else [])
-  with tqdm(total=len(batch_sizes) * len(strategies) * len(heads), desc="bench --phases", file=sys.stderr) as bar:
-    for b in batch_sizes:
-      batch = prompts[:b]
-      for strategy in strategies:
-        buckets = tuple(2**i for i in range((b - 1).bit_length() + 1))
-        config = EngineConfig(batch_buckets=buckets, max_prompt_len=max(map(len, batch)), max_new_tokens=max_new_tokens,
-                              segment_steps=16, compact=False, strategies=(strategy,), sd_max_batch=b)
-        for vocab, d in heads:
-          times = profile.phase_times(Engine(model, config, params, drafter=d), batch, strategy)
-          records.append({"batch_size": b, "strategy": strategy.name, "draft_vocab": vocab, **times})
-          bar.update()
-  return records
 
 
 def _batch_sizes() -> list[int]:
@@ -265,6 +133,9 @@ def main(argv):
   strategies, batch_sizes = _strategies(), _batch_sizes()
   if not strategies:
     raise cli.InputError("--strategies: name at least one depth_topk_verify strategy")
+  if _PHASES.value and any(s.suffix for s in strategies):
+    raise cli.InputError(f"--strategies={','.join(_STRATEGIES.value)}: --phases times the EAGLE drafter's phases; "
+                         "suffix strategies have none")
   csv_path = os.path.splitext(_OUTPUT.value)[0] + ".csv"
   inputs = {"model": _MODEL.value, "drafter": _DRAFTER.value}
   if os.path.abspath(csv_path) == os.path.abspath(_OUTPUT.value):
@@ -292,18 +163,18 @@ def main(argv):
   with cli.named("model", _MODEL.value):
     model = hf.from_pretrained(_MODEL.value)
   stop = set(model.config.stop_token_ids) | ({tokenizer.eos_token_id} if tokenizer is not None else set())
+  temperature, max_new, seed = _TEMPERATURE.value, _MAX_NEW.value, _SEED.value
   if _REFILL.value:
-    records = run_refill(model, prompts, _NUM_SAMPLES.value, _BUCKET.value, _TEMPERATURE.value, _MAX_NEW.value,
-                         _SEED.value, sorted(stop), _REPEATS.value)
+    records = benchmark.run_refill(model, prompts, _NUM_SAMPLES.value, _BUCKET.value, temperature, max_new, seed,
+                                   sorted(stop), _REPEATS.value)
   elif _PHASES.value:
-    records = run_phases(model, drafter, prompts, batch_sizes, strategies, _TEMPERATURE.value, _MAX_NEW.value,
-                         _SEED.value)
+    records = benchmark.run_phases(model, drafter, prompts, batch_sizes, strategies, temperature, max_new, seed)
   elif _ADAPTIVE.value:
-    records = run_adaptive(model, drafter, prompts, strategies, _TEMPERATURE.value, _MAX_NEW.value, _SEED.value,
-                           sorted(stop), _SD_MAX_BATCH.value, _REPEATS.value)
+    records = benchmark.run_adaptive(model, drafter, prompts, strategies, temperature, max_new, seed, sorted(stop),
+                                     _SD_MAX_BATCH.value, _REPEATS.value)
   else:
-    records = run(model, drafter, prompts, batch_sizes, strategies, _TEMPERATURE.value, _MAX_NEW.value, _SEED.value,
-                  sorted(stop))
+    records = benchmark.run_grid(model, drafter, prompts, batch_sizes, strategies, temperature, max_new, seed,
+                                 sorted(stop))
   with files.atomic_file(_OUTPUT.value) as tmp_json, files.atomic_file(csv_path) as tmp_csv:
     with open(tmp_json, "w", encoding="utf-8") as f:
       json.dump(records, f, indent=2)
@@ -314,7 +185,7 @@ def main(argv):
   for r in records:
     print(json.dumps(r))
   if _REFILL.value:
-    print(f"refill / waves tokens/s: {records[1]['speedup']:.3f}")
+    print(f"refill / waves tokens/s: {records[1]['speedup']:.3f}, longest first: {records[2]['speedup']:.3f}")
 
 
 if __name__ == "__main__":

@@ -105,6 +105,12 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.segment_steps = 16
   c.rollout.kv_block = 64
   c.rollout.strategies = "3_1_4,4_2_6"  # draft depth_topk_verify, comma-separated (bandit arms beside SD off)
+  # "eagle": the EAGLE drafter (warmed up, trained online); 's'-strategies (e.g. "s4_1_5") are suffix
+  # arms beside its own. "suffix": no drafter model, the strategies' shapes draft suffix matches in
+  # each prompt's token bank (its prompt and its samples' tokens): no forward pass per draft.
+  c.rollout.drafter = "eagle"
+  c.rollout.suffix_bank_len = 4096  # tokens banked per prompt in flight at most
+  c.rollout.suffix_ngram = 4  # the longest suffix of a row's tokens matched in its bank
   c.rollout.sd_max_batch = 32  # speculate only while at most this many rows are active
   c.rollout.bandit_thresholds = "1,2,5,21"
   c.rollout.bandit_epsilon = 0.1
@@ -189,7 +195,8 @@ def ints(text: str) -> tuple[int, ...]:
 
 
 def strategies(config) -> tuple[Strategy, ...]:
-  return tuple(Strategy.parse(s.strip()) for s in config.rollout.strategies.split(",") if s.strip())
+  suffix_only = config.rollout.drafter == "suffix"
+  return tuple(Strategy.parse(s.strip(), suffix_only) for s in config.rollout.strategies.split(",") if s.strip())
 
 
 # Smallest valid value of each numeric key ('>' where a key must be strictly above it); every float
@@ -201,12 +208,16 @@ _AT_LEAST = {
     "task.min_terms": 1, "data.size": 1, "data.max_prompt_len": 1,
     "sft.num_problems": 1, "sft.steps": 0, "sft.batch_rows": 1, "sft.row_len": 2, "sft.learning_rate": 0,
     "sft.warmup_steps": 0, "sft.weight_decay": 0, "sft.unanswered": 0, "sft.eval_size": 0, "sft.eval_max_new_tokens": 1,
-    "rollout.prompts_per_step": 1, "rollout.num_samples": 1, "rollout.groups": 1, "rollout.segment_steps": 1, "rollout.kv_block": 1,
-    "rollout.sd_max_batch": 1, "rollout.bandit_epsilon": 0, "rollout.bandit_window": 1,
-    "drafter.draft_vocab_size": 0, "drafter.warmup_steps": 0, "drafter.learning_rate": 0, "drafter.batch_rows": 1, "drafter.row_len": 2,
+    "rollout.prompts_per_step": 1, "rollout.num_samples": 1, "rollout.groups": 1, "rollout.segment_steps": 1,
+    "rollout.kv_block": 1,
+    "rollout.sd_max_batch": 1, "rollout.bandit_epsilon": 0, "rollout.bandit_window": 1, "rollout.suffix_ngram": 1,
+    "rollout.suffix_bank_len": 2,
+    "drafter.draft_vocab_size": 0, "drafter.warmup_steps": 0, "drafter.learning_rate": 0, "drafter.batch_rows": 1,
+    "drafter.row_len": 2,
     "drafter.online_learning_rate": 0, "drafter.online_warmup_steps": 0, "drafter.online_rows_per_device": 1,
     "drafter.solo_steps": 0, "drafter.buffer_pairs": 1,
-    "rl.learning_rate": 0, "rl.warmup_steps": 0, "rl.weight_decay": 0, "rl.mini_batches": 1, "rl.max_skipped_updates": 1,
+    "rl.learning_rate": 0, "rl.warmup_steps": 0, "rl.weight_decay": 0, "rl.mini_batches": 1,
+    "rl.max_skipped_updates": 1,
     "rl.micro_batch_rows": 1, "rl.row_len": 2, "rl.logits_chunk": 1, "rl.attention_block": 0, "rl.clip_low": 0,
     "rl.clip_high": 0, "rl.kl_coef": 0, "rl.overlong_buffer": 0, "eval.every": 0, "eval.size": 1, "eval.num_samples": 1,
     "checkpoint.every": 1, "checkpoint.keep": 1,
@@ -221,6 +232,7 @@ _CHOICES = {
     "data.reward": tuple(sorted(rewards.REWARDS)),
     "kernels.attention": tree_attention.IMPLEMENTATIONS,
     "rl.loss_aggregation": grpo.AGGREGATIONS,
+    "rollout.drafter": ("eagle", "suffix"),
 }
 
 
@@ -258,6 +270,9 @@ def check(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.rollout.strategies={config.rollout.strategies!r}: {e}") from None
   need(named or not config.rollout.speculative, "rollout.strategies",
        "must name at least one strategy when rollout.speculative (False: the plain baseline)")
+  need(len({s.name for s in named}) == len(named), "rollout.strategies", "must not name a strategy twice")
+  need(not any(s.suffix for s in named) or config.rollout.suffix_bank_len >= config.data.max_prompt_len + 2,
+       "rollout.suffix_bank_len", "must hold data.max_prompt_len + 2 (the prompt and a token)")
   for key in ("rollout.bandit_thresholds", "drafter.feature_layers"):
     try:
       ints(config_value(config, key))

@@ -4,8 +4,8 @@ Every process runs the same program. What the processes must agree on while thei
 busy with process-local work (the spot trainer's rounds while other groups still decode, a tiny
 policy trained by process 0 alone) goes through the coordination service's key-value store on
 the host, never through a device collective that would queue behind that work. Arrays sharded
-over several processes come to the host by a device collective (`multihost_utils`). With one process every function here is the
-identity (or a no-op), so single-process runs take no detour.
+over several processes come to the host by a device collective (`multihost_utils`). With one
+process every function here is the identity (or a no-op), so single-process runs take no detour.
 """
 
 from __future__ import annotations

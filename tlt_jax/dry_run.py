@@ -119,10 +119,12 @@ def run(config) -> dict:
   report["rollout_group_mesh"] = dict(group_mesh.shape)
   group_policy = _abstract(build_policy, group_mesh)
   strategies = config_lib.strategies(config) if config.rollout.speculative else ()
+  eagle = any(not s.suffix for s in strategies)  # an EAGLE drafter (else suffix arms alone, or none)
   # A reduced head's ids come from the warm-up data; any N ids size the executables alike.
   vocab = range(min(config.drafter.draft_vocab_size, cfg.vocab_size))
-  drafter = _abstract(lambda: Drafter(cfg, feature_layers=config_lib.ints(config.drafter.feature_layers),
-                                      draft_vocab=vocab, dtype=dtype, rngs=nnx.Rngs(0)), group_mesh) if strategies else None
+  build_drafter = lambda: Drafter(cfg, feature_layers=config_lib.ints(config.drafter.feature_layers),
+                                  draft_vocab=vocab, dtype=dtype, rngs=nnx.Rngs(0))
+  drafter = _abstract(build_drafter, group_mesh) if eagle else None
   sampling = SamplingParams(temperature=config.rollout.temperature, top_k=config.rollout.top_k,
                             top_p=config.rollout.top_p, max_new_tokens=config.rollout.max_new_tokens, seed=config.seed)
   base = trainer_lib.engine_config(config, strategies)
@@ -143,7 +145,7 @@ def run(config) -> dict:
 
   report["executables"] = executables
   report["policy_gb"] = round(_bytes(nnx.state(policy)) / GB, 6)
-  if strategies:  # the rollout's captured features: this many bytes per process in each checkpoint at most
+  if eagle:  # the rollout's captured features: this many bytes per process in each checkpoint at most
     r = config.rollout
     buffer = BufferConfig(max_pairs=config.drafter.buffer_pairs).state_bytes(
         r.prompts_per_step * r.num_samples, config.data.max_prompt_len + r.max_new_tokens, cfg.hidden_size,

@@ -21,9 +21,10 @@ def pack(sequences: Sequences, row_len: int, truncate: bool = True, index: bool 
 
   The four planes are tokens, positions (restarting per sample), segment ids (1, 2, ... per row;
   0 is padding) and the loss mask (1 on response tokens); with `index` a fifth plane holds each
-  slot's sequence index + 1 (0 on padding), to scatter per-sequence values (RL advantages). Sequences longer than `row_len` are
-  truncated (`truncate`, e.g. drafter data: every pair counts) or dropped (SFT: a cut solution
-  would teach the policy never to finish); those without a response token left are dropped.
+  slot's sequence index + 1 (0 on padding), to scatter per-sequence values (RL advantages).
+  Sequences longer than `row_len` are truncated (`truncate`, e.g. drafter data: every pair counts)
+  or dropped (SFT: a cut solution would teach the policy never to finish); those without a
+  response token left are dropped.
   """
   if row_len < 2:
     raise ValueError(f"row_len must be at least 2, got {row_len}")

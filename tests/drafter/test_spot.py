@@ -62,6 +62,8 @@ def test_idle_groups_train_one_drafter_losslessly(policy, tmp_path):
     assert 0 < metrics["spot/harvested_device_s"] <= metrics["spot/idle_device_s"]
     assert np.isfinite(metrics["drafter/loss"])
     assert 0 <= metrics["drafter/top1"] <= 1 and metrics["spot/checkpoint_s"] > 0
+    assert metrics["rollout/refills"] >= 0
+    assert 0 <= metrics["rollout/tail_share"] <= 1 and 0 <= metrics["rollout/idle_slot_fraction"] <= 1
     # One merged drafter, pushed to every group's engine.
     master = jax.tree.map(np.asarray, trainer.params)
     pointer = lambda x: x.addressable_shards[0].data.unsafe_buffer_pointer()

@@ -1,5 +1,5 @@
 """The RL loop: a step trains, 2 steps + stop + resume to 4 equals 4 steps straight, a TLT step
-trains the drafter, and non-finite updates are skipped until too many in a row stop the run."""
+trains the drafter, suffix drafts need none, and non-finite updates are skipped until too many in a row stop the run."""
 
 import os
 
@@ -100,6 +100,34 @@ def test_tlt_step_trains_the_drafter_on_idle_groups_and_checkpoints_it(tmp_path,
     same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), again.spot.state_dict()[0]["params"], drafter)
     assert all(jax.tree.leaves(same))
     assert all(e.bandit is not None for e in again.engines)
+  finally:
+    again.close()
+
+
+def test_suffix_drafts_need_no_drafter_and_their_bandit_resumes(tmp_path, tiny_policy_dir, xla_cache):
+  """rollout.drafter='suffix': no drafter is loaded or warmed up; the engine (data-parallel over 2
+  devices) speculates in its tail with suffix arms a bandit picks, checkpointed and restored."""
+  c = tiny_rl_config(tmp_path / "suffix", 1, xla_cache)
+  c.policy.path = tiny_policy_dir
+  c.rollout.speculative = True
+  c.rollout.drafter = "suffix"
+  c.rollout.strategies = "2_1_3,s3_2_5"  # the first reads as s2_1_3
+  c.rollout.sd_max_batch = 8  # every row: the random policy's rows all run to the budget, no tail
+  c.rollout.suffix_bank_len = 256
+  c.checkpoint.every = 1
+  c.eval.every = 0
+  trainer = Trainer(c, devices=jax.devices()[:2])
+  try:
+    assert trainer.spot is None and [s.name for s in trainer.engines[0].config.strategies] == ["s2_1_3", "s3_2_5"]
+    record = trainer.run()[-1]
+    bandit = trainer.engines[0].bandit.state_dict()
+  finally:
+    trainer.close()
+  assert not os.path.exists(tmp_path / "suffix" / "drafter")
+  assert record["rollout/verify_passes"] > 0 and any("/arm_s" in key for key in record)
+  again = Trainer(c, devices=jax.devices()[:2])
+  try:
+    assert again.step == 1 and again.engines[0].bandit.state_dict() == bandit
   finally:
     again.close()
 

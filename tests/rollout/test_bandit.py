@@ -1,5 +1,5 @@
 """BEG-MAB: buckets, unseen arms first, median exploitation, epsilon exploration, state round trip,
-and the issue's criteria on synthetic reward tables (best arm >= 90% after warm-up, tracking a
+and its goals on synthetic reward tables (best arm >= 90% after warm-up, tracking a
 change of the best arm, SD off where speculation is slower)."""
 
 import json

@@ -16,6 +16,7 @@ from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
 
 STOP = 1
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring's event per XLA compilation
 CONFIG = EngineConfig(batch_buckets=(1, 2, 4, 8), max_prompt_len=24, max_new_tokens=64, kv_block=16, segment_steps=8)
 
 
@@ -82,7 +83,7 @@ def test_samples_do_not_depend_on_batch_size_or_compaction(models, sampling):
 def test_compaction_and_no_compilation_after_warmup(models):
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
-      lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+      lambda event, secs, **kw: compiles.append(event) if event == COMPILE_EVENT else None)
   params = SamplingParams(temperature=1.0, max_new_tokens=60, stop_token_ids=(STOP, 2, 3, 4, 5), seed=0)
   engine = Engine(models["qwen2_tied"], CONFIG, params)
   ps = prompts(8, seed=4)
@@ -145,14 +146,15 @@ def with_sd(config, strategy, sd_max_batch=8):
 
 def test_speculative_greedy_is_identical_for_any_drafter(models):
   """Random drafters (full and reduced vocabulary), chain and tree strategies, 1 to 8 rows, stops and
-  budgets inside steps."""
+  budgets inside steps. (A tree drafted by a full head is covered by the greedy tree cases below:
+  test_bandit_picks_strategies_losslessly_without_compiling, test_refill_equals_rows_run_one_by_one_and_in_waves.)"""
   model = models["qwen3"]
-  drafter = Drafter(model.config, rngs=nnx.Rngs(1))
   params = SamplingParams(temperature=0, max_new_tokens=48, stop_token_ids=(STOP, 7, 11))
   plain = Engine(model, CONFIG, params)
+  full = Drafter(model.config, rngs=nnx.Rngs(1))
   reduced = Drafter(model.config, draft_vocab=tuple(range(1, VOCAB, 3)), rngs=nnx.Rngs(6))  # stop token 1 included
-  engines = [Engine(model, with_sd(CONFIG, s), params, drafter=drafter) for s in ("3_1_4", "3_2_6")]
-  engines.append(Engine(model, with_sd(CONFIG, "3_2_6"), params, drafter=reduced))
+  engines = [Engine(model, with_sd(CONFIG, "3_1_4"), params, drafter=full),
+             Engine(model, with_sd(CONFIG, "3_2_6"), params, drafter=reduced)]
   for rows in (8, 3, 1):  # largest first: smaller rollouts reuse its segment executables
     ps = prompts(rows, seed=10 + rows)
     limits = [len(p) + 5 + 7 * i for i, p in enumerate(ps)]  # budgets end at odd places
@@ -177,7 +179,8 @@ def test_speculative_sampling_equals_plain_sampling_with_the_same_seed(models):
 def test_speculation_only_in_the_tail(models):
   model = models["qwen3"]
   params = SamplingParams(temperature=1.0, max_new_tokens=48, stop_token_ids=(STOP, 2, 3, 4, 5, 6), seed=1)
-  engine = Engine(model, with_sd(CONFIG, "2_2_4", sd_max_batch=2), params, drafter=Drafter(model.config, rngs=nnx.Rngs(0)))
+  drafter = Drafter(model.config, rngs=nnx.Rngs(0))
+  engine = Engine(model, with_sd(CONFIG, "2_2_4", sd_max_batch=2), params, drafter=drafter)
   rollout = engine.generate(prompts(8, seed=8))
   segments = rollout.metrics.segments
   assert all((s.strategy is not None) == (s.active_rows <= 2) for s in segments)
@@ -202,8 +205,104 @@ def test_segments_end_on_the_device_once_a_smaller_bucket_fits(models):
 
 
 def test_speculation_needs_a_drafter(models):
-  with pytest.raises(ValueError, match="need a drafter"):
-    Engine(models["qwen3"], with_sd(CONFIG, "2_2_4"), SamplingParams(max_new_tokens=8))
+  with pytest.raises(ValueError, match=r"\['2_2_4'\] need a drafter"):
+    Engine(models["qwen3"], configured(CONFIG, strategies=(Strategy.parse("2_2_4"), Strategy.parse("s2_2_4"))),
+           SamplingParams(max_new_tokens=8))
+  with pytest.raises(ValueError, match="suffix_bank_len must be >= max_prompt_len \\+ 2 = 26"):
+    configured(with_sd(CONFIG, "s2_2_4"), suffix_bank_len=25)
+  with pytest.raises(ValueError, match="suffix_ngram must be >= 1"):
+    configured(CONFIG, suffix_ngram=0)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, top_p=0.9)])
+def test_suffix_speculation_without_a_drafter_equals_plain_decoding(models, sampling):
+  """Suffix arms (a chain and a tree of bank matches), no drafter at all: 1 to 8 rows of 2 samples
+  each, budgets and stops inside steps, give plain decoding's tokens; greedy, the drafts pay."""
+  model = models["qwen3"]
+  params = SamplingParams(max_new_tokens=48, stop_token_ids=(STOP, 7), seed=2, **sampling)
+  plain = Engine(model, CONFIG, params)
+  engines = [Engine(model, with_sd(CONFIG, s), params) for s in ("s4_1_5", "s3_3_7")]
+  for rows in (4, 1):
+    ps = prompts(rows, seed=50 + rows)
+    limits = [len(p) + 5 + 9 * i for i, p in enumerate(ps)]
+    expected = sample_set(plain.generate(ps, num_samples=2, max_total_len=limits))
+    for engine in engines:
+      rollout = engine.generate(ps, num_samples=2, max_total_len=limits)
+      assert sample_set(rollout) == expected, (rows, engine.config.strategies)
+      assert rollout.metrics.verify_passes > 0
+      if not sampling["temperature"] and rows == 4:
+        assert rollout.metrics.accept_len > 1.2, engine.config.strategies  # tiny models repeat themselves
+
+
+def test_suffix_drafts_from_a_finished_sibling_in_a_refilled_slot(models):
+  """One slot, three greedy samples of a prompt: sample 0 runs alone, then samples 1 and 2 refill its
+  slot. The bank kept sample 0's tokens, so they draft its (identical) response: nearly every
+  verify pass accepts the whole chain."""
+  model = models["llama3"]
+  params = SamplingParams(temperature=0, max_new_tokens=40)
+  config = configured(with_sd(CONFIG, "s4_1_5", sd_max_batch=1), batch_buckets=(1,))
+  rollout = Engine(model, config, params).generate([[5, 9, 13]], num_samples=3)
+  assert len({tuple(t) for t in sample_set(rollout).values()}) == 1 and rollout.metrics.refills == 2
+  passes = [sum(s.passes for s in rollout.metrics.segments if s.waiting == 2 - j) for j in range(3)]
+  # Each later sample's 39 tokens after its first (the prefill's) in 8 passes of 5 at most: from the start.
+  assert passes[1] == passes[2] == 8 < passes[0], passes
+
+
+def test_suffix_speculation_on_a_mesh(models):
+  """Rows split over two devices, the bank replicated: plain decoding's greedy tokens."""
+  from tlt_jax import sharding
+  model = models["qwen2_tied"]
+  params = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=(STOP,))
+  config = configured(with_sd(CONFIG, "s3_2_5"), batch_buckets=(1, 2, 4))
+  mesh = sharding.make_mesh({"data": 2}, jax.devices()[:2])
+  engine = Engine(model, config, params, mesh=mesh)
+  engine.set_params(jax.device_put(engine.params, sharding.param_shardings(engine.params, mesh)))
+  ps = prompts(2, seed=70)
+  rollout = engine.generate(ps, num_samples=2)
+  assert rollout.metrics.verify_passes > 0
+  assert sample_set(rollout) == sample_set(Engine(model, config, params).generate(ps, num_samples=2))
+
+
+def test_the_bank_follows_prompts_through_compaction(models):
+  """Each row's bank region holds its tokens and its bank row its prompt (right-aligned), after plain
+  and suffix segments; compaction drops finished rows but keeps their tokens in the bank."""
+  model = models["qwen3"]
+  config = configured(with_sd(CONFIG, "s3_2_5"), suffix_bank_len=64)  # regions of 20 slots: 19 tokens banked
+  engine = Engine(model, config, SamplingParams(temperature=1.0, max_new_tokens=40, seed=1))
+  ps = [p[:10] for p in prompts(2, seed=60)]
+  rows = [(0, 0), (0, 1), (1, 0), (1, 1)]
+  engine.prepare(4, [len(p) for p in ps])
+  bank = engine._bank_rows(rows)
+  slots = np.arange(4, dtype=np.int32)
+  st = engine.pool[("init", 4)](*engine._identity(rows, slots, [6, 40], 0, bank))
+  st = engine._prefill_slots(st, ps, rows, slots)
+  params = engine.params, engine.drafter_params
+  st = engine.pool[("plain", 4)](*params, st, np.int32(0))
+
+  def check(st, expected):
+    host = jax.device_get(st)
+    assert (host.bank_row == host.prompt_index).all()  # prompt i took bank row i: the first free one
+    np.testing.assert_array_equal(host.bank_offset, 24 + 20 * host.sample_index)
+    assert (host.bank_room == 19).all()
+    for (i, j), tokens in expected.items():
+      r = host.bank[i]
+      np.testing.assert_array_equal(r[24 - len(ps[i]):24], ps[i])
+      assert (r[:24 - len(ps[i])] == -1).all()
+      region = r[24 + 20 * j:24 + 20 * (j + 1)]
+      n = min(len(tokens), 19)
+      np.testing.assert_array_equal(region[:n], tokens[:n])
+      assert (region[n:] == -1).all()
+
+  host = jax.device_get(st)
+  tokens = {rows[r]: host.tokens[r, :host.num_generated[r]] for r in range(4)}
+  assert host.done[:2].all() and not host.done[2:].any()  # prompt 0's budget of 6 is used up
+  check(st, tokens)
+  st = engine.pool[("halve", 2, 4)](st, np.asarray([3, 2], np.int32))  # prompt 1's rows, in reverse order
+  st = engine.pool[("speculate", 2, "s3_2_5")](*params, st, np.int32(0))
+  host = jax.device_get(st)
+  assert host.sample_index.tolist() == [1, 0] and (host.num_generated > 12).all()
+  tokens.update({rows[3 - r]: host.tokens[r, :host.num_generated[r]] for r in range(2)})
+  check(st, tokens)
 
 
 def tiny_vocab_model():
@@ -259,11 +358,11 @@ def test_speculative_first_three_tokens_follow_plain_sampling(drafter_kind):
 
 
 def test_bandit_picks_strategies_losslessly_without_compiling(models):
-  """One segment executable per (bucket, arm); the bandit plays every arm, outputs equal plain
-  greedy ones, nothing compiles inside the rollouts."""
+  """One segment executable per (bucket, arm); the bandit plays every arm (EAGLE, suffix, SD off),
+  outputs equal plain greedy ones, nothing compiles inside the rollouts."""
   from tlt_jax.rollout.bandit import Bandit
   model = models["qwen3"]
-  strategies = (Strategy.parse("3_1_3"), Strategy.parse("2_2_3"))
+  strategies = (Strategy.parse("3_1_3"), Strategy.parse("2_2_3"), Strategy.parse("s3_2_4"))
   config = EngineConfig(**{**CONFIG.__dict__, "strategies": strategies, "sd_max_batch": 4})
   params = SamplingParams(temperature=0, max_new_tokens=48, stop_token_ids=(STOP,))
   bandit = Bandit(strategies, epsilon=0.1)
@@ -278,12 +377,12 @@ def test_bandit_picks_strategies_losslessly_without_compiling(models):
   assert stats["executables"] == len(kinds) and stats["compile_s"] > 0 and stats["memory_bytes"] > 0
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
-      lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+      lambda event, secs, **kw: compiles.append(event) if event == COMPILE_EVENT else None)
   rollouts = [engine.generate(ps) for _ in range(2)]  # the bandit persists across rollouts
   assert not compiles, "the rollout compiled something"
   expected = sample_set(Engine(model, CONFIG, params).generate(ps))
   assert all(sample_set(r) == expected for r in rollouts)
-  plays = {arm: sum(b[arm]["plays"] for b in bandit.stats().values()) for arm in ("off", "3_1_3", "2_2_3")}
+  plays = {arm: sum(b[arm]["plays"] for b in bandit.stats().values()) for arm in ("off", "3_1_3", "2_2_3", "s3_2_4")}
   assert all(n > 0 for n in plays.values())  # every arm, SD off included, was tried
   summaries = [r.metrics.summary() for r in rollouts]
   assert summaries[0]["rollout/sd_s"] > 0  # unseen arms first: the first rollout speculates
@@ -343,7 +442,7 @@ def test_prefill_feeds_the_drafter_each_rows_prompt_pairs(models):
   lengths = np.asarray([len(p) for p in ps], np.int32)
   row_prompt = np.asarray([0, 0, 1, 2, 2, 2, -1, -1], np.int32)  # 2, 1 and 3 samples; 2 empty rows
   ids = np.arange(8, dtype=np.int32)
-  st = jax.jit(engine._init)(ids, ids * 0, ids, np.full((8,), 64, np.int32))
+  st = jax.jit(engine._init)(ids, ids * 0, ids, np.full((8,), 64, np.int32), *[ids * 0] * 3)
   st = jax.jit(engine._prefill)(engine.params, engine.drafter_params, st, tokens, lengths, row_prompt)
 
   out = transformer.prefill(model, tokens, lengths, KVCache.zeros(model.config, 3, t))
@@ -376,7 +475,7 @@ def test_plain_segments_keep_the_drafter_cache_current(models):
     tokens[i, :len(p)] = p
   ids = np.arange(4, dtype=np.int32)
   budgets = np.asarray([3, 64, 64, 64], np.int32)  # row 0 ends inside the segment
-  st = jax.jit(engine._init)(ids, ids * 0, ids, budgets)
+  st = jax.jit(engine._init)(ids, ids * 0, ids, budgets, *[ids * 0] * 3)
   st = jax.jit(engine._prefill)(engine.params, engine.drafter_params, st, tokens,
                                 np.asarray([len(p) for p in ps], np.int32), ids)
   chunked = jax.jit(functools.partial(engine._segment, strategy=None))(engine.params, engine.drafter_params, st, 0)
@@ -424,7 +523,7 @@ def test_nan_drafter_turns_speculation_off_losslessly(models, caplog):
 def count_compiles():
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
-      lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+      lambda event, secs, **kw: compiles.append(event) if event == COMPILE_EVENT else None)
   return compiles
 
 

@@ -37,6 +37,11 @@ def test_strategy_parse_name_window():
   assert Strategy(4, 2, 8).window == 8
   assert Strategy(3, 4, 5).window == 8
   assert Strategy(6, 1, 4).window == 7
+  # Suffix strategies: drafted from the token bank, no drafter levels; up to top_k x depth candidates.
+  s = Strategy.parse("s4_2_9")
+  assert (s.depth, s.top_k, s.verify_tokens, s.suffix, s.name) == (4, 2, 9, True, "s4_2_9")
+  assert Strategy.parse(s.name) == s != Strategy.parse("4_2_9")
+  assert Strategy.parse("s3_4_5").window == 5 and Strategy.parse("s6_1_4").window == 7
 
 
 @pytest.mark.parametrize("name", ["4_2", "4_2_8_1", "a_2_8", "0_2_4", "4_0_4", "4_2_1", "2_2_8", "1_3_5"])

@@ -203,7 +203,8 @@ class DataBuffer:
     arrays: "tokens" [N] int32 and "hidden" [N, H] (every entry's, concatenated; [0, 0] float32
     when empty), "entries" [E, 4] int32 (per entry: `_TABLE_FIELDS`)."""
     e = self.entries
-    table = np.asarray([[x.step, len(x.tokens), x.first, x.held_out] for x in e], _TABLE).reshape(-1, len(_TABLE_FIELDS))
+    table = np.asarray([[x.step, len(x.tokens), x.first, x.held_out] for x in e], _TABLE)
+    table = table.reshape(-1, len(_TABLE_FIELDS))
     arrays = {"tokens": np.concatenate([x.tokens for x in e]) if e else np.zeros(0, np.int32),
               "hidden": np.concatenate([x.hidden for x in e]) if e else np.zeros((0, 0), np.float32),
               "entries": table}

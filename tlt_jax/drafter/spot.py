@@ -38,7 +38,8 @@ API (one call per RL step):
   tree, meta = trainer.state_dict()                      # RL checkpoints (every process calls it)
   trainer.load_state_dict(restored_tree, meta)           # restored like trainer.abstract_state(meta)
 `samples` are engine `Sample`s in (prompt_index, sample_index) order; `metrics` is a flat dict
-of floats: drafter/{steps,loss,top1,eval_loss,version,version_used}, rollout/accept_len,
+of floats: drafter/{steps,loss,top1,eval_loss,version,version_used},
+rollout/{accept_len,tokens,refills (summed over groups),tail_share,idle_slot_fraction (group means)},
 spot/{groups,idle_device_s,harvested_device_s,train_rounds,overrun_s,gap_s,checkpoint_s,wall_s},
 drafter/restored.
 `tree` (orbax-saveable) holds the drafter params and optimizer state and each process's data buffer
@@ -150,7 +151,8 @@ class SpotTrainer:
     self._grad = train.make_grad_step(drafter, policy)
     self._eval = train.make_eval_step(drafter, policy)
     self._apply = jax.jit(lambda p, s, g: train.apply_gradients(self.optimizer, p, s, g), donate_argnums=(0, 1))
-    self._all_finite = jax.jit(lambda tree: jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
+    self._all_finite = jax.jit(
+        lambda tree: jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
     self._hidden = (policy.config.hidden_size, policy.model.embed_tokens.embedding.dtype)
     self.params = self._on_group(self.home, nnx.state(drafter))
     self._home = sharding.param_shardings(self.params, self.meshes[self.home])
@@ -277,8 +279,8 @@ class SpotTrainer:
       a, b = bounds[g], bounds[g + 1]
       try:
         out = self._engine[g].generate(prompts[a:b], num_samples, limit(a, b), prompt_offset=int(prompt_offset + a))
-        results[g] = dataclasses.replace(out, samples=[dataclasses.replace(s, prompt_index=s.prompt_index - prompt_offset)
-                                                       for s in out.samples])
+        local = [dataclasses.replace(s, prompt_index=s.prompt_index - prompt_offset) for s in out.samples]
+        results[g] = dataclasses.replace(out, samples=local)
         with cond:
           self.buffer.add(self.rl_step, results[g].samples, prompts)
       except BaseException as e:  # re-raised by the scheduler
@@ -415,6 +417,9 @@ class SpotTrainer:
         "drafter/restored": float(self.last["restored"]),
         "rollout/accept_len": spec_tokens / max(passes, 1),
         "rollout/tokens": float(sum(r.metrics.tokens for r in results)),
+        "rollout/refills": float(sum(r.metrics.refills for r in results)),
+        "rollout/tail_share": float(np.mean([r.metrics.tail_share for r in results])),
+        "rollout/idle_slot_fraction": float(np.mean([r.metrics.idle_slot_fraction for r in results])),
     }
     if rounds:
       n = sum(r.metrics["pairs"] for r in rounds)

@@ -3,7 +3,8 @@
 One step:
   1. the next `prompts_per_step` prompts (a seeded permutation per epoch; the position is saved);
   2. `num_samples` responses each from the rollout engine (speculative tail with the drafter and
-     the bandit, or plain with `rollout.speculative=False`); row keys depend on the running prompt
+     the bandit, suffix drafts alone with `rollout.drafter='suffix'`, or plain with
+     `rollout.speculative=False`); row keys depend on the running prompt
      count, so a resumed run samples exactly what the uninterrupted one would have;
   3. rewards (+ DAPO's overlong penalty), group advantages, dynamic sampling, overlong filtering;
   4. log-probs of the responses recomputed by the trainer (`old_logp`; rollout numerics never
@@ -175,7 +176,7 @@ def engine_config(config, strategies=(), largest_bucket: int | None = None, comp
                       segment_steps=r.segment_steps, kv_block=r.kv_block, strategies=tuple(strategies),
                       sd_max_batch=r.sd_max_batch, compilation_cache_dir=r.compilation_cache_dir or None,
                       compact=compact, attention=config.kernels.attention, capture_hidden=capture_hidden,
-                      refill=r.refill)
+                      refill=r.refill, suffix_bank_len=r.suffix_bank_len, suffix_ngram=r.suffix_ngram)
 
 
 def sampling_params(config, tok) -> SamplingParams:
@@ -203,20 +204,22 @@ class Trainer:
     self.eval_prompts = load_eval_prompts(c, tok) if c.eval.every else None
     self.policy, self.tok = load_policy(c)
     strategies = config_lib.strategies(c) if c.rollout.speculative else ()
-    if distributed.multiprocess() and not strategies:
-      raise ValueError("config.rollout.speculative=False: the plain baseline rollout runs in one process only; "
-                       "several processes run the TLT group engines (config.rollout.speculative=True)")
+    eagle = any(not s.suffix for s in strategies)  # else no drafter model: suffix arms or none
+    if distributed.multiprocess() and not eagle:
+      raise ValueError("config.rollout.speculative=False or rollout.drafter='suffix': a rollout without an EAGLE "
+                       "drafter runs in one process only; several processes run the TLT group engines "
+                       "(config.rollout.speculative=True, rollout.drafter='eagle')")
     if distributed.multiprocess() and c.eval.every:
       raise ValueError("config.eval.every: held-out evaluation (a plain engine over all devices) runs in one "
                        "process only; set it to 0 for a multi-process run")
     devices = list(devices or jax.devices())
     sampling = sampling_params(c, self.tok)
-    if strategies:  # TLT: group engines with tail SD + bandit; idle groups train the drafter
+    make_bandit = lambda: Bandit(strategies, thresholds=config_lib.ints(c.rollout.bandit_thresholds),
+                                 epsilon=c.rollout.bandit_epsilon, window=c.rollout.bandit_window, seed=c.seed)
+    if eagle:  # TLT: group engines with tail SD + bandit; idle groups train the drafter
       drafter = load_drafter(c, self.policy, self.tok)
       self.drafter_graphdef = nnx.graphdef(drafter)
       d = c.drafter
-      make_bandit = lambda: Bandit(strategies, thresholds=config_lib.ints(c.rollout.bandit_thresholds),
-                                   epsilon=c.rollout.bandit_epsilon, window=c.rollout.bandit_window, seed=c.seed)
       self.spot = SpotTrainer(
           self.policy, drafter, engine_config(c, strategies, capture_hidden=True), sampling, devices,
           c.rollout.groups, DataBuffer(BufferConfig(max_pairs=d.buffer_pairs)),
@@ -224,19 +227,20 @@ class Trainer:
                      rows_per_device=d.online_rows_per_device, row_len=d.row_len, solo_steps=d.solo_steps,
                      seed=c.seed), make_bandit)
       self.engines = self.spot.engines
-    else:  # the baseline: one plain engine, data-parallel over the same devices
+    else:  # the baseline, or suffix drafts (no drafter model): one engine, data-parallel over the devices
       self.spot = None
-    # Plain engines data-parallel over all the devices: the baseline's rollouts (as many rows at
-    # once as the TLT groups together) and held-out evaluations. Evaluations use the baseline's
-    # engine when there is one (compiled for its rollouts anyway), else their own, which decodes
-    # the fixed batch without compaction: one bucket to compile. Per-row keys make the samples the
-    # same either way.
+    # Engines data-parallel over all the devices: the baseline's rollouts (as many rows at once as
+    # the TLT groups together; with rollout.drafter='suffix', suffix drafts in their tail) and
+    # held-out evaluations. Evaluations use the baseline's engine when there is one (compiled for
+    # its rollouts anyway), else their own, which decodes the fixed batch without compaction: one
+    # bucket to compile. Per-row keys make the samples the same either way.
     mesh = sharding.make_mesh({"data": len(devices)}, devices) if len(devices) > 1 else None
     self._plain_shardings = None if mesh is None else sharding.param_shardings(nnx.state(self.policy), mesh)
     self.plain_engines = []  # they take the policy's params after each update
     if self.spot is None:
       largest = c.rollout.batch_buckets * c.rollout.groups
-      self.engines = [Engine(self.policy, engine_config(c, largest_bucket=largest), sampling, mesh=mesh)]
+      self.engines = [Engine(self.policy, engine_config(c, strategies, largest_bucket=largest), sampling, mesh=mesh,
+                             bandit=make_bandit() if strategies else None)]
       self.plain_engines = list(self.engines)
     self.eval_engine = None
     if c.eval.every and self.spot is None:

@@ -20,6 +20,12 @@ token) pairs to the drafter, all inside the loop: the host never drives a specul
 plain segment feeds the drafter once at its end (one chunked pass), so the drafter cache is
 current whenever the tail switches speculation on.
 
+Suffix strategies draft without a model (`tlt_jax.rollout.suffix`): every prompt in flight holds
+a row of `RowState.bank` (its prompt and its samples' tokens, written as they are accepted), which
+follows prompts, not slots: compaction and refill move rows, the bank stays, and a prompt's bank
+row is emptied for another prompt only after its last row is harvested. Their trees go through
+the same verify step; with a drafter, its feed goes on, so an EAGLE arm can play next.
+
 In the tail (at most `sd_max_batch` active rows) the arm, SD off or a strategy, is chosen
 before every play, and a play is one segment of that arm: one executable per (bucket, strategy).
 The host syncs after each play, so its wall time and emitted tokens give the bandit a reward.
@@ -36,6 +42,7 @@ CUDA-graph pool); a rollout itself never compiles.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -54,7 +61,7 @@ from tlt_jax.kernels import tree_attention
 from tlt_jax.models import transformer
 from tlt_jax.models.transformer import KVCache
 from tlt_jax.drafter.model import Drafter
-from tlt_jax.rollout import speculative
+from tlt_jax.rollout import speculative, suffix
 from tlt_jax.rollout.bandit import Bandit
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.sampling import SamplingParams
@@ -75,12 +82,16 @@ class EngineConfig:
   compact: bool = True
   capture_hidden: bool = False  # keep the target's last hidden state of every prompt and generated token
   compilation_cache_dir: str | None = None  # persistent XLA cache: later processes skip compiling
-  strategies: tuple[Strategy, ...] = ()  # draft strategies for the tail (need a drafter; several: a bandit)
+  strategies: tuple[Strategy, ...] = ()  # draft strategies for the tail (EAGLE ones need a drafter; several: a bandit)
   sd_max_batch: int = 32  # speculate while at most this many rows are active (TLT: 32)
   # More rows than the largest bucket: True keeps that batch full, prefilling waiting rows into
   # finished rows' slots (one tail per rollout); False runs them in consecutive waves (one tail each).
   refill: bool = True
   refill_rows: int = 0  # refill once this many slots are free (0: a quarter of the largest bucket)
+  # Suffix strategies: each prompt in flight banks its prompt and its samples' tokens in this many
+  # slots (`tlt_jax.rollout.suffix`); a row's last `suffix_ngram` tokens at most are matched there.
+  suffix_bank_len: int = 4096
+  suffix_ngram: int = 4
 
   def __post_init__(self):
     b = self.batch_buckets
@@ -90,6 +101,21 @@ class EngineConfig:
       raise ValueError(f"attention must be one of {tree_attention.IMPLEMENTATIONS}, got {self.attention!r}")
     if not 0 <= self.refill_rows <= b[-1]:
       raise ValueError(f"refill_rows must be in [0, {b[-1]}] (the largest bucket), got {self.refill_rows}")
+    if self.banking and self.suffix_bank_len < self.max_prompt_len + 2:
+      raise ValueError(f"suffix_bank_len must be >= max_prompt_len + 2 = {self.max_prompt_len + 2} (the prompt and "
+                       f"a token), got {self.suffix_bank_len}")
+    if self.suffix_ngram < 1:
+      raise ValueError(f"suffix_ngram must be >= 1, got {self.suffix_ngram}")
+
+  @property
+  def banking(self) -> bool:
+    """Rows bank their tokens for suffix strategies."""
+    return any(s.suffix for s in self.strategies)
+
+  @property
+  def bank_rows(self) -> int:
+    """Prompts in flight at most: the largest batch + 1 (see `suffix.BankRows`); 0 without suffix strategies."""
+    return self.batch_buckets[-1] + 1 if self.banking else 0
 
   @property
   def capacity(self) -> int:
@@ -132,6 +158,10 @@ class RowState:
   drafter_cache: KVCache | None  # one layer; pairs (f_p, x_{p+1}) for every committed position p
   draft_feat: jax.Array | None  # [B, H] drafter output for the last committed pair
   drafter_finite: jax.Array | None  # [B] bool: every drafter output of the row was finite
+  bank: jax.Array | None  # [bank_rows, suffix_bank_len] token bank per prompt in flight (not per row)
+  bank_row: jax.Array | None  # [B] the row's prompt's bank row
+  bank_offset: jax.Array | None  # [B] where the row's own tokens start in it
+  bank_room: jax.Array | None  # [B] how many of them it holds
 
 
 @flax.struct.dataclass
@@ -156,7 +186,7 @@ class Sample:
 
 @dataclasses.dataclass
 class SegmentRecord:
-  """One play of the decode loop between host syncs: a fused plain segment or one speculative step."""
+  """One play of the decode loop between host syncs: a fused plain or speculative segment."""
 
   bucket: int
   active_rows: int
@@ -249,6 +279,11 @@ def _where_rows(mask_B, new, old):
   return jnp.where(mask_B.reshape(mask_B.shape + (1,) * (new.ndim - 1)), new, old)
 
 
+def _per_row(st: RowState) -> RowState:
+  """The fields with one entry per row (caches and the bank, held per prompt, left out)."""
+  return dataclasses.replace(st, cache=None, drafter_cache=None, bank=None)
+
+
 class Engine:
   """Generates from a `CausalLM` with sampling params fixed per engine (they are compiled in).
 
@@ -263,17 +298,14 @@ class Engine:
       raise ValueError(f"max_new_tokens={params.max_new_tokens} exceeds the engine's capacity "
                        f"max_new_tokens={config.max_new_tokens}")
     names = [s.name for s in config.strategies]
-    if names and drafter is None:
-      raise ValueError(f"speculative strategies {names} need a drafter")
+    eagle = [s.name for s in config.strategies if not s.suffix]
+    if eagle and drafter is None:
+      raise ValueError(f"speculative strategies {eagle} need a drafter (suffix strategies, 's4_1_5', do not)")
     if len(names) > 1 and bandit is None:
       raise ValueError(f"several strategies {names} need a bandit to choose between them")
     if bandit is not None and bandit.arms != (None, *config.strategies):
       raise ValueError(f"the bandit's arms must be SD off + the engine's strategies {names}")
     self.config, self.sampling, self.mesh, self.bandit = config, params, mesh, bandit
-    # One verify executable per verify-token count: it accepts paths as deep as its deepest strategy's.
-    self._verify_depth = {}
-    for s in config.strategies:
-      self._verify_depth[s.verify_tokens] = max(s.depth, self._verify_depth.get(s.verify_tokens, 0))
     if config.compilation_cache_dir and jax.config.jax_compilation_cache_dir != config.compilation_cache_dir:
       jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -298,11 +330,12 @@ class Engine:
     drafter = None if self.drafter_graphdef is None else nnx.merge(self.drafter_graphdef, drafter_params)
     return model, drafter
 
-  def _init(self, prompt_index, sample_index, row_id, max_new):
+  def _init(self, prompt_index, sample_index, row_id, max_new, bank_row, bank_offset, bank_room):
     cfg, mc = self.config, self.model_config
     b, n = prompt_index.shape[0], self.sampling.max_new_tokens
     zeros = jnp.zeros((b,), jnp.int32)
     drafting = self.drafter_graphdef is not None
+    banking = cfg.banking
     return RowState(
         cache=KVCache.zeros(mc, b, cfg.capacity, self._dtype), last_token=zeros, num_generated=zeros,
         max_new=max_new, done=row_id < 0, finish=zeros, prompt_index=prompt_index,
@@ -312,16 +345,21 @@ class Engine:
         prompt_hidden=jnp.zeros((b, cfg.max_prompt_len, mc.hidden_size), self._dtype) if cfg.capture_hidden else None,
         drafter_cache=KVCache.zeros(mc, b, cfg.capacity, self._dtype, num_layers=1) if drafting else None,
         draft_feat=jnp.zeros((b, mc.hidden_size), self._dtype) if drafting else None,
-        drafter_finite=jnp.ones((b,), bool) if drafting else None)
+        drafter_finite=jnp.ones((b,), bool) if drafting else None,
+        bank=jnp.full((cfg.bank_rows, cfg.suffix_bank_len), -1, jnp.int32) if banking else None,
+        bank_row=bank_row if banking else None, bank_offset=bank_offset if banking else None,
+        bank_room=bank_room if banking else None)
 
-  def _reset(self, st: RowState, prompt_index, sample_index, row_id, max_new):
-    """Empties the slots with `row_id >= 0` for those new rows (identity, budget; counters and outputs
-    as `init` makes them), ready for `prefill`; other slots are unchanged. The caches are left as
-    they are: the prefill writes a new row's prompt slots and lengths, and nothing reads past them."""
-    no_cache = lambda x: dataclasses.replace(x, cache=None, drafter_cache=None)
-    fresh = self._init(prompt_index, sample_index, row_id, max_new)
-    out = jax.tree.map(functools.partial(_where_rows, row_id >= 0), no_cache(fresh), no_cache(st))
-    return dataclasses.replace(out, cache=st.cache, drafter_cache=st.drafter_cache)
+  def _reset(self, st: RowState, prompt_index, sample_index, row_id, max_new, bank_row, bank_offset, bank_room,
+             clear_bank):
+    """Empties the slots with `row_id >= 0` for those new rows (identity, budget, bank place; counters
+    and outputs as `init` makes them), ready for `prefill`; other slots are unchanged, and so are
+    the bank rows but the new prompts' (`clear_bank`). The caches are left as they are: the prefill
+    writes a new row's prompt slots and lengths, and nothing reads past them."""
+    fresh = self._init(prompt_index, sample_index, row_id, max_new, bank_row, bank_offset, bank_room)
+    out = jax.tree.map(functools.partial(_where_rows, row_id >= 0), _per_row(fresh), _per_row(st))
+    bank = None if st.bank is None else jnp.where(clear_bank[:, None], -1, st.bank)
+    return dataclasses.replace(out, cache=st.cache, drafter_cache=st.drafter_cache, bank=bank)
 
   def _record(self, st: RowState, active, acc: speculative.Accepted, hidden_BxMxH):
     """Writes the accepted tokens (and the features that produced them) into the row outputs."""
@@ -333,8 +371,14 @@ class Engine:
     hidden = st.hidden
     if hidden is not None:
       hidden = hidden.at[rows, pos].set(hidden_BxMxH.astype(hidden.dtype), mode="drop")
+    bank = st.bank
+    if bank is not None:  # the first `bank_room` tokens of the row also go to its region of the bank
+      keep = (j < acc.count[:, None]) & (st.num_generated[:, None] + j < st.bank_room[:, None])
+      at = jnp.where(keep, st.bank_offset[:, None] + st.num_generated[:, None] + j, bank.shape[1])
+      bank = bank.at[st.bank_row[:, None], at].set(acc.tokens, mode="drop")
     return dataclasses.replace(
-        st, last_token=jnp.where(acc.count > 0, last, st.last_token), num_generated=st.num_generated + acc.count,
+        st, bank=bank, last_token=jnp.where(acc.count > 0, last, st.last_token),
+        num_generated=st.num_generated + acc.count,
         done=st.done | acc.stop | acc.length, finish=jnp.where(acc.stop, 1, jnp.where(acc.length, 2, st.finish)),
         tokens=st.tokens.at[rows, pos].set(acc.tokens, mode="drop"),
         logprobs=st.logprobs.at[rows, pos].set(acc.logprobs, mode="drop"), hidden=hidden,
@@ -373,6 +417,11 @@ class Engine:
                     lengths=jnp.where(sel, lengths_P[src], st.cache.lengths))
     rows = jnp.arange(src.shape[0])
     last = jnp.maximum(lengths_P[src] - 1, 0)
+    if st.bank is not None:  # the prompt, right-aligned to max_prompt_len (every row of it writes the same)
+      j = jnp.arange(t)[None]
+      at = self.config.max_prompt_len - lengths_P[src][:, None] + j
+      at = jnp.where(sel[:, None] & (j < lengths_P[src][:, None]), at, st.bank.shape[1])
+      st = dataclasses.replace(st, bank=st.bank.at[st.bank_row[:, None], at].set(tokens_PxT[src], mode="drop"))
     if st.prompt_hidden is not None:
       old = st.prompt_hidden[:, :t]
       st = dataclasses.replace(st, prompt_hidden=st.prompt_hidden.at[:, :t].set(
@@ -434,21 +483,33 @@ class Engine:
 
     def running(i, st):
       go = (i < n) & ((i == 0) | (jnp.sum(~st.done) > stop_at))
-      return go if strategy is None else go & jnp.all(st.drafter_finite)
+      return go if strategy is None or drafter is None else go & jnp.all(st.drafter_finite)
 
     if strategy is not None:
-      head = drafter.head(model)  # gathered once per play, outside the loop
+      if strategy.suffix:
+        def draft(st):
+          bank_BxL = st.bank[st.bank_row]
+          context = suffix.context(bank_BxL, st.tokens, st.num_generated, self.config.max_prompt_len,
+                                   self.config.suffix_ngram)
+          return suffix.draft_tree(bank_BxL, context, st.last_token, strategy), st
+      else:
+        head = drafter.head(model)  # gathered once per play, outside the loop
 
-      def draft_fn(cache, feats, tokens, positions, mask):
-        return drafter(model, feats, tokens, positions, cache, mask, kv_block=kv_block, attention=self.config.attention)
+        def draft_fn(cache, feats, tokens, positions, mask):
+          return drafter(model, feats, tokens, positions, cache, mask, kv_block=kv_block,
+                         attention=self.config.attention)
+
+        def draft(st):
+          tree, dcache = speculative.draft_tree(draft_fn, lambda f: drafter.logits(model, head, f), st.draft_feat,
+                                                st.last_token, st.drafter_cache, strategy, drafter.target_ids)
+          return tree, dataclasses.replace(st, drafter_cache=dcache)
 
       def speculate(carry):
         i, st = carry
-        tree, dcache = speculative.draft_tree(draft_fn, lambda f: drafter.logits(model, head, f), st.draft_feat,
-                                              st.last_token, st.drafter_cache, strategy, drafter.target_ids)
-        st, pairs = self._verify_step(model, drafter, dataclasses.replace(st, drafter_cache=dcache), tree,
-                                      strategy.depth)
-        return i + 1, self._feed_drafter(model, drafter, st, pairs, kv_block)
+        tree, st = draft(st)
+        st, pairs = self._verify_step(model, drafter, st, tree, strategy.depth)
+        # Suffix drafts too feed a drafter its committed pairs: an EAGLE arm may play next.
+        return i + 1, st if drafter is None else self._feed_drafter(model, drafter, st, pairs, kv_block)
 
       return jax.lax.while_loop(lambda c: running(*c), speculate, (jnp.int32(0), st))[1]
 
@@ -472,18 +533,19 @@ class Engine:
   def _halve(st: RowState, keep_b):
     """Gathers rows `keep_b` (half the bucket; -1 = empty slot) into a state half the size."""
     src = jnp.maximum(keep_b, 0)
-    out = jax.tree.map(lambda x: x[src], dataclasses.replace(st, cache=None, drafter_cache=None))
+    out = jax.tree.map(lambda x: x[src], _per_row(st))
     take_cache = lambda c: None if c is None else KVCache(k=c.k[:, src], v=c.v[:, src], lengths=c.lengths[src])
     empty = keep_b < 0
+    # The bank stays: it is held per prompt, and rows keep their bank row through the gather.
     return dataclasses.replace(out, cache=take_cache(st.cache), drafter_cache=take_cache(st.drafter_cache),
-                               done=out.done | empty, row_id=jnp.where(empty, -1, out.row_id))
+                               bank=st.bank, done=out.done | empty, row_id=jnp.where(empty, -1, out.row_id))
 
   # ---- the executable pool ----
 
   def _abstract_state(self, b: int) -> RowState:
     """The state of bucket `b`, shaped and (on a mesh) sharded as `init` makes it."""
     i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
-    state = jax.eval_shape(self._init, i32, i32, i32, i32)
+    state = jax.eval_shape(self._init, *[i32] * 7)
     if self.mesh is None:
       return state
     # On a mesh the executables take the state with the shardings `init` gives it.
@@ -503,9 +565,10 @@ class Engine:
     batch = lambda x: sharding.array_sharding(x.shape, ("batch",) + (None,) * (x.ndim - 1), self.mesh)
     if not isinstance(out, RowState):
       return jax.tree.map(batch, out)
-    shardings = jax.tree.map(batch, dataclasses.replace(out, cache=None, drafter_cache=None))
+    shardings = jax.tree.map(batch, _per_row(out))
     cache = lambda c: None if c is None else sharding.cache_shardings(c, self.mesh)
-    return dataclasses.replace(shardings, cache=cache(out.cache), drafter_cache=cache(out.drafter_cache))
+    bank = None if out.bank is None else sharding.array_sharding(out.bank.shape, (None, None), self.mesh)  # replicated
+    return dataclasses.replace(shardings, cache=cache(out.cache), drafter_cache=cache(out.drafter_cache), bank=bank)
 
   def _compile(self, key, fn, args, out, donate=()):
     """Compiles `fn` for the abstract `args` into the pool; `out` is its abstract output (for shardings)."""
@@ -534,9 +597,11 @@ class Engine:
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     params = (self.params, self.drafter_params)
     state = self._abstract_state
-    self._compile(("init", b0), self._init, [i32(b0)] * 4, state(b0))
+    self._compile(("init", b0), self._init, [i32(b0)] * 7, state(b0))
     if rows > largest and cfg.refill:
-      self._compile(("reset", b0), self._reset, [state(b0), *[i32(b0)] * 4], state(b0), donate=(0,))
+      self._compile(("reset", b0), self._reset,
+                    [state(b0), *[i32(b0)] * 7, jax.ShapeDtypeStruct((cfg.bank_rows,), jnp.bool_)], state(b0),
+                    donate=(0,))
     for p in self._prefill_sizes(b0):
       for t in sorted({self._prompt_bucket(n) for n in prompt_lens} or set(cfg.prompt_buckets)):
         self._compile(("prefill", b0, p, t), self._prefill, [*params, state(b0), i32(p, t), i32(p), i32(b0)],
@@ -609,11 +674,23 @@ class Engine:
     samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
     return Rollout(samples, metrics)
 
-  def _identity(self, rows, slot_row: np.ndarray, budgets, prompt_offset) -> list[np.ndarray]:
-    """`init`/`reset` arguments: prompt, sample, row id and budget of the row in each slot (-1: none)."""
+  def _bank_rows(self, rows) -> suffix.BankRows | None:
+    """The bank's host bookkeeping for (prompt, sample) `rows`; None without suffix strategies."""
+    cfg = self.config
+    if not cfg.banking:
+      return None
+    layout = suffix.Layout(cfg.suffix_bank_len, cfg.max_prompt_len, 1 + max(j for _, j in rows),
+                           self.sampling.max_new_tokens)
+    return suffix.BankRows(layout, cfg.bank_rows, collections.Counter(i for i, _ in rows))
+
+  def _identity(self, rows, slot_row: np.ndarray, budgets, prompt_offset,
+                bank: suffix.BankRows | None) -> list[np.ndarray]:
+    """`init` arguments: prompt, sample, row id, budget and bank place (row, offset, room) of the row in
+    each slot (-1: none); `reset` takes them and the bank rows to empty."""
     pick = lambda f, empty: np.asarray([f(r) if r >= 0 else empty for r in slot_row], np.int32)
+    places = [bank.place(*rows[r]) if bank is not None and r >= 0 else (0, 0, 0) for r in slot_row]
     return [pick(lambda r: prompt_offset + rows[r][0], 0), pick(lambda r: rows[r][1], 0), pick(lambda r: r, -1),
-            pick(lambda r: budgets[rows[r][0]], 1)]
+            pick(lambda r: budgets[rows[r][0]], 1), *np.asarray(places, np.int32).reshape(-1, 3).T]
 
   def _prefill_slots(self, st: RowState, prompts, rows, slot_row: np.ndarray) -> RowState:
     """Prefills the rows of the slots `slot_row >= 0`: each unique prompt once per call of up to
@@ -650,9 +727,12 @@ class Engine:
     cfg, pool = self.config, self.pool
     b = cfg.bucket(min(len(rows), cfg.batch_buckets[-1]))
     t0 = time.perf_counter()
+    bank = self._bank_rows(rows)
     queued = min(b, len(rows))  # rows[queued:] wait
     first = np.asarray(list(range(queued)) + [-1] * (b - queued), np.int32)
-    st = pool[("init", b)](*self._identity(rows, first, budgets, prompt_offset))
+    st = pool[("init", b)](*self._identity(rows, first, budgets, prompt_offset, bank))
+    if bank is not None:
+      bank.take_fresh()  # init's bank is empty: only later prompts' rows need emptying
     st = self._prefill_slots(st, prompts, rows, first)
     # Host copies of the per-row counters, refreshed by every play's sync.
     done, generated, passes = jax.device_get((st.done, st.num_generated, st.passes))
@@ -664,16 +744,24 @@ class Engine:
     out: list[Sample] = []
     harvested = np.zeros((len(rows),), bool)
     prompt_lens = [len(prompts[i]) for i, _ in rows]
+
+    def harvest(st):
+      samples = self._harvest(st, harvested, prompt_lens)
+      for s in samples if bank is not None else ():  # their bank rows are free once a prompt's rows are all in
+        bank.harvested(s.prompt_index - prompt_offset)
+      return samples
+
     while queued < len(rows) or not done.all():
       active = int((~done).sum())
       waiting = len(rows) - queued
       if waiting and b - active >= min(cfg.refill_chunk, waiting):
         t0 = time.perf_counter()
-        out += self._harvest(st, harvested, prompt_lens)
+        out += harvest(st)
         free = np.flatnonzero(done)[:waiting]
         new = np.full((b,), -1, np.int32)
         new[free] = np.arange(queued, queued + len(free))
-        st = pool[("reset", b)](st, *self._identity(rows, new, budgets, prompt_offset))
+        identity = self._identity(rows, new, budgets, prompt_offset, bank)
+        st = pool[("reset", b)](st, *identity, np.zeros((0,), bool) if bank is None else bank.take_fresh())
         st = self._prefill_slots(st, prompts, rows, new)
         done, generated, passes = jax.device_get((st.done, st.num_generated, st.passes))
         self._check_drafter(st, metrics)
@@ -686,7 +774,7 @@ class Engine:
         continue
       if not waiting and cfg.compact and cfg.bucket(active) < b:
         t0 = time.perf_counter()
-        out += self._harvest(st, harvested, prompt_lens)
+        out += harvest(st)
         while cfg.bucket(active) < b:
           keep = np.flatnonzero(~done)
           keep = np.concatenate([keep, np.full((b // 2 - len(keep),), -1)]).astype(np.int32)
@@ -721,7 +809,7 @@ class Engine:
       if self.bandit is not None and tail:
         self.bandit.update(active, strategy, produced, seconds)
       on_progress(active - int((~done).sum()), produced)
-    return out + self._harvest(st, harvested, prompt_lens)
+    return out + harvest(st)
 
   def _check_drafter(self, st: RowState, metrics: RolloutMetrics) -> None:
     """Turns speculation off for the rest of the rollout once the drafter's outputs are not finite."""
@@ -735,7 +823,7 @@ class Engine:
 
   def _harvest(self, st: RowState, harvested: np.ndarray, prompt_lens: Sequence[int]) -> list[Sample]:
     """Host copies of the finished rows not yet taken (before compaction drops them)."""
-    host = jax.device_get(dataclasses.replace(st, cache=None, drafter_cache=None, draft_feat=None))
+    host = jax.device_get(dataclasses.replace(_per_row(st), draft_feat=None))
     out = []
     for r in np.flatnonzero(host.done & (host.row_id >= 0)):
       rid = host.row_id[r]

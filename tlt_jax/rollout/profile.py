@@ -47,7 +47,8 @@ def prefilled_state(engine: Engine, prompts: Sequence[Sequence[int]]):
   engine.prepare(n, [len(p) for p in prompts])
   rows = [(i, 0) for i in range(n)]
   slots = np.asarray(list(range(n)) + [-1] * (b - n), np.int32)
-  st = engine.pool[("init", b)](*engine._identity(rows, slots, [engine.sampling.max_new_tokens] * n, 0))
+  st = engine.pool[("init", b)](*engine._identity(rows, slots, [engine.sampling.max_new_tokens] * n, 0,
+                                                  engine._bank_rows(rows)))
   return engine._prefill_slots(st, prompts, rows, slots)
 
 

@@ -30,37 +30,51 @@ from tlt_jax.rollout.sampling import SamplingParams
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-  """Draft depth, children kept per expanded node, and tokens verified (root included)."""
+  """Draft depth, branches, and tokens verified (root included), drafted by the EAGLE drafter or,
+  `suffix`, from matches in the prompt's token bank (`tlt_jax.rollout.suffix`): then `top_k` is the
+  number of matches whose continuations make the branches."""
 
   depth: int
   top_k: int
   verify_tokens: int
+  suffix: bool = False
 
   def __post_init__(self):
     if self.depth < 1 or self.top_k < 1:
       raise ValueError(f"strategy {self.name}: depth and top_k must be >= 1")
-    candidates = self.top_k + (self.depth - 1) * self.top_k**2
+    if self.suffix:
+      candidates, what = self.top_k * self.depth, f"{self.top_k} matches' depth-{self.depth} continuations hold"
+    else:
+      candidates = self.top_k + (self.depth - 1) * self.top_k**2
+      what = f"a depth-{self.depth}, top-{self.top_k} tree drafts"
     if not 2 <= self.verify_tokens <= 1 + candidates:
       raise ValueError(f"strategy {self.name}: verify_tokens must be in [2, {1 + candidates}] "
-                       f"(root + the {candidates} candidates a depth-{self.depth}, top-{self.top_k} tree drafts)")
+                       f"(root + the {candidates} candidates {what})")
 
   @property
   def name(self) -> str:
-    return f"{self.depth}_{self.top_k}_{self.verify_tokens}"
+    return f"{'s' if self.suffix else ''}{self.depth}_{self.top_k}_{self.verify_tokens}"
 
   @classmethod
-  def parse(cls, name: str) -> "Strategy":
-    """'depth_topk_verify', e.g. '4_2_8'; top_k 1 is chain drafting."""
+  def parse(cls, name: str, suffix_only: bool = False) -> "Strategy":
+    """'depth_topk_verify', e.g. '4_2_8' (EAGLE; top_k 1 is chain drafting), or with an 's' in front,
+    e.g. 's4_2_8', a suffix strategy (branches from 2 bank matches). `suffix_only` (no EAGLE
+    drafter): both spellings name the suffix strategy."""
+    suffix = name.startswith("s")
+    if suffix_only and not suffix:
+      return cls.parse("s" + name)
     try:
-      depth, top_k, verify = (int(x) for x in name.split("_"))
+      depth, top_k, verify = (int(x) for x in name[suffix:].split("_"))
     except ValueError:
-      raise ValueError(f"strategy {name!r} is not 'depth_topk_verify' (e.g. '4_2_8')") from None
-    return cls(depth, top_k, verify)
+      raise ValueError(f"strategy {name!r} is not 'depth_topk_verify' (e.g. '4_2_8'), or 's' and that "
+                       "for a suffix strategy (e.g. 's4_2_8')") from None
+    return cls(depth, top_k, verify, suffix)
 
   @property
   def window(self) -> int:
     """Cache slots a step may write past a row's length (tree, drafter levels, catch-up)."""
-    return max(self.verify_tokens, (self.depth - 1) * self.top_k, self.depth + 1)
+    levels = 0 if self.suffix else (self.depth - 1) * self.top_k
+    return max(self.verify_tokens, levels, self.depth + 1)
 
 
 @flax.struct.dataclass
@@ -127,18 +141,31 @@ def draft_tree(draft_fn, logits_fn, draft_feat_BxH, root_B, cache: KVCache, stra
     feats = out[rows, parent]
     anc = own[rows, parent]
     offset += k * k
-  pool_token, pool_score = jnp.concatenate(pool_token, 1), jnp.concatenate(pool_score, 1)
-  pool_parent, pool_depth = jnp.concatenate(pool_parent, 1), jnp.concatenate(pool_depth, 1)
-  # Best V-1 candidates; ties go to the lower pool index, so a parent (score >= child's, lower
-  # index) is always kept before its children and the kept set is a tree.
-  chosen = jnp.sort(jax.lax.top_k(pool_score, v - 1)[1], axis=1)
-  verify_index = jnp.full(pool_score.shape, -1).at[rows, chosen].set(jnp.arange(1, v))
-  parent_pool = pool_parent[rows, chosen]
+  tree = select_tree(root_B, jnp.concatenate(pool_token, 1), jnp.concatenate(pool_score, 1),
+                     jnp.concatenate(pool_parent, 1), jnp.concatenate(pool_depth, 1), v, depth)
+  return tree, cache
+
+
+def select_tree(root_B, token_BxC, score_BxC, parent_BxC, depth_BxC, verify_tokens: int, depth: int) -> Tree:
+  """The tree of the root and the best `verify_tokens - 1` of C candidate nodes (any drafter's).
+
+  Candidate c holds `token_BxC` at `depth_BxC` below the root, under candidate `parent_BxC` (-1:
+  the root). A parent must score at least its children and come first in the pool: ties go to
+  the lower index, so a parent is always kept before its children and the kept set is a tree.
+  A kept candidate scoring -inf (a drafter with fewer candidates than the strategy verifies)
+  gets parent -1: no walk from the root reaches it, so it is verified but never accepted.
+  """
+  b, v = root_B.shape[0], verify_tokens
+  rows = jnp.arange(b)[:, None]
+  chosen = jnp.sort(jax.lax.top_k(score_BxC, v - 1)[1], axis=1)
+  verify_index = jnp.full(score_BxC.shape, -1).at[rows, chosen].set(jnp.arange(1, v))
+  parent_pool = parent_BxC[rows, chosen]
   parents = jnp.where(parent_pool < 0, 0, verify_index[rows, jnp.maximum(parent_pool, 0)])
+  parents = jnp.where(score_BxC[rows, chosen] == -jnp.inf, -1, parents)
   parents = jnp.concatenate([jnp.full((b, 1), -1), parents], axis=1)
-  depths = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), pool_depth[rows, chosen]], axis=1)
-  tokens = jnp.concatenate([root_B[:, None], pool_token[rows, chosen]], axis=1).astype(jnp.int32)
-  return Tree(tokens, parents, depths, ancestor_mask(parents, depth)), cache
+  depths = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), depth_BxC[rows, chosen]], axis=1)
+  tokens = jnp.concatenate([root_B[:, None], token_BxC[rows, chosen]], axis=1).astype(jnp.int32)
+  return Tree(tokens, parents, depths, ancestor_mask(parents, depth))
 
 
 def root_only(root_B) -> Tree:
