@@ -270,8 +270,20 @@ def prefill(model: CausalLM, tokens_BxT, lengths_B, cache: KVCache, *, all_logit
             kv_block: int | None = None, attention: str = "auto", hidden_layers: Sequence[int] = ()) -> Output:
   """Prefill of a right-padded ragged batch (rows of `lengths_B` tokens) after each row's prefix.
 
-  Returns the logits of each row's last real token ([B, V]), or of every position with
-  `all_logits`, and advances the cache lengths by `lengths_B`.
+  Args:
+    model: the target.
+    tokens_BxT: int32 tokens, row b's first `lengths_B[b]` real, the rest padding.
+    lengths_B: real tokens per row (0: the row is untouched).
+    cache: the rows' caches; row b's tokens go to slots `cache.lengths[b] ..` (its prefix, if any,
+      is attended to).
+    all_logits: logits of every position instead of each row's last real token.
+    kv_block, attention: the attention block and implementation (`tlt_jax.kernels.tree_attention`).
+    hidden_layers: also return these layers' hidden states (EAGLE-3 features).
+
+  Returns:
+    `Output`: float32 logits [B, vocab] of each row's last real token ([B, T, vocab] with
+    `all_logits`), final hidden states [B, T, H], the requested layers' hidden states, and the
+    cache with the tokens written and its lengths advanced by `lengths_B`.
   """
   b, t = tokens_BxT.shape
   positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
@@ -289,7 +301,12 @@ def prefill(model: CausalLM, tokens_BxT, lengths_B, cache: KVCache, *, all_logit
 
 def decode(model: CausalLM, tokens_B, cache: KVCache, *, kv_block: int | None = None, attention: str = "auto",
            hidden_layers: Sequence[int] = ()) -> Output:
-  """One token per row at position `cache.lengths`; advances the lengths by one."""
+  """One token per row (`tokens_B`) at position `cache.lengths`.
+
+  Returns:
+    `Output`: float32 logits [B, vocab], final hidden states [B, H], the requested layers' hidden
+    states [B, H] each, and the cache with the token written and its lengths advanced by one.
+  """
   b = tokens_B.shape[0]
   hidden, aux, cache = model(tokens_B[:, None], cache.lengths[:, None], cache, jnp.ones((b, 1, 1), bool),
                              kv_block=kv_block, attention=attention, hidden_layers=hidden_layers)
@@ -301,8 +318,17 @@ def verify(model: CausalLM, tokens_BxV, positions_BxV, mask_BxVxV, cache: KVCach
            kv_block: int | None = None, attention: str = "auto", hidden_layers: Sequence[int] = ()) -> Output:
   """Speculative verification: V tree tokens per row with explicit positions and ancestor mask.
 
-  The tree's keys/values are written at slots `lengths .. lengths + V - 1` but the lengths are
-  not advanced: committing the accepted path is the caller's job.
+  Args:
+    tokens_BxV: the tree's tokens (node 0: the row's last committed token).
+    positions_BxV: each node's position (`cache.lengths` + its depth).
+    mask_BxVxV: `mask[b, i, j]`: node i attends to node j (j is i or one of its ancestors).
+    cache: the rows' caches; every node also attends to the whole filled prefix.
+
+  Returns:
+    `Output`: float32 logits [B, V, vocab] (node i's: the distribution after its path), final
+    hidden states [B, V, H], the requested layers' hidden states, and the cache with the tree's
+    keys/values written at slots `lengths .. lengths + V - 1` but its lengths not advanced:
+    committing the accepted path is the caller's job (`KVCache` slots past the length are free).
   """
   hidden, aux, cache = model(tokens_BxV, positions_BxV, cache, mask_BxVxV, kv_block=kv_block, attention=attention,
                              hidden_layers=hidden_layers)
