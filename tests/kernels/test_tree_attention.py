@@ -127,9 +127,9 @@ def export(impl, platform, dtype, t, w):
   kernel = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}[impl].tree_attention
   f = jax.jit(lambda layer, q, k, v, lengths, mask: kernel(q, k, v, layer, lengths, mask, block=128, scale=0.1))
   b, s = 8, 1024
-  shapes = [jax.ShapeDtypeStruct(x, y) for x, y in [((), jnp.int32), ((b, t, 28, 128), dtype), ((4, b, s, 4, 128), dtype),
-                                                     ((4, b, s, 4, 128), dtype), ((b,), jnp.int32),
-                                                     ((b, t, w), jnp.bool_)]]
+  kv = ((4, b, s, 4, 128), dtype)
+  shapes = [jax.ShapeDtypeStruct(x, y) for x, y in [((), jnp.int32), ((b, t, 28, 128), dtype), kv, kv,
+                                                     ((b,), jnp.int32), ((b, t, w), jnp.bool_)]]
   # The Triton custom call carries no cross-version stability guarantee; we only check it lowers.
   checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
   return jax.export.export(f, platforms=[platform], disabled_checks=checks)(*shapes)
