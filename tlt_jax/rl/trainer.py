@@ -85,7 +85,8 @@ def load_tokenizer(config):
 def load_policy(config) -> tuple[CausalLM, object]:
   """The policy and its tokenizer: `policy.path`, else the tiny world's (SFT into the workdir if absent)."""
   if config.policy.path:
-    return hf.from_pretrained(config.policy.path, dtype=config.policy.dtype), hf.load_tokenizer(config.policy.path)
+    return (hf.from_pretrained(config.policy.path, dtype=config.policy.dtype, scan_layers=config.policy.scan_layers),
+            hf.load_tokenizer(config.policy.path))
   policy_dir = os.path.join(config.workdir, "policy")
   if _missing(os.path.join(policy_dir, "config.json")):
     if distributed.primary():
@@ -97,7 +98,8 @@ def load_policy(config) -> tuple[CausalLM, object]:
     distributed.barrier("tiny policy")
     if distributed.primary():
       return model, tok
-  return hf.from_pretrained(policy_dir, dtype=config.policy.dtype), hf.load_tokenizer(policy_dir)
+  return (hf.from_pretrained(policy_dir, dtype=config.policy.dtype, scan_layers=config.policy.scan_layers),
+          hf.load_tokenizer(policy_dir))
 
 
 def _missing(path: str) -> bool:
@@ -289,14 +291,21 @@ class Trainer:
     local = [(g, e.bandit.state_dict()) for g, e in zip(self._groups, self.engines) if e.bandit is not None]
     bandits = sorted((item for part in distributed.allgather(local) for item in part), key=lambda item: item[0])
     arrays, meta = self._policy_arrays(), {"step": self.step, "skipped_in_a_row": self.skipped_in_a_row,
-                                           "bandits": [state for _, state in bandits], "drafter": None}
+                                           "bandits": [state for _, state in bandits], "drafter": None,
+                                           "scan_layers": self.policy.config.scan_layers}
     if self.spot is not None:
       arrays["drafter"], meta["drafter"] = self.spot.state_dict()
     return arrays, meta
 
   def _abstract(self, meta: dict) -> dict:
     """The arrays of a checkpoint with metadata `meta`, as shapes to restore them into (the
-    drafter's data buffer is as large as the checkpoint's metadata says)."""
+    drafter's data buffer is as large as the checkpoint's metadata says). The policy's layers are
+    in the form they were saved in (stacked or one by one; checkpoints from before the scanned
+    form hold no `scan_layers`: unrolled); another form is refused, naming the key that reads it."""
+    saved = meta.get("scan_layers", False)
+    if saved != self.policy.config.scan_layers:
+      raise ValueError(f"it holds the policy's layers {'scanned' if saved else 'unrolled'}; resume it with "
+                       f"--config.policy.scan_layers={saved}")
     arrays = self._policy_arrays()
     if self.spot is not None:
       arrays["drafter"] = self.spot.abstract_state(meta.get("drafter") or {})
