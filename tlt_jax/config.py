@@ -324,11 +324,13 @@ def setup_devices(config) -> None:
 def setup_compilation_cache(path: str) -> None:
   """Points JAX's persistent compilation cache at `path` ("": leaves it as it is), caching every
   executable: later processes load what this one compiles. Process-wide: call it once at start-up."""
-  if not path or jax.config.jax_compilation_cache_dir == path:
+  previous = jax.config.jax_compilation_cache_dir
+  if not path or previous == path:
     return
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  compilation_cache.reset_cache()  # JAX opens the cache once per process: make it open the new dir
+  if previous:  # JAX opens the cache once per process: make it open the new dir
+    compilation_cache.reset_cache()
 
 
 def _multi_host_environment() -> bool:
