@@ -42,9 +42,10 @@ from tlt_jax.drafter.buffer import BufferConfig, DataBuffer  # noqa: E402
 from tlt_jax.drafter.spot import SpotConfig, SpotTrainer  # noqa: E402
 from tlt_jax.models import hf  # noqa: E402
 from tlt_jax.rl import datasets, tasks  # noqa: E402
-from tlt_jax.rollout.engine import Engine, EngineConfig  # noqa: E402
+from tlt_jax.rollout.engine import Engine  # noqa: E402
 from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
 from tlt_jax.rollout.speculative import Strategy  # noqa: E402
+from tlt_jax.rollout.state import EngineConfig  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "..", "configs",
                                                                  "tiny.py"), "Config of the SFT data and task.")

@@ -80,7 +80,7 @@ def waves_and_refill(trainer, prompts, num_samples: int, waves: int) -> dict:
   """mode -> the timed plain rollout of `prompts` with group 0's policy and engine config, its largest
   bucket cut to 1/`waves` of the rows, run in waves or with refill (after a warm-up each)."""
   e = trainer.engines[0]
-  model = nnx.merge(e.graphdef, e.params)
+  model = nnx.merge(e.steps.graphdef, e.params)
   largest = max(1, 1 << ((len(prompts) * num_samples // waves).bit_length() - 1))
   out = {}
   for mode in ("waves", "refill"):

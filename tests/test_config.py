@@ -181,3 +181,23 @@ def test_fuzz_bad_overrides_are_rejected_by_name(tmp_path_factory, overrides):
   results = run_clis([("tlt_jax.main", [flag], tmp) for flag, _ in overrides], tmp, prelude=_LET_THROUGH, timeout=300)
   for (flag, named), (code, _, message) in zip(overrides, results):
     assert code == 1 and named in message and "Traceback" not in message, (flag, message)
+
+
+def test_setup_devices_sets_the_compilation_cache(tmp_path):
+  """The start-up (`setup_devices`) points JAX's persistent cache at `rollout.compilation_cache_dir`:
+  what compiles next is written there."""
+  import jax
+  import numpy as np
+  from jax.experimental.compilation_cache import compilation_cache
+  config = config_lib.base()
+  config.rollout.compilation_cache_dir = str(tmp_path)
+  before = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+  try:
+    config_lib.setup_devices(config)
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path)
+    jax.jit(lambda x: x * 3 + 1).lower(np.arange(5.0)).compile()
+    assert list(tmp_path.iterdir())
+  finally:  # the process's own setting back
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+    compilation_cache.reset_cache()

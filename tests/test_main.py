@@ -35,19 +35,44 @@ BAD_CONFIGS = [
 ]
 
 
+# Where main checks its outputs (after its start-up), the forked run prints the compilation cache
+# directory JAX was given and exits 3.
+_REPORT_START_UP = """
+import sys
+import jax
+from tlt_jax import files
+def report(path):
+  print("compilation cache:", jax.config.jax_compilation_cache_dir, file=sys.stderr)
+  sys.exit(3)
+files.check_writable = report
+"""
+
+
 @pytest.fixture(scope="module")
-def bad_config_runs(tmp_path_factory):
-  """(exit code, stdout, stderr) of `python -m tlt_jax.main` on each of BAD_CONFIGS, in the repository,
-  forked from one process (tests/conftest.py `run_clis`)."""
-  return run_clis([("tlt_jax.main", args, REPO) for args, _ in BAD_CONFIGS], tmp_path_factory.mktemp("logs"))
+def main_runs(tmp_path_factory):
+  """(exit code, stdout, stderr) of `python -m tlt_jax.main` on each of BAD_CONFIGS, then with a
+  compilation cache directory (returned too), in the repository, forked from one process
+  (tests/conftest.py `run_clis`)."""
+  tmp = tmp_path_factory.mktemp("main")
+  cache = str(tmp / "cache")
+  start_up = [f"--config.workdir={tmp / 'run'}", f"--config.rollout.compilation_cache_dir={cache}"]
+  runs = run_clis([("tlt_jax.main", args, REPO) for args, _ in BAD_CONFIGS] + [("tlt_jax.main", start_up, REPO)],
+                  tmp, prelude=_REPORT_START_UP)
+  return runs, cache
 
 
 @pytest.mark.parametrize("index", range(len(BAD_CONFIGS)), ids=[" ".join(args) for args, _ in BAD_CONFIGS])
-def test_bad_config_is_rejected_by_name(index, bad_config_runs):
-  code, _, stderr = bad_config_runs[index]
+def test_bad_config_is_rejected_by_name(index, main_runs):
+  code, _, stderr = main_runs[0][index]
   assert code != 0
   assert BAD_CONFIGS[index][1] in stderr
   assert "Traceback" not in stderr
+
+
+def test_start_up_sets_the_compilation_cache(main_runs):
+  """`rollout.compilation_cache_dir` is set process-wide once, at start-up (the engine leaves it alone)."""
+  (code, _, stderr), cache = main_runs[0][-1], main_runs[1]
+  assert code == 3 and f"compilation cache: {cache}" in stderr, stderr
 
 
 # ---- faults: SIGKILL at random points, SIGTERM ----

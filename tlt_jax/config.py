@@ -13,6 +13,7 @@ import os
 import jax
 import ml_collections
 from absl import logging
+from jax.experimental.compilation_cache import compilation_cache
 
 from tlt_jax.kernels import tree_attention
 from tlt_jax.rl import grpo
@@ -115,7 +116,7 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.bandit_thresholds = "1,2,5,21"
   c.rollout.bandit_epsilon = 0.1
   c.rollout.bandit_window = 300
-  c.rollout.compilation_cache_dir = ""
+  c.rollout.compilation_cache_dir = ""  # persistent XLA cache, set at start-up: later runs skip compiling
 
   c.kernels = ml_collections.ConfigDict()
   c.kernels.attention = "auto"  # tree attention of rollouts: auto (by backend) | xla | pallas | pallas_tpu | pallas_gpu
@@ -309,7 +310,7 @@ def config_value(config, key: str):
 
 
 def setup_devices(config) -> None:
-  """Simulated CPU devices and the multi-process runtime, before any computation."""
+  """Simulated CPU devices, the multi-process runtime and the compilation cache, before any computation."""
   cpu_devices = config.mesh.dry_run_devices if config.dry_run else config.mesh.cpu_devices
   if cpu_devices:  # only the CPU backend's device count: on an accelerator host this changes nothing
     jax.config.update("jax_num_cpu_devices", cpu_devices)
@@ -320,6 +321,19 @@ def setup_devices(config) -> None:
       kwargs = dict(coordinator_address=d.coordinator_address, num_processes=d.num_processes, process_id=d.process_id)
     jax.distributed.initialize(**kwargs)
     logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+  setup_compilation_cache(config.rollout.compilation_cache_dir)
+
+
+def setup_compilation_cache(path: str) -> None:
+  """Points JAX's persistent compilation cache at `path` ("": leaves it as it is), caching every
+  executable: later processes load what this one compiles. Process-wide: call it once at start-up."""
+  previous = jax.config.jax_compilation_cache_dir
+  if not path or previous == path:
+    return
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  if previous:  # JAX opens the cache once per process: make it open the new dir
+    compilation_cache.reset_cache()
 
 
 def _multi_host_environment() -> bool:

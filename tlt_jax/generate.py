@@ -37,9 +37,10 @@ from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
 from tlt_jax.prompts import read_prompts
 from tlt_jax.rollout.bandit import Bandit
-from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
+from tlt_jax.rollout.state import EngineConfig
 
 _MODEL = flags.DEFINE_string("model", None, "Hugging Face model directory.", required=True)
 _SCAN_LAYERS = cli.define_scan_layers()

@@ -27,8 +27,9 @@ from tlt_jax import config as config_lib
 from tlt_jax import packing
 from tlt_jax.models import CausalLM, KVCache, ModelConfig, hf
 from tlt_jax.rl import datasets, rewards, tasks, tokenizer as tokenizer_lib
-from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.state import EngineConfig
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.py")
 

@@ -43,8 +43,9 @@ from tlt_jax.drafter.model import Drafter, check_feature_layers
 from tlt_jax.models import hf
 from tlt_jax.prompts import read_prompts
 from tlt_jax.rl import datasets, tasks
-from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.state import EngineConfig
 
 _MODEL = flags.DEFINE_string("model", None, "Target: a Hugging Face model directory.", required=True)
 _SCAN_LAYERS = cli.define_scan_layers()

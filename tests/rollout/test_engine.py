@@ -1,7 +1,5 @@
 """The rollout engine: parity with `transformers.generate`, seed invariance, compaction, no recompiles."""
 
-import functools
-
 import jax
 import numpy as np
 import pytest
@@ -9,25 +7,15 @@ import torch
 from flax import nnx
 
 from tests.conftest import FAMILIES, VOCAB
+from tests.rollout.conftest import CONFIG, STOP, configured, prompts, with_sd
 from tlt_jax.drafter.model import Drafter
-from tlt_jax.models import CausalLM, ModelConfig, hf
-from tlt_jax.rollout.engine import Engine, EngineConfig, RolloutMetrics, SegmentRecord
+from tlt_jax.models import CausalLM, ModelConfig
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
+from tlt_jax.rollout.state import EngineConfig
 
-STOP = 1
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring's event per XLA compilation
-CONFIG = EngineConfig(batch_buckets=(1, 2, 4, 8), max_prompt_len=24, max_new_tokens=64, kv_block=16, segment_steps=8)
-
-
-def prompts(n, seed=0):
-  rng = np.random.RandomState(seed)
-  return [rng.randint(2, VOCAB, rng.randint(1, 20)).tolist() for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def models(hf_dirs):
-  return {f: hf.from_pretrained(hf_dirs[f][0]) for f in FAMILIES}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -131,17 +119,13 @@ def test_set_params_swaps_weights_without_recompiling(models):
   assert len(engine.pool) == n and first != second
 
 
-def test_persistent_compilation_cache(models, tmp_path):
-  config = EngineConfig(**{**CONFIG.__dict__, "batch_buckets": (1, 2), "compilation_cache_dir": str(tmp_path)})
-  try:
-    Engine(models["qwen2_tied"], config, SamplingParams(temperature=0, max_new_tokens=4)).generate([[5, 6]])
-  finally:
-    jax.config.update("jax_compilation_cache_dir", None)
-  assert len(list(tmp_path.iterdir())) >= 3  # init, prefill, segments, halve
-
-
-def with_sd(config, strategy, sd_max_batch=8):
-  return EngineConfig(**{**config.__dict__, "strategies": (Strategy.parse(strategy),), "sd_max_batch": sd_max_batch})
+def test_the_engine_leaves_jax_settings_alone(models):
+  """The persistent compilation cache is the process's start-up's to set (`config.setup_compilation_cache`)."""
+  settings = lambda: (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+  before = settings()
+  engine = Engine(models["qwen2_tied"], configured(CONFIG, batch_buckets=(1,)), SamplingParams(max_new_tokens=4))
+  engine.generate([[5, 6]])
+  assert settings() == before
 
 
 def test_speculative_greedy_is_identical_for_any_drafter(models):
@@ -208,10 +192,6 @@ def test_speculation_needs_a_drafter(models):
   with pytest.raises(ValueError, match=r"\['2_2_4'\] need a drafter"):
     Engine(models["qwen3"], configured(CONFIG, strategies=(Strategy.parse("2_2_4"), Strategy.parse("s2_2_4"))),
            SamplingParams(max_new_tokens=8))
-  with pytest.raises(ValueError, match="suffix_bank_len must be >= max_prompt_len \\+ 2 = 26"):
-    configured(with_sd(CONFIG, "s2_2_4"), suffix_bank_len=25)
-  with pytest.raises(ValueError, match="suffix_ngram must be >= 1"):
-    configured(CONFIG, suffix_ngram=0)
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, top_p=0.9)])
@@ -274,7 +254,7 @@ def test_the_bank_follows_prompts_through_compaction(models):
   engine.prepare(4, [len(p) for p in ps])
   bank = engine._bank_rows(rows)
   slots = np.arange(4, dtype=np.int32)
-  st = engine.pool[("init", 4)](*engine._identity(rows, slots, [6, 40], 0, bank))
+  st = engine.pool[("init", 4)](engine._slot_rows(rows, slots, [6, 40], 0, bank))
   st = engine._prefill_slots(st, ps, rows, slots)
   params = engine.params, engine.drafter_params
   st = engine.pool[("plain", 4)](*params, st, np.int32(0))
@@ -425,81 +405,6 @@ def test_pallas_kernels_give_the_greedy_tokens_of_transformers(models, hf_dirs):
     assert [s.tokens.tolist() for s in rollout.samples] == expected, attention
 
 
-def test_prefill_feeds_the_drafter_each_rows_prompt_pairs(models):
-  """The prefill runs the drafter once per unique prompt and copies it into the prompt's rows, then
-  feeds each row its own last pair; the result equals one drafter pass over the row's whole prompt."""
-  from tlt_jax.models import transformer
-  from tlt_jax.models.transformer import KVCache
-  model = models["qwen3"]
-  drafter = Drafter(model.config, rngs=nnx.Rngs(5))
-  engine = Engine(model, with_sd(CONFIG, "2_2_4"), SamplingParams(temperature=1.0, max_new_tokens=64, seed=4,
-                                                                   stop_token_ids=(STOP,)), drafter=drafter)
-  ps = prompts(3, seed=31)
-  t = 24
-  tokens = np.zeros((3, t), np.int32)
-  for i, p in enumerate(ps):
-    tokens[i, :len(p)] = p
-  lengths = np.asarray([len(p) for p in ps], np.int32)
-  row_prompt = np.asarray([0, 0, 1, 2, 2, 2, -1, -1], np.int32)  # 2, 1 and 3 samples; 2 empty rows
-  ids = np.arange(8, dtype=np.int32)
-  st = jax.jit(engine._init)(ids, ids * 0, ids, np.full((8,), 64, np.int32), *[ids * 0] * 3)
-  st = jax.jit(engine._prefill)(engine.params, engine.drafter_params, st, tokens, lengths, row_prompt)
-
-  out = transformer.prefill(model, tokens, lengths, KVCache.zeros(model.config, 3, t))
-  src = np.maximum(row_prompt, 0)
-  pairs = np.concatenate([tokens[:, 1:], np.zeros((3, 1), np.int32)], axis=1)[src]
-  pairs[np.arange(8), lengths[src] - 1] = np.asarray(st.tokens)[:, 0]  # each row's own first token
-  ref_out, ref_cache = drafter(model, out.hidden[src], pairs, np.broadcast_to(np.arange(t), (8, t)),
-                               drafter.empty_cache(8, t), np.broadcast_to(np.tril(np.ones((t, t), bool)), (8, t, t)))
-  for r in range(6):
-    n = lengths[src[r]]
-    assert int(st.drafter_cache.lengths[r]) == n
-    for name in ("k", "v"):
-      np.testing.assert_allclose(getattr(st.drafter_cache, name)[:, r, :n], getattr(ref_cache, name)[:, r, :n],
-                                 atol=1e-5)
-    np.testing.assert_allclose(st.draft_feat[r], ref_out[r, n - 1], atol=1e-5)
-  assert not np.asarray(st.drafter_cache.lengths)[6:].any()
-
-
-def test_plain_segments_keep_the_drafter_cache_current(models):
-  """A plain segment feeds the drafter its committed pairs in one chunk at the end; the drafter
-  cache and last output equal feeding them step by step (one-node verify steps)."""
-  from tlt_jax.rollout import speculative
-  model = models["qwen3"]
-  engine = Engine(model, with_sd(CONFIG, "2_2_4"), SamplingParams(temperature=1.0, max_new_tokens=64, seed=3,
-                                                                   stop_token_ids=(STOP,)),
-                  drafter=Drafter(model.config, rngs=nnx.Rngs(7)))
-  ps = prompts(4, seed=30)
-  tokens = np.zeros((4, 24), np.int32)
-  for i, p in enumerate(ps):
-    tokens[i, :len(p)] = p
-  ids = np.arange(4, dtype=np.int32)
-  budgets = np.asarray([3, 64, 64, 64], np.int32)  # row 0 ends inside the segment
-  st = jax.jit(engine._init)(ids, ids * 0, ids, budgets, *[ids * 0] * 3)
-  st = jax.jit(engine._prefill)(engine.params, engine.drafter_params, st, tokens,
-                                np.asarray([len(p) for p in ps], np.int32), ids)
-  chunked = jax.jit(functools.partial(engine._segment, strategy=None))(engine.params, engine.drafter_params, st, 0)
-
-  @jax.jit
-  def one_step(p, d, s):
-    model, drafter = engine._models(p, d)
-    s, pairs = engine._verify_step(model, drafter, s, speculative.root_only(s.last_token), 0)
-    return engine._feed_drafter(model, drafter, s, pairs, CONFIG.kv_block)
-
-  stepped = st
-  for _ in range(CONFIG.segment_steps):
-    stepped = one_step(engine.params, engine.drafter_params, stepped)
-  np.testing.assert_array_equal(chunked.tokens, stepped.tokens)
-  lengths = np.asarray(stepped.drafter_cache.lengths)
-  np.testing.assert_array_equal(chunked.drafter_cache.lengths, lengths)
-  assert lengths[0] < lengths[1]  # the finished row stopped feeding
-  for name in ("k", "v"):
-    a, b = (np.asarray(getattr(s.drafter_cache, name)) for s in (chunked, stepped))
-    for r, n in enumerate(lengths):
-      np.testing.assert_allclose(a[:, r, :n], b[:, r, :n], atol=1e-5)
-  np.testing.assert_allclose(chunked.draft_feat, stepped.draft_feat, atol=1e-5)
-
-
 def test_nan_drafter_turns_speculation_off_losslessly(models, caplog):
   """A drafter with NaN params: the guard sees it at the prefill's feed, the rollout decodes plain,
   greedy outputs equal the finite drafter's (which equal plain decoding, tested above), and a
@@ -525,10 +430,6 @@ def count_compiles():
   jax.monitoring.register_event_duration_secs_listener(
       lambda event, secs, **kw: compiles.append(event) if event == COMPILE_EVENT else None)
   return compiles
-
-
-def configured(config, **changes):
-  return EngineConfig(**{**config.__dict__, **changes})
 
 
 @pytest.mark.parametrize("sampling,strategy", [(dict(temperature=0), None), (dict(temperature=1.0, top_p=0.9), None),
@@ -608,15 +509,3 @@ def test_longest_expected_first_changes_the_order_not_the_tokens(refill_engine):
   assert sample_set(longest) == sample_set(in_order)
   with pytest.raises(ValueError, match="expected_lengths has 5 entries for 6 prompts"):
     refill_engine.generate(ps, expected_lengths=expected[:5])
-
-
-def test_occupancy_idle_slots_and_tail_share():
-  m = RolloutMetrics(decode_s=10.0)
-  # bucket, active rows at the start, tokens, seconds, strategy, row-steps, steps, tail, waiting
-  m.segments = [SegmentRecord(8, 8, 60, 4.0, None, 60, 8, False, 5), SegmentRecord(8, 6, 30, 2.0, None, 30, 8),
-                SegmentRecord(4, 4, 8, 3.0, "2_1_3", 8, 4, True), SegmentRecord(2, 1, 3, 1.0, None, 3, 3)]
-  np.testing.assert_allclose(m.occupancy(), [7.5, 3.75, 2.0, 1.0])
-  summary = m.summary()
-  assert summary["rollout/idle_slot_fraction"] == pytest.approx(1 - 101 / (64 + 64 + 16 + 6))
-  assert summary["rollout/tail_share"] == pytest.approx((3.0 + 1.0) / 10.0)  # plays begun with <= 4 of 8 rows
-  assert summary["rollout/refills"] == 0

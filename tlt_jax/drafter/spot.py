@@ -75,8 +75,9 @@ from tlt_jax.drafter.buffer import DataBuffer
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models.transformer import CausalLM
 from tlt_jax.rollout.bandit import Bandit
-from tlt_jax.rollout.engine import Engine, EngineConfig, Sample
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.state import EngineConfig, Sample
 
 BUSY, IDLE, TRAINING = "busy", "idle", "training"
 

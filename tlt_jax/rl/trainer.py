@@ -57,8 +57,9 @@ from tlt_jax.models import CausalLM, hf
 from tlt_jax.rl import actor as actor_lib
 from tlt_jax.rl import datasets, grpo, rewards, tokenizer as tokenizer_lib
 from tlt_jax.rollout.bandit import Bandit
-from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.state import EngineConfig
 
 _EVAL_OFFSET = 1 << 30  # held-out sampling keys: prompt indices training never reaches
 
@@ -174,7 +175,7 @@ def engine_config(config, strategies=(), largest_bucket: int | None = None, comp
   buckets = tuple(2**i for i in range((largest_bucket or r.batch_buckets).bit_length()))
   return EngineConfig(batch_buckets=buckets, max_prompt_len=config.data.max_prompt_len, max_new_tokens=r.max_new_tokens,
                       segment_steps=r.segment_steps, kv_block=r.kv_block, strategies=tuple(strategies),
-                      sd_max_batch=r.sd_max_batch, compilation_cache_dir=r.compilation_cache_dir or None,
+                      sd_max_batch=r.sd_max_batch,
                       compact=compact, attention=config.kernels.attention, capture_hidden=capture_hidden,
                       refill=r.refill, suffix_bank_len=r.suffix_bank_len, suffix_ngram=r.suffix_ngram)
 

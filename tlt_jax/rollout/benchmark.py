@@ -20,8 +20,9 @@ from tqdm import tqdm
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.rollout import profile
 from tlt_jax.rollout.bandit import Bandit
-from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.state import EngineConfig
 
 
 def _timed(engine: Engine, prompts, repeats: int = 3):
