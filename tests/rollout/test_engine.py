@@ -10,6 +10,7 @@ from tests.conftest import FAMILIES, VOCAB
 from tests.rollout.conftest import CONFIG, STOP, configured, prompts, with_sd
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, ModelConfig
+from tlt_jax.rollout import suffix
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
@@ -228,6 +229,28 @@ def test_suffix_drafts_from_a_finished_sibling_in_a_refilled_slot(models):
   assert passes[1] == passes[2] == 8 < passes[0], passes
 
 
+def test_suffix_drafts_from_an_earlier_epoch(models):
+  """The prompt's history holds its greedy response from an earlier rollout (`suffix.History`):
+  the first sample of the next rollout drafts it from its first token on, as later siblings do
+  from the bank; tokens are plain decoding's, also with a history that predicts nothing."""
+  model = models["llama3"]
+  params = SamplingParams(temperature=0, max_new_tokens=40)
+  config = configured(with_sd(CONFIG, "s4_1_5", sd_max_batch=1), batch_buckets=(1,), suffix_history_len=96)
+  engine, prompt = Engine(model, config, params), [5, 9, 13]
+  first = engine.generate([prompt])
+  history = suffix.History(config.suffix_history_len, config.suffix_ngram)
+  history.add(prompt, [first.samples[0].tokens])
+  again = engine.generate([prompt], history=[history.get(prompt)])
+  assert sample_set(again) == sample_set(first)
+  assert sum(s.passes for s in first.metrics.segments) > 8 == sum(s.passes for s in again.metrics.segments)
+  noise = [np.random.default_rng(0).integers(0, 50, 90)]
+  sampled = SamplingParams(temperature=1.0, max_new_tokens=40, seed=3)
+  assert (sample_set(Engine(model, config, sampled).generate([prompt], num_samples=2, history=noise))
+          == sample_set(Engine(model, CONFIG, sampled).generate([prompt], num_samples=2)))
+  with pytest.raises(ValueError, match="history has 2 entries for 1 prompts"):
+    engine.generate([prompt], history=noise * 2)
+
+
 def test_suffix_speculation_on_a_mesh(models):
   """Rows split over two devices, the bank replicated: plain decoding's greedy tokens."""
   from tlt_jax import sharding
@@ -255,7 +278,7 @@ def test_the_bank_follows_prompts_through_compaction(models):
   bank = engine._bank_rows(rows)
   slots = np.arange(4, dtype=np.int32)
   st = engine.pool[("init", 4)](engine._slot_rows(rows, slots, [6, 40], 0, bank))
-  st = engine._prefill_slots(st, ps, rows, slots)
+  st = engine._prefill_slots(st, ps, rows, slots, None)
   params = engine.params, engine.drafter_params
   st = engine.pool[("plain", 4)](*params, st, np.int32(0))
 

@@ -27,7 +27,7 @@ def test_config_lookups():
   assert with_sd(CONFIG, "3_2_6").capacity == 96 and not with_sd(CONFIG, "3_2_6").banking
   banking = with_sd(CONFIG, "s2_2_4")
   assert banking.banking and banking.bank_rows == 9 and CONFIG.bank_rows == 0
-  with pytest.raises(ValueError, match="suffix_bank_len must be >= max_prompt_len \\+ 2 = 26"):
+  with pytest.raises(ValueError, match="suffix_bank_len must be >= max_prompt_len \\+ suffix_history_len \\+ 2 = 26"):
     configured(banking, suffix_bank_len=25)
   assert EngineConfig().bucket(33) == 64
 

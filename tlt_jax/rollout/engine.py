@@ -177,8 +177,9 @@ class Engine:
                     state(b0), donate=(0,))
     for p in self._prefill_sizes(b0):
       for t in sorted({cfg.prompt_bucket(n) for n in prompt_lens} or set(cfg.prompt_buckets)):
-        self._compile(("prefill", b0, p, t), self.steps.prefill, [*params, state(b0), i32(p, t), i32(p), i32(b0)],
-                      state(b0), donate=(2,))
+        self._compile(("prefill", b0, p, t), self.steps.prefill,
+                      [*params, state(b0), i32(p, t), i32(p), i32(b0), i32(p, self._history_len)], state(b0),
+                      donate=(2,))
     for b in cfg.batch_buckets:
       if b > b0 or (b < b0 and not cfg.compact):  # without compaction only b0 runs
         continue
@@ -187,6 +188,11 @@ class Engine:
                       [*params, state(b), i32()], state(b), donate=(2,))
       if b > 1 and cfg.compact:
         self._compile(("halve", b // 2, b), steps.halve, [state(b), i32(b // 2)], state(b // 2))
+
+  @property
+  def _history_len(self) -> int:
+    """Tokens of history each prefilled prompt brings to its bank row (0 without a bank)."""
+    return self.config.suffix_history_len if self.config.banking else 0
 
   def _prefill_sizes(self, bucket: int) -> tuple[int, ...]:
     """Unique prompts per prefill call at `bucket`: up to `prefill_batch`; at the largest bucket of
@@ -208,7 +214,8 @@ class Engine:
   def generate(self, prompts: Sequence[Sequence[int]], num_samples: int = 1,
                max_total_len: Sequence[int] | int | None = None,
                on_progress: Callable[[int, int], None] | None = None, prompt_offset: int = 0,
-               expected_lengths: Sequence[float] | None = None) -> Rollout:
+               expected_lengths: Sequence[float] | None = None,
+               history: Sequence[Sequence[int]] | None = None) -> Rollout:
     """Samples `num_samples` continuations of each prompt; compiles first what the pool lacks.
 
     Args:
@@ -224,6 +231,9 @@ class Engine:
       expected_lengths: per prompt, e.g. its mean response length in an earlier epoch; rows enter
         the batch longest expected first (ties in order) instead of in order, so the longest rows do
         not start last and stretch the tail. Order changes when a row runs, never its tokens.
+      history: per prompt, tokens for the last `config.suffix_history_len` slots of its bank row
+        (`suffix.History.get`: its responses in earlier epochs), which suffix strategies draft from
+        too; ignored without suffix strategies. Drafts change, never tokens.
 
     Returns:
       `len(prompts) * num_samples` samples ordered by (prompt index, sample index), each with its n
@@ -233,7 +243,7 @@ class Engine:
 
     Raises:
       ValueError: a prompt is empty or too long, leaves no room under `max_total_len`, or
-        `expected_lengths` does not have one entry per prompt.
+        `expected_lengths` or `history` does not have one entry per prompt.
     """
     cfg, sp = self.config, self.sampling
     budgets = []
@@ -250,6 +260,8 @@ class Engine:
       if len(expected_lengths) != len(prompts):
         raise ValueError(f"expected_lengths has {len(expected_lengths)} entries for {len(prompts)} prompts")
       rows.sort(key=lambda r: -expected_lengths[r[0]])  # stable: in order among equals
+    if history is not None and len(history) != len(prompts):
+      raise ValueError(f"history has {len(history)} entries for {len(prompts)} prompts")
     self.prepare(len(rows), [len(p) for p in prompts])
     largest = cfg.batch_buckets[-1]
     batches = [rows] if cfg.refill else [rows[s:s + largest] for s in range(0, len(rows), largest)]
@@ -257,7 +269,7 @@ class Engine:
     samples = []
     for batch in batches:
       samples += self._run(prompts, batch, budgets, metrics, on_progress or (lambda rows, tokens: None),
-                           prompt_offset)
+                           prompt_offset, history)
     samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
     return Rollout(samples, metrics)
 
@@ -267,7 +279,7 @@ class Engine:
     if not cfg.banking:
       return None
     layout = suffix.Layout(cfg.suffix_bank_len, cfg.max_prompt_len, 1 + max(j for _, j in rows),
-                           self.sampling.max_new_tokens)
+                           self.sampling.max_new_tokens, cfg.suffix_history_len)
     return suffix.BankRows(layout, cfg.bank_rows, collections.Counter(i for i, _ in rows))
 
   def _slot_rows(self, rows, slot_row: np.ndarray, budgets, prompt_offset, bank: suffix.BankRows | None) -> SlotRows:
@@ -280,9 +292,10 @@ class Engine:
                     max_new=pick(lambda r: budgets[rows[r][0]], 1), bank_row=bank_row, bank_offset=bank_offset,
                     bank_room=bank_room)
 
-  def _prefill_slots(self, st: RowState, prompts, rows, slot_row: np.ndarray) -> RowState:
+  def _prefill_slots(self, st: RowState, prompts, rows, slot_row: np.ndarray, history) -> RowState:
     """Prefills the rows of the slots `slot_row >= 0`: each unique prompt once per call of up to
-    `prefill_batch` prompts (the smallest compiled size that holds them), copied into its rows' slots."""
+    `prefill_batch` prompts (the smallest compiled size that holds them), copied into its rows' slots;
+    `history` (per prompt, or None) goes to their bank rows."""
     b = slot_row.shape[0]
     sizes = self._prefill_sizes(b)
     unique = sorted({rows[r][0] for r in slot_row if r >= 0})
@@ -294,15 +307,19 @@ class Engine:
       t = self.config.prompt_bucket(max(len(prompts[i]) for i in chunk))
       tokens = np.zeros((p, t), np.int32)
       lengths = np.zeros((p,), np.int32)
+      banked = np.full((p, self._history_len), -1, np.int32)
       for k, i in enumerate(chunk):
         tokens[k, :len(prompts[i])] = prompts[i]
         lengths[k] = len(prompts[i])
+        if history is not None and self._history_len:
+          h = np.asarray(history[i], np.int32)[:self._history_len]
+          banked[k, :len(h)] = h
       slot = {i: k for k, i in enumerate(chunk)}
       row_prompt = np.asarray([slot.get(rows[r][0], -1) if r >= 0 else -1 for r in slot_row], np.int32)
-      st = self.pool[("prefill", b, p, t)](self.params, self.drafter_params, st, tokens, lengths, row_prompt)
+      st = self.pool[("prefill", b, p, t)](self.params, self.drafter_params, st, tokens, lengths, row_prompt, banked)
     return st
 
-  def _run(self, prompts, rows, budgets, metrics, on_progress, prompt_offset) -> list[Sample]:
+  def _run(self, prompts, rows, budgets, metrics, on_progress, prompt_offset, history) -> list[Sample]:
     """Decodes (prompt index, sample index) `rows`, in this order of entry, until every one is done.
 
     The batch takes the first rows that fit the largest bucket. While rows wait, it stays at that
@@ -321,7 +338,7 @@ class Engine:
     st = pool[("init", b)](self._slot_rows(rows, first, budgets, prompt_offset, bank))
     if bank is not None:
       bank.take_fresh()  # init's bank is empty: only later prompts' rows need emptying
-    st = self._prefill_slots(st, prompts, rows, first)
+    st = self._prefill_slots(st, prompts, rows, first, history)
     host = _Counters.read(st)
     self._check_drafter(st, metrics)
     metrics.prefill_s += time.perf_counter() - t0
@@ -349,7 +366,7 @@ class Engine:
         new[free] = np.arange(queued, queued + len(free))
         st = pool[("reset", b)](st, self._slot_rows(rows, new, budgets, prompt_offset, bank),
                                 np.zeros((0,), bool) if bank is None else bank.take_fresh())
-        st = self._prefill_slots(st, prompts, rows, new)
+        st = self._prefill_slots(st, prompts, rows, new, history)
         host = _Counters.read(st)
         self._check_drafter(st, metrics)
         metrics.prefill_s += time.perf_counter() - t0

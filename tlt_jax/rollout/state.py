@@ -55,6 +55,9 @@ class EngineConfig:
   # slots (`tlt_jax.rollout.suffix`); a row's last `suffix_ngram` tokens at most are matched there.
   suffix_bank_len: int = 4096
   suffix_ngram: int = 4
+  # The last this-many slots of a prompt's bank row hold tokens the caller gives with the prompt
+  # (`Engine.generate(history=...)`: its responses in earlier epochs, `suffix.History`).
+  suffix_history_len: int = 0
 
   def __post_init__(self):
     b = self.batch_buckets
@@ -64,9 +67,12 @@ class EngineConfig:
       raise ValueError(f"attention must be one of {tree_attention.IMPLEMENTATIONS}, got {self.attention!r}")
     if not 0 <= self.refill_rows <= b[-1]:
       raise ValueError(f"refill_rows must be in [0, {b[-1]}] (the largest bucket), got {self.refill_rows}")
-    if self.banking and self.suffix_bank_len < self.max_prompt_len + 2:
-      raise ValueError(f"suffix_bank_len must be >= max_prompt_len + 2 = {self.max_prompt_len + 2} (the prompt and "
-                       f"a token), got {self.suffix_bank_len}")
+    if self.banking and self.suffix_bank_len < self.max_prompt_len + self.suffix_history_len + 2:
+      raise ValueError(f"suffix_bank_len must be >= max_prompt_len + suffix_history_len + 2 = "
+                       f"{self.max_prompt_len + self.suffix_history_len + 2} (the prompt, its history and a token), "
+                       f"got {self.suffix_bank_len}")
+    if self.suffix_history_len < 0:
+      raise ValueError(f"suffix_history_len must be >= 0, got {self.suffix_history_len}")
     if self.suffix_ngram < 1:
       raise ValueError(f"suffix_ngram must be >= 1, got {self.suffix_ngram}")
 

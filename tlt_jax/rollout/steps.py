@@ -170,10 +170,13 @@ class Steps:
                                draft_feat=jnp.where((count_B > 0)[:, None], last, st.draft_feat),
                                drafter_finite=st.drafter_finite & finite)
 
-  def prefill(self, params, drafter_params, st: RowState, tokens_PxT, lengths_P, row_prompt_B) -> RowState:
+  def prefill(self, params, drafter_params, st: RowState, tokens_PxT, lengths_P, row_prompt_B,
+              history_PxH) -> RowState:
     """Prefills P unique prompts (`tokens_PxT` right-padded, `lengths_P` tokens each) and copies each
     into its rows: slot b gets prompt `row_prompt_B[b]` (-1: the slot is left as it is). Each row's
-    first token is sampled, and with a drafter, the drafter is fed the row's prompt pairs."""
+    first token is sampled, and with a drafter, the drafter is fed the row's prompt pairs. With a
+    bank, each prompt and its history (`history_PxH`, H = `suffix_history_len`, -1 padded) go to its
+    bank row."""
     model, drafter = self.models(params, drafter_params)
     p, t = tokens_PxT.shape
     layers = drafter.feature_layers if drafter is not None else ()
@@ -190,7 +193,12 @@ class Steps:
       j = jnp.arange(t)[None]
       at = self.config.max_prompt_len - lengths_P[src][:, None] + j
       at = jnp.where(sel[:, None] & (j < lengths_P[src][:, None]), at, st.bank.shape[1])
-      st = dataclasses.replace(st, bank=st.bank.at[st.bank_row[:, None], at].set(tokens_PxT[src], mode="drop"))
+      bank = st.bank.at[st.bank_row[:, None], at].set(tokens_PxT[src], mode="drop")
+      h = history_PxH.shape[1]
+      if h:  # the bank row's last h slots
+        at = jnp.where(sel[:, None], st.bank.shape[1] - h + jnp.arange(h)[None], st.bank.shape[1])
+        bank = bank.at[st.bank_row[:, None], at].set(history_PxH[src], mode="drop")
+      st = dataclasses.replace(st, bank=bank)
     if st.prompt_hidden is not None:
       old = st.prompt_hidden[:, :t]
       st = dataclasses.replace(st, prompt_hidden=st.prompt_hidden.at[:, :t].set(
