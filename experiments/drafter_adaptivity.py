@@ -36,12 +36,12 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from tlt_jax import packing, sft  # noqa: E402
+from tlt_jax import packing  # noqa: E402
 from tlt_jax.drafter import checkpoint  # noqa: E402
 from tlt_jax.drafter.buffer import BufferConfig, DataBuffer  # noqa: E402
 from tlt_jax.drafter.spot import SpotConfig, SpotTrainer  # noqa: E402
 from tlt_jax.models import hf  # noqa: E402
-from tlt_jax.rl import datasets, tasks  # noqa: E402
+from tlt_jax.rl import datasets, sft, tasks  # noqa: E402
 from tlt_jax.rollout.engine import Engine, EngineConfig  # noqa: E402
 from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
 from tlt_jax.rollout.speculative import Strategy  # noqa: E402

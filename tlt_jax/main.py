@@ -29,8 +29,7 @@ from tlt_jax import config as config_lib
 from tlt_jax import files
 from tlt_jax import metrics
 
-_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.py")
-_CONFIG = cli.define_config(_DEFAULT_CONFIG)
+_CONFIG = cli.define_config(config_lib.__file__)  # its get_config(): the tiny world, found in an installed copy too
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Same as --config.dry_run=True.")
 
 

@@ -45,7 +45,6 @@ from tlt_jax import config as config_lib
 from tlt_jax import distributed
 from tlt_jax import metrics as metrics_lib
 from tlt_jax import packing
-from tlt_jax import sft
 from tlt_jax import sharding
 from tlt_jax.drafter import checkpoint as drafter_checkpoint
 from tlt_jax.drafter import export
@@ -55,7 +54,7 @@ from tlt_jax.drafter import train as drafter_train
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, hf
 from tlt_jax.rl import actor as actor_lib
-from tlt_jax.rl import datasets, grpo, rewards, tokenizer as tokenizer_lib
+from tlt_jax.rl import datasets, grpo, rewards, sft, tokenizer as tokenizer_lib
 from tlt_jax.rollout.bandit import Bandit
 from tlt_jax.rollout.engine import Engine, EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
