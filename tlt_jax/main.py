@@ -90,13 +90,14 @@ def main(argv):
     print(json.dumps(dry_run.run(config), indent=2))
     return
   check_outputs(config)
+  from tlt_jax.rl import bootstrap  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl.trainer import NonFiniteUpdates, Trainer  # pylint: disable=import-outside-toplevel
   resume = shlex.join(["python", "-m", "tlt_jax.main", *sys.argv[1:]])
   stop = _StopSignal(os.path.join(os.path.abspath(config.workdir), "checkpoints"), resume)
   for signum in (signal.SIGTERM, signal.SIGINT):
     signal.signal(signum, stop)
   try:  # prompt files, the policy and the drafter are read (and checked) before SFT or a rollout starts
-    trainer = Trainer(config)
+    trainer = Trainer(config, *bootstrap.load(config))
   except (OSError, ValueError) as e:
     cli.fail(str(e))
   try:
