@@ -32,6 +32,7 @@ class PlainRollout(BaseRollout):
     self.engine = Engine(policy, engine_config, sampling, mesh=mesh, bandit=bandit)
     self.engines, self.groups = [self.engine], [0]
     self._shardings = None if mesh is None else sharding.param_shardings(nnx.state(policy), mesh)
+    self.set_policy_params(nnx.state(policy))  # laid out over the mesh
 
   def generate(self, prompts: Sequence[Sequence[int]], num_samples: int = 1,
                max_total_len: Sequence[int] | int | None = None,
