@@ -75,7 +75,9 @@ class DrafterTrainer:
   def __init__(self, policy: CausalLM, drafter: Drafter, meshes: Sequence[Mesh], groups: Sequence[int],
                buffer: DataBuffer, config: DrafterTrainerConfig = DrafterTrainerConfig(),
                publish: Callable[[], None] = lambda: None):
-    """Args:
+    """The master drafter, its optimizer and its compiled steps (compiled at the first `compile`).
+
+    Args:
       policy: the target model (its config and structure; params come with each call).
       drafter: the initial drafter (EAGLE: its features are the last hidden state).
       meshes: every rollout group's device mesh, by global group index.

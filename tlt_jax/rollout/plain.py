@@ -22,7 +22,9 @@ class PlainRollout(BaseRollout):
 
   def __init__(self, policy: CausalLM, engine_config: EngineConfig, sampling: SamplingParams,
                mesh: jax.sharding.Mesh | None = None, bandit: Bandit | None = None):
-    """Args:
+    """One engine over `mesh` with the policy's current params.
+
+    Args:
       policy: the policy (its current params are the engine's until `set_policy_params`).
       engine_config: the engine's batch buckets, lengths and strategies.
       sampling: temperature, top-k/p, the response budget, stop tokens and seed.

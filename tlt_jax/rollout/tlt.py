@@ -78,7 +78,9 @@ class TLTRollout(BaseRollout):
                devices: Sequence[jax.Device], groups: int, buffer: DataBuffer, config: TLTConfig = TLTConfig(),
                drafter_config: DrafterTrainerConfig = DrafterTrainerConfig(),
                make_bandit: Callable[[], Bandit] | None = None):
-    """Args:
+    """One engine per device group, each with the policy's params and the drafter, and the drafter trainer.
+
+    Args:
       policy: the policy (its current params are the engines' until `set_policy_params`).
       drafter: the initial drafter (`drafter_trainer` trains it on, `drafter_model()` is the latest).
       engine_config: every group's engine config (capture_hidden: the drafter trains on the features).
