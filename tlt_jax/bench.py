@@ -69,6 +69,7 @@ from tlt_jax.rollout.speculative import Strategy
 
 # Required only when run as the CLI: experiments import this module for its measuring functions and flags.
 _MODEL = flags.DEFINE_string("model", None, "Hugging Face model directory of the target.")
+_SCAN_LAYERS = cli.define_scan_layers()
 _DRAFTER = flags.DEFINE_string("drafter", None, "Drafter directory (train_drafter output) or 'random'.")
 _OUTPUT = flags.DEFINE_string("output", None, "Output JSON file (a CSV is written beside it).")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16", "32"], "Batch sizes.")
@@ -161,7 +162,7 @@ def main(argv):
     with cli.named("drafter", _DRAFTER.value):
       drafter = checkpoint.load_drafter(_DRAFTER.value, cfg)
   with cli.named("model", _MODEL.value):
-    model = hf.from_pretrained(_MODEL.value)
+    model = hf.from_pretrained(_MODEL.value, scan_layers=_SCAN_LAYERS.value)
   stop = set(model.config.stop_token_ids) | ({tokenizer.eos_token_id} if tokenizer is not None else set())
   temperature, max_new, seed = _TEMPERATURE.value, _MAX_NEW.value, _SEED.value
   if _REFILL.value:

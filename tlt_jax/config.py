@@ -51,6 +51,9 @@ def base() -> ml_collections.ConfigDict:
   c.policy = ml_collections.ConfigDict()
   c.policy.path = ""
   c.policy.dtype = "float32"  # parameter dtype for training and rollout
+  # Decoder layers stacked and run by one lax.scan: every executable compiles one layer body.
+  # False: unrolled (docs/BENCHMARKS.md, "Scanned vs unrolled layers"). Checkpoints hold one form.
+  c.policy.scan_layers = True
 
   # Architecture of the tiny policy (Qwen3, tied embeddings); also the shape a dry run uses when
   # policy.path has no config.json (e.g. sizing a cluster run on a laptop).

@@ -56,6 +56,11 @@ def test_resume_continues_exactly(tmp_path, tiny_policy_dir, xla_cache):
   assert os.path.isdir(tmp_path / "straight" / "tensorboard")
   exported = nnx.state(hf.from_pretrained(str(tmp_path / "straight" / "export" / "policy")))
   assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), exported, straight)))
+  # The checkpoints hold the scanned form's stacked layers: the unrolled form refuses them, naming the key.
+  c = tiny_rl_config(tmp_path / "straight", 4, cache)
+  c.policy.path, c.policy.scan_layers = policy_dir, False
+  with pytest.raises(ValueError, match=r"layers scanned; resume it with --config.policy.scan_layers=True"):
+    Trainer(c, *bootstrap.load(c), devices=jax.devices()[:2])
 
 
 def test_tlt_step_trains_the_drafter_on_idle_groups_and_checkpoints_it(tmp_path, tiny_policy_dir, xla_cache):

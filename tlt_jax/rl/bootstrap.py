@@ -67,7 +67,8 @@ def load_tokenizer(config):
 def load_policy(config) -> tuple[CausalLM, object]:
   """The policy and its tokenizer: `policy.path`, else the tiny world's (SFT into the workdir if absent)."""
   if config.policy.path:
-    return hf.from_pretrained(config.policy.path, dtype=config.policy.dtype), hf.load_tokenizer(config.policy.path)
+    return (hf.from_pretrained(config.policy.path, dtype=config.policy.dtype, scan_layers=config.policy.scan_layers),
+            hf.load_tokenizer(config.policy.path))
   policy_dir = os.path.join(config.workdir, "policy")
   if _missing(os.path.join(policy_dir, "config.json")):
     if distributed.primary():
@@ -79,7 +80,8 @@ def load_policy(config) -> tuple[CausalLM, object]:
     distributed.barrier("tiny policy")
     if distributed.primary():
       return model, tok
-  return hf.from_pretrained(policy_dir, dtype=config.policy.dtype), hf.load_tokenizer(policy_dir)
+  return (hf.from_pretrained(policy_dir, dtype=config.policy.dtype, scan_layers=config.policy.scan_layers),
+          hf.load_tokenizer(policy_dir))
 
 
 def _missing(path: str) -> bool:

@@ -47,7 +47,7 @@ def build_policy(config, tok) -> CausalLM:
       intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
       num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=True, tie_word_embeddings=True,
       max_position_embeddings=m.max_position_embeddings, bos_token_id=tok.bos_token_id,
-      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, scan_layers=config.policy.scan_layers)
   return CausalLM(cfg, rngs=nnx.Rngs(config.seed))
 
 

@@ -123,11 +123,18 @@ class Trainer:
   def _state(self) -> tuple[dict, dict]:
     """What a checkpoint holds: (arrays, JSON-able metadata). Every process calls it at the same point."""
     arrays, meta = self.rollout.state_dict()
-    return {**self._policy_arrays(), **arrays}, {"step": self.step, "skipped_in_a_row": self.skipped_in_a_row, **meta}
+    return {**self._policy_arrays(), **arrays}, {"step": self.step, "skipped_in_a_row": self.skipped_in_a_row,
+                                                 "scan_layers": self.policy.config.scan_layers, **meta}
 
   def _abstract(self, meta: dict) -> dict:
     """The arrays of a checkpoint with metadata `meta`, as shapes to restore them into (the
-    drafter's data buffer is as large as the checkpoint's metadata says)."""
+    drafter's data buffer is as large as the checkpoint's metadata says). The policy's layers are
+    in the form they were saved in (stacked or one by one; checkpoints from before the scanned
+    form hold no `scan_layers`: unrolled); another form is refused, naming the key that reads it."""
+    saved = meta.get("scan_layers", False)
+    if saved != self.policy.config.scan_layers:
+      raise ValueError(f"it holds the policy's layers {'scanned' if saved else 'unrolled'}; resume it with "
+                       f"--config.policy.scan_layers={saved}")
     return {**self._policy_arrays(), **self.rollout.abstract_state(meta)}
 
   def _restore(self, step: int, arrays, meta: dict) -> None:
