@@ -36,6 +36,7 @@ from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
 import starting_point  # pylint: disable=wrong-import-position
 from tlt_jax import config as config_lib  # pylint: disable=wrong-import-position
+from tlt_jax.rl import bootstrap  # pylint: disable=wrong-import-position
 from tlt_jax.rl.trainer import Trainer  # pylint: disable=wrong-import-position
 
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "..", "configs",
@@ -76,7 +77,7 @@ def main(argv):
     c.eval.every = 0  # nor held-out evaluations (their engine would compile in the first step)
     c.policy.path, c.drafter.path = policy_dir, drafter_dir  # all start from the same; each logs into its own
     c.workdir = starting_point.fresh_workdir(os.path.join(out, name))
-    trainers[name] = Trainer(c)
+    trainers[name] = Trainer(c, *bootstrap.load(c))
   rows = []
   for step in range(_STEPS.value):
     for name, trainer in trainers.items():

@@ -38,6 +38,7 @@ from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
 import starting_point  # pylint: disable=wrong-import-position
 from tlt_jax import config as config_lib  # pylint: disable=wrong-import-position
+from tlt_jax.rl import bootstrap  # pylint: disable=wrong-import-position
 from tlt_jax.rl.trainer import Trainer  # pylint: disable=wrong-import-position
 from tlt_jax.rollout.engine import Engine  # pylint: disable=wrong-import-position
 
@@ -79,7 +80,7 @@ def timeline(rollout) -> tuple[np.ndarray, np.ndarray]:
 def waves_and_refill(trainer, prompts, num_samples: int, waves: int) -> dict:
   """mode -> the timed plain rollout of `prompts` with group 0's policy and engine config, its largest
   bucket cut to 1/`waves` of the rows, run in waves or with refill (after a warm-up each)."""
-  e = trainer.engines[0]
+  e = trainer.rollout.engines[0]
   model = nnx.merge(e.steps.graphdef, e.params)
   largest = max(1, 1 << ((len(prompts) * num_samples // waves).bit_length() - 1))
   out = {}
@@ -128,16 +129,16 @@ def main(argv):
   c.rollout.speculative, c.rollout.sd_max_batch, c.drafter.online = True, 1, False
   c.checkpoint.every, c.eval.every = 10**6, 0  # a measuring run: no periodic checkpoints, no held-out evaluation
   c.workdir = starting_point.fresh_workdir(os.path.join(out, "rl"))
-  trainer = Trainer(c)
+  trainer = Trainer(c, *bootstrap.load(c))
   rollouts = []
-  record_rollouts(trainer.engines, rollouts)
+  record_rollouts(trainer.rollout.engines, rollouts)
   lengths, steps = {}, []
   try:
     for step in range(1, _STEPS.value + 1):
       rollouts.clear()
       record = trainer.run_step()
       lengths[step] = [len(s.tokens) for _, r in rollouts for s in r.samples]
-      device_s = record["spot/wall_s"] * len(trainer.spot.meshes) * trainer.spot.meshes[0].size
+      device_s = record["spot/wall_s"] * len(trainer.rollout.meshes) * trainer.rollout.meshes[0].size
       steps.append({"step": step, "rows": len(lengths[step]), "median_len": float(np.median(lengths[step])),
                     "p90_len": float(np.percentile(lengths[step], 90)), "max_len": int(max(lengths[step])),
                     **step_stats(rollouts, _THRESHOLD.value), "idle_device_s": record["spot/idle_device_s"],

@@ -27,14 +27,14 @@ from flax import nnx
 from ml_collections import config_flags
 
 from tlt_jax import config as config_lib
-from tlt_jax import sft
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
 from tlt_jax.models.transformer import CausalLM
+from tlt_jax.rl import rollouts, sft
 from tlt_jax.rl import tokenizer as tokenizer_lib
-from tlt_jax.rl import trainer as trainer_lib
 from tlt_jax.rollout.bandit import Bandit
-from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.engine import Engine
+from tlt_jax.rollout.state import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "..", "configs",
@@ -65,7 +65,7 @@ def compile_time(config, model: CausalLM) -> float:
   bandit = Bandit(strategies) if strategies else None  # the trainer's group engines always have one
   r = config.rollout
   sampling = SamplingParams(temperature=r.temperature, max_new_tokens=r.max_new_tokens, seed=config.seed)
-  engine = Engine(model, trainer_lib.engine_config(config, strategies, capture_hidden=bool(strategies)), sampling,
+  engine = Engine(model, rollouts.engine_config(config, strategies, capture_hidden=bool(strategies)), sampling,
                   drafter=drafter, bandit=bandit)
   rows = -(-r.prompts_per_step // r.groups) * r.num_samples
   start = time.perf_counter()

@@ -191,7 +191,7 @@ def tiny_rl_config(workdir, steps: int, cache_dir):
 @pytest.fixture(scope="session")
 def tiny_policy_dir(tmp_path_factory):
   """A random tiny policy (`tiny_rl_config`'s shape) saved as a Hugging Face directory (no SFT)."""
-  from tlt_jax import sft
+  from tlt_jax.rl import sft
   from tlt_jax.models import hf
   from tlt_jax.rl import tokenizer as tokenizer_lib
   c = tiny_rl_config("unused", 0, "unused")

@@ -16,6 +16,7 @@ from configs import tiny
 from tests.conftest import float_order_mismatches, tiny_rl_config, xla_flags_without_device_count
 from tlt_jax import metrics
 from tlt_jax.models import hf
+from tlt_jax.rl import bootstrap
 from tlt_jax.rl.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -126,7 +127,8 @@ def test_two_processes_match_one(tmp_path, tiny_policy_dir, xla_cache, monkeypat
       assert f.read() == g.read(), part
 
   # 1 process, all 8 devices, the same rollout groups.
-  trainer = Trainer(_tlt_config(one, tiny_policy_dir, xla_cache, drafter))
+  config = _tlt_config(one, tiny_policy_dir, xla_cache, drafter)
+  trainer = Trainer(config, *bootstrap.load(config))
   rows = []  # of each update's micro-batch: the same in both runs
   update = trainer.actor.update
   monkeypatch.setattr(trainer.actor, "update", lambda batch: rows.append(len(batch["tokens"])) or update(batch))

@@ -22,6 +22,7 @@ from tlt_jax import metrics
 from tlt_jax.drafter import checkpoint as drafter_checkpoint
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
+from tlt_jax.rl import bootstrap
 from tlt_jax.rl.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,7 +143,8 @@ def drafter_dir(tmp_path_factory, tiny_policy_dir):
 def straight(tmp_path_factory, tiny_policy_dir, drafter_dir, xla_cache):
   """An uninterrupted in-process run (it also fills the compilation cache the subprocesses read)."""
   workdir = tmp_path_factory.mktemp("straight")
-  trainer = Trainer(_fault_config(workdir, STEPS, tiny_policy_dir, drafter_dir, xla_cache))
+  config = _fault_config(workdir, STEPS, tiny_policy_dir, drafter_dir, xla_cache)
+  trainer = Trainer(config, *bootstrap.load(config))
   try:
     trainer.run()
     return workdir, jax.tree.map(np.asarray, trainer.actor.params), metrics.read(trainer.metrics.path)

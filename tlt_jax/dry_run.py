@@ -32,7 +32,7 @@ from tlt_jax.drafter.buffer import BufferConfig
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, ModelConfig
 from tlt_jax.rl import actor as actor_lib
-from tlt_jax.rl import trainer as trainer_lib
+from tlt_jax.rl import rollouts
 from tlt_jax.rollout.bandit import Bandit
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams
@@ -127,12 +127,12 @@ def run(config) -> dict:
   drafter = _abstract(build_drafter, group_mesh) if eagle else None
   sampling = SamplingParams(temperature=config.rollout.temperature, top_k=config.rollout.top_k,
                             top_p=config.rollout.top_p, max_new_tokens=config.rollout.max_new_tokens, seed=config.seed)
-  base = trainer_lib.engine_config(config, strategies)
+  base = rollouts.engine_config(config, strategies)
   report["rollout_batches"] = batches(config, base.batch_buckets[-1])
   rows = report["rollout_batches"]["rows_per_group"]
   sd_bucket = base.bucket(min(base.sd_max_batch, base.batch_buckets[-1]))
   for label, largest in (("rollout", base.batch_buckets[-1]), ("rollout_tail", sd_bucket)):
-    engine_cfg = trainer_lib.engine_config(config, strategies, largest_bucket=largest, compact=False)
+    engine_cfg = rollouts.engine_config(config, strategies, largest_bucket=largest, compact=False)
     bandit = Bandit(strategies) if strategies else None
     engine = Engine(group_policy, engine_cfg, sampling, mesh=group_mesh, drafter=drafter, bandit=bandit)
     logging.info("dry run: compiling %s executables (bucket %d)", label, largest)
