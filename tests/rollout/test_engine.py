@@ -11,6 +11,7 @@ from tests.rollout.conftest import CONFIG, STOP, configured, prompts, with_sd
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, ModelConfig
 from tlt_jax.rollout import suffix
+from tlt_jax.rollout.bandit import Bandit
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
@@ -363,7 +364,6 @@ def test_speculative_first_three_tokens_follow_plain_sampling(drafter_kind):
 def test_bandit_picks_strategies_losslessly_without_compiling(models):
   """One segment executable per (bucket, arm); the bandit plays every arm (EAGLE, suffix, SD off),
   outputs equal plain greedy ones, nothing compiles inside the rollouts."""
-  from tlt_jax.rollout.bandit import Bandit
   model = models["qwen3"]
   strategies = (Strategy.parse("3_1_3"), Strategy.parse("2_2_3"), Strategy.parse("s3_2_4"))
   config = EngineConfig(**{**CONFIG.__dict__, "strategies": strategies, "sd_max_batch": 4})
@@ -445,7 +445,25 @@ def test_nan_drafter_turns_speculation_off_losslessly(models, caplog):
   assert sample_set(bad) == sample_set(good)
   assert bad.metrics.drafter_nonfinite and bad.metrics.summary()["rollout/drafter_nonfinite"] == 1
   assert not any(s.strategy for s in bad.metrics.segments)
-  assert "speculation is off for the rest of this rollout" in caplog.text
+  assert "its strategies are off for the rest of this rollout" in caplog.text
+
+
+def test_nan_drafter_leaves_suffix_arms_on(models):
+  """With an EAGLE and a suffix arm under a bandit, a NaN drafter turns the EAGLE arm off; the
+  bandit plays SD off and the suffix arm, and the tokens are plain decoding's."""
+  model = models["qwen3"]
+  strategies = (Strategy.parse("2_1_2"), Strategy.parse("s3_1_4"))
+  config = EngineConfig(**{**CONFIG.__dict__, "strategies": strategies, "sd_max_batch": 8, "compact": False,
+                            "segment_steps": 4})
+  params = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=(STOP,))
+  bandit = Bandit(strategies, epsilon=0.0)
+  engine = Engine(model, config, params, drafter=Drafter(model.config, rngs=nnx.Rngs(3)), bandit=bandit)
+  engine.set_drafter_params(jax.tree.map(lambda x: np.full(x.shape, np.nan, x.dtype), engine.drafter_params))
+  ps = [p[:12] for p in prompts(3, seed=22)]
+  bad = engine.generate(ps, num_samples=2)
+  assert bad.metrics.drafter_nonfinite
+  assert {s.strategy for s in bad.metrics.segments} == {None, "s3_1_4"}
+  assert sample_set(bad) == sample_set(Engine(model, CONFIG, params).generate(ps, num_samples=2))
 
 
 def count_compiles():

@@ -15,9 +15,9 @@ before every play, and a play is one segment of that arm: one executable per (bu
 The host syncs after each play, so its wall time and emitted tokens give the bandit a reward.
 
 Guard: once a row's drafter outputs are not finite (`RowState.drafter_finite`, read with each
-play's sync), speculation is off for the rest of the rollout, with a warning and
-`RolloutMetrics.drafter_nonfinite`; outputs are the target's either way (the owner of the
-drafter restores a good one, e.g. `SpotTrainer`).
+play's sync), the drafter's strategies are off for the rest of the rollout (suffix strategies,
+which need no drafter, stay on), with a warning and `RolloutMetrics.drafter_nonfinite`; outputs
+are the target's either way (the owner of the drafter restores a good one: `DrafterTrainer`).
 """
 
 from __future__ import annotations
@@ -388,11 +388,12 @@ class Engine:
           b //= 2
         host = _Counters.read(st)
         metrics.compact_s += time.perf_counter() - t0
-      speculating = self._uses_sd(b) and not metrics.drafter_nonfinite
+      arms = [s for s in cfg.strategies if s.suffix or not metrics.drafter_nonfinite]
+      speculating = self._uses_sd(b) and bool(arms)
       tail = speculating and active <= cfg.sd_max_batch
       strategy = None
       if tail:
-        strategy = cfg.strategies[0] if self.bandit is None else self.bandit.choose(active)
+        strategy = arms[0] if self.bandit is None else self.bandit.choose(active, arms)
       # The play ends on the device once enough slots are free for a refill, or, with nothing
       # waiting, once a smaller bucket fits the active rows (compaction); before the tail, once the
       # tail begins (the bandit's turn).
@@ -417,14 +418,14 @@ class Engine:
     return out + harvest(st)
 
   def _check_drafter(self, st: RowState, metrics: RolloutMetrics) -> None:
-    """Turns speculation off for the rest of the rollout once the drafter's outputs are not finite."""
+    """Turns the drafter's strategies off for the rest of the rollout once its outputs are not finite."""
     if st.drafter_finite is None or metrics.drafter_nonfinite:
       return
     finite = np.asarray(jax.device_get(st.drafter_finite))
     if not finite.all():
       metrics.drafter_nonfinite = True
-      logging.warning("the drafter's outputs are not finite (NaN/inf) for %d of %d rows: speculation is off for the "
-                      "rest of this rollout (outputs are unaffected)", int((~finite).sum()), finite.size)
+      logging.warning("the drafter's outputs are not finite (NaN/inf) for %d of %d rows: its strategies are off for "
+                      "the rest of this rollout (outputs are unaffected)", int((~finite).sum()), finite.size)
 
   def _harvest(self, st: RowState, harvested: np.ndarray, prompt_lens: Sequence[int]) -> list[Sample]:
     """Host copies of the finished rows not yet taken (before compaction drops them)."""
