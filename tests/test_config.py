@@ -106,7 +106,7 @@ def test_fuzz_bad_values_are_rejected_by_name(setting):
 
 @pytest.mark.parametrize("changes,message", [
     (dict(strategies="3_1_4,s4_1_5", suffix_bank_len=129),
-     "rollout.suffix_bank_len=129: must hold data.max_prompt_len + 2"),
+     "rollout.suffix_bank_len=129: must hold data.max_prompt_len + rollout.suffix_history_len + 2"),
     (dict(strategies="4_1_5,s4_1_5", drafter="suffix"),
      "rollout.strategies='4_1_5,s4_1_5': must not name a strategy twice"),
     (dict(strategies="s4_1_5,4_x_5"), "rollout.strategies='s4_1_5,4_x_5': strategy '4_x_5' is not")])

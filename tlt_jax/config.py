@@ -115,6 +115,9 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.drafter = "eagle"
   c.rollout.suffix_bank_len = 4096  # tokens banked per prompt in flight at most
   c.rollout.suffix_ngram = 4  # the longest suffix of a row's tokens matched in its bank
+  # Tokens of each prompt's responses in earlier steps (epochs) banked with it for suffix drafts, the
+  # newest first (0: off); host memory: 4 bytes x this x prompts seen, checkpointed.
+  c.rollout.suffix_history_len = 0
   c.rollout.sd_max_batch = 32  # speculate only while at most this many rows are active
   c.rollout.bandit_thresholds = "1,2,5,21"
   c.rollout.bandit_epsilon = 0.1
@@ -260,7 +263,7 @@ _AT_LEAST = {
     "rollout.prompts_per_step": 1, "rollout.num_samples": 1, "rollout.groups": 1, "rollout.segment_steps": 1,
     "rollout.kv_block": 1,
     "rollout.sd_max_batch": 1, "rollout.bandit_epsilon": 0, "rollout.bandit_window": 1, "rollout.suffix_ngram": 1,
-    "rollout.suffix_bank_len": 2,
+    "rollout.suffix_bank_len": 2, "rollout.suffix_history_len": 0,
     "drafter.draft_vocab_size": 0, "drafter.warmup_steps": 0, "drafter.learning_rate": 0, "drafter.batch_rows": 1,
     "drafter.row_len": 2,
     "drafter.online_learning_rate": 0, "drafter.online_warmup_steps": 0, "drafter.online_rows_per_device": 1,
@@ -320,8 +323,10 @@ def check(config: ml_collections.ConfigDict) -> None:
   need(named or not config.rollout.speculative, "rollout.strategies",
        "must name at least one strategy when rollout.speculative (False: the plain baseline)")
   need(len({s.name for s in named}) == len(named), "rollout.strategies", "must not name a strategy twice")
-  need(not any(s.suffix for s in named) or config.rollout.suffix_bank_len >= config.data.max_prompt_len + 2,
-       "rollout.suffix_bank_len", "must hold data.max_prompt_len + 2 (the prompt and a token)")
+  need(not any(s.suffix for s in named)
+       or config.rollout.suffix_bank_len >= config.data.max_prompt_len + config.rollout.suffix_history_len + 2,
+       "rollout.suffix_bank_len", "must hold data.max_prompt_len + rollout.suffix_history_len + 2 (the prompt, its "
+       "history and a token)")
   for key in ("rollout.bandit_thresholds", "drafter.feature_layers"):
     try:
       ints(config_value(config, key))

@@ -11,6 +11,7 @@ from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.state import EngineConfig
 from tlt_jax.rollout.plain import PlainRollout
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.speculative import Strategy
 
 CFG = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                   num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, tie_word_embeddings=True)
@@ -48,3 +49,29 @@ def test_plain_rollout_samples_as_its_engine_takes_params_and_checkpoints_its_ba
   rollout.engine.bandit = Bandit((), seed=2)
   rollout.load_state_dict({}, meta)
   assert rollout.engine.bandit.state_dict() == meta["bandits"][0] and rollout.drafter_model() is None
+
+
+def test_history_banks_earlier_responses_and_survives_a_checkpoint():
+  """With suffix strategies and `suffix_history_len`, each call's responses join their prompt's
+  history (the next call drafts from them: fewer verify passes, the same samples as without), and
+  the history goes through state_dict / abstract_state / load_state_dict."""
+  policy = CausalLM(CFG, rngs=nnx.Rngs(0))
+  greedy = SamplingParams(temperature=0, max_new_tokens=12)
+  config = EngineConfig(**{**ENGINE.__dict__, "strategies": (Strategy.parse("s4_1_5"),), "sd_max_batch": 4,
+                           "suffix_bank_len": 128, "suffix_history_len": 64})
+  rollout, plain = PlainRollout(policy, config, greedy), PlainRollout(policy, ENGINE, greedy)
+  first, m1 = rollout.generate(PROMPTS, 1)
+  again, m2 = rollout.generate(PROMPTS, 1)
+  expected, _ = plain.generate(PROMPTS, 1)
+  assert tokens(first) == tokens(again) == tokens(expected)
+  assert m1["rollout/history_prompts"] == m2["rollout/history_prompts"] == 3
+  assert m2["rollout/verify_passes"] < m1["rollout/verify_passes"]
+  assert rollout.history.get(PROMPTS[0]).tolist()[:3 + 12] == PROMPTS[0] + first[0].tokens.tolist()
+
+  arrays, meta = rollout.state_dict()
+  restored = PlainRollout(policy, config, greedy)
+  shapes = restored.abstract_state(meta)
+  assert jax.tree.map(lambda x: x.shape, shapes) == jax.tree.map(lambda x: x.shape, arrays)
+  restored.load_state_dict(arrays, meta)
+  for p in PROMPTS:
+    assert restored.history.get(p).tolist() == rollout.history.get(p).tolist()

@@ -42,7 +42,8 @@ def engine_config(config, strategies=(), largest_bucket: int | None = None, comp
                       segment_steps=r.segment_steps, kv_block=r.kv_block, strategies=tuple(strategies),
                       sd_max_batch=r.sd_max_batch,
                       compact=compact, attention=config.kernels.attention, capture_hidden=capture_hidden,
-                      refill=r.refill, suffix_bank_len=r.suffix_bank_len, suffix_ngram=r.suffix_ngram)
+                      refill=r.refill, suffix_bank_len=r.suffix_bank_len, suffix_ngram=r.suffix_ngram,
+                      suffix_history_len=r.suffix_history_len)
 
 
 def sampling_params(config, tok) -> SamplingParams:

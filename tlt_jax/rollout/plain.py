@@ -37,11 +37,10 @@ class PlainRollout(BaseRollout):
     self._shardings = None if mesh is None else sharding.param_shardings(nnx.state(policy), mesh)
     self.set_policy_params(nnx.state(policy))  # laid out over the mesh
 
-  def generate(self, prompts: Sequence[Sequence[int]], num_samples: int = 1,
-               max_total_len: Sequence[int] | int | None = None,
-               prompt_offset: int = 0) -> tuple[list[Sample], dict[str, float]]:
+  def _generate(self, prompts: Sequence[Sequence[int]], num_samples: int, max_total_len, prompt_offset: int,
+                history) -> tuple[list[Sample], dict[str, float]]:
     """See `BaseRollout.generate`; the metrics are the engine's `RolloutMetrics.summary()`."""
-    out = self.engine.generate(prompts, num_samples, max_total_len, prompt_offset=prompt_offset)
+    out = self.engine.generate(prompts, num_samples, max_total_len, prompt_offset=prompt_offset, history=history)
     samples = [dataclasses.replace(s, prompt_index=s.prompt_index - prompt_offset) for s in out.samples]
     return samples, out.metrics.summary()
 

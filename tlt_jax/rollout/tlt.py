@@ -143,9 +143,8 @@ class TLTRollout(BaseRollout):
 
   # ---- one RL step ----
 
-  def generate(self, prompts: Sequence[Sequence[int]], num_samples: int = 1,
-               max_total_len: Sequence[int] | int | None = None,
-               prompt_offset: int = 0) -> tuple[list[Sample], dict[str, float]]:
+  def _generate(self, prompts: Sequence[Sequence[int]], num_samples: int, max_total_len, prompt_offset: int,
+                history) -> tuple[list[Sample], dict[str, float]]:
     """`BaseRollout.generate` on the group engines while idle groups train the drafter (module
     docstring); the metrics are the module docstring's."""
     G = len(self.meshes)
@@ -175,7 +174,8 @@ class TLTRollout(BaseRollout):
     def work(g):
       a, b = bounds[g], bounds[g + 1]
       try:
-        out = self._engine[g].generate(prompts[a:b], num_samples, limit(a, b), prompt_offset=int(prompt_offset + a))
+        out = self._engine[g].generate(prompts[a:b], num_samples, limit(a, b), prompt_offset=int(prompt_offset + a),
+                                       history=None if history is None else history[a:b])
         local = [dataclasses.replace(s, prompt_index=s.prompt_index - prompt_offset) for s in out.samples]
         results[g] = dataclasses.replace(out, samples=local)
         with cond:
@@ -287,7 +287,8 @@ class TLTRollout(BaseRollout):
     return arrays, meta
 
   def abstract_state(self, metadata: dict) -> dict:
-    return {"drafter": self.drafter_trainer.abstract_state(metadata.get("drafter") or {})}
+    return {**super().abstract_state(metadata),
+            "drafter": self.drafter_trainer.abstract_state(metadata.get("drafter") or {})}
 
   def load_state_dict(self, arrays: dict, metadata: dict) -> None:
     self.drafter_trainer.load_state_dict(arrays["drafter"], metadata["drafter"])
