@@ -70,10 +70,10 @@ def test_phases_mode_refuses_suffix_strategies(tmp_path):
 
 def test_adaptive_mode_compares_bandit_fixed_and_plain(tmp_path):
   out = tmp_path / "adaptive.json"
-  run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--adaptive", "--rows=4", "--strategies=2_1_3",
-            "--max_new_tokens=12", "--sd_max_batch=4", "--repeats=1")
+  run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--adaptive", "--rows=2", "--num_samples=2",
+            "--strategies=2_1_3,s2_1_3", "--max_new_tokens=12", "--sd_max_batch=4", "--repeats=1")
   records = json.loads(out.read_text())
-  assert [r["mode"] for r in records] == ["plain", "sd_off", "2_1_3", "bandit"]
+  assert [r["mode"] for r in records] == ["plain", "sd_off", "2_1_3", "s2_1_3", "bandit"]
   assert records[0]["speedup"] == 1.0 and all(r["tokens_per_s"] > 0 for r in records)
   bandit = records[-1]
   plays = sum(arm["plays"] for bucket in bandit["bandit"].values() for arm in bucket.values())

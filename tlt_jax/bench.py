@@ -31,7 +31,7 @@ fused iteration, a plain step and the engine's segment executable per iteration
 reduced-vocabulary head is also timed with the full head on the same layers (`draft_vocab` column):
 draft cost and acceptance length side by side.
 
-Adaptive mode (`--adaptive`): one long-tailed rollout of `--rows` problems (compaction on,
+Adaptive mode (`--adaptive`): one long-tailed rollout of `--rows` problems x `--num_samples` (compaction on,
 speculation once at most `--sd_max_batch` rows are active), run with plain decoding, with each
 fixed strategy, with SD off (the same engine, drafter kept current), and with the BEG-MAB
 bandit over all of these arms. A warm-up round runs
@@ -95,7 +95,7 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Adaptive and refill modes: timed 
                                 lower_bound=1)
 _REFILL = flags.DEFINE_bool("refill", False, "Refill vs waves on a rollout of more rows than the largest bucket.")
 _BUCKET = flags.DEFINE_integer("bucket", 8, "Refill mode: the largest batch bucket (a power of two).", lower_bound=1)
-_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Grid and refill modes: samples per prompt (a GRPO group).",
+_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Samples per prompt (a GRPO group; grid, adaptive, refill).",
                                      lower_bound=1)
 _HISTORY_LEN = flags.DEFINE_integer("history_len", 0, "Grid mode: also time suffix strategies with this many tokens "
                                     "of an earlier rollout's responses per prompt in the bank (0: off).", lower_bound=0)
@@ -181,7 +181,7 @@ def main(argv):
     records = benchmark.run_phases(model, drafter, prompts, batch_sizes, strategies, temperature, max_new, seed)
   elif _ADAPTIVE.value:
     records = benchmark.run_adaptive(model, drafter, prompts, strategies, temperature, max_new, seed, sorted(stop),
-                                     _SD_MAX_BATCH.value, _REPEATS.value)
+                                     _SD_MAX_BATCH.value, _REPEATS.value, _NUM_SAMPLES.value)
   else:
     records = benchmark.run_grid(model, drafter, prompts, batch_sizes, strategies, temperature, max_new, seed,
                                  sorted(stop), _NUM_SAMPLES.value, _HISTORY_LEN.value)

@@ -38,10 +38,10 @@ def _rollout_speed(engine: Engine, prompts, **kwargs) -> tuple[float, float]:
   return float(np.median([sum(s.tokens for s in m.segments) / m.decode_s for m in runs])), runs[0].accept_len
 
 
-def run_adaptive(model, drafter: Drafter, prompts, strategies, temperature, max_new_tokens, seed, stop_ids,
-                 sd_max_batch, repeats):
-  """Plain vs each fixed strategy vs the bandit on one long-tailed rollout."""
-  buckets = tuple(2**i for i in range(int(np.ceil(np.log2(len(prompts)))) + 1))
+def run_adaptive(model, drafter: Drafter | None, prompts, strategies, temperature, max_new_tokens, seed, stop_ids,
+                 sd_max_batch, repeats, num_samples: int = 1):
+  """Plain vs each fixed strategy vs the bandit on one long-tailed rollout of `prompts` x `num_samples`."""
+  buckets = tuple(2**i for i in range(int(np.ceil(np.log2(len(prompts) * num_samples))) + 1))
   base = EngineConfig(batch_buckets=buckets, max_prompt_len=max(map(len, prompts)), max_new_tokens=max_new_tokens,
                       sd_max_batch=sd_max_batch)
   params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
@@ -58,7 +58,7 @@ def run_adaptive(model, drafter: Drafter, prompts, strategies, temperature, max_
   with tqdm(total=len(modes) * (repeats + 1), desc="bench --adaptive", file=sys.stderr) as bar:
     for round_ in range(repeats + 1):  # round 0 is the warm-up
       for name, engine in modes:
-        m = engine.generate(prompts).metrics
+        m = engine.generate(prompts, num_samples).metrics
         if round_:
           runs[name].append(m)
         bar.update()
