@@ -64,9 +64,13 @@ def parse_flags(argv: list[str]) -> list[str]:
   except OSError as e:  # an override of a --config=FILE that did not load
     _config_not_loaded(e)
   except flags.Error as e:
-    # A config file that raises comes with its traceback in the message: its last line says why.
+    # A config file that raises comes with its traceback in the message: its last line says why,
+    # unless the file sets an old key (the traceback quotes the line).
     head, _, tail = str(e).partition("Traceback (most recent call last):")
-    fail(head.split("\n")[0].rstrip(":") + ": " + tail.strip().split("\n")[-1] if tail else str(e))
+    if tail:
+      fail(head.split("\n")[0].rstrip(":") + ": " + (_renamed(re.findall(r"(?=\.(\w+\.\w+)\b)", tail))
+                                                     or tail.strip().split("\n")[-1]))
+    fail(str(e))
   for name in flags.FLAGS:
     value = flags.FLAGS[name].value
     if isinstance(value, float) and not math.isfinite(value):
@@ -115,10 +119,19 @@ def _unknown_key(e: Exception, argv: list[str]) -> str:
   first, *rest = str(e.args[0] if e.args else e).split("\n")
   key = first.strip("'\"")
   bad = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.") and key in a.split("=")[0].split(".")]
+  renamed = _renamed([flag.removeprefix("--config.") for flag in bad])
+  if renamed:
+    return renamed
   suggestion = re.search(r'Did you mean "([^"]+)"', " ".join(rest))
   return (f"unknown config key {key!r} in {', '.join(bad) or 'the --config overrides'}"
           + (f" (did you mean {suggestion.group(1)!r}?)" if suggestion else "")
           + "; every key and its default is listed in tlt_jax/config.py")
+
+
+def _renamed(keys: list[str]) -> str | None:
+  """The error for the first of `keys` (dotted, below `config.`) that is an old config key, if any."""
+  from tlt_jax import config as config_lib  # pylint: disable=import-outside-toplevel  (slow to import; --config CLIs only)
+  return next(filter(None, map(config_lib.renamed, keys)), None)
 
 
 def check_sampling_flags(**holders: flags.FlagHolder) -> None:

@@ -69,7 +69,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tlt_jax import checkpoint as rl_checkpoint
-from tlt_jax import distributed, sharding
+from tlt_jax import distributed, fields, sharding
 from tlt_jax.drafter import checkpoint, train
 from tlt_jax.drafter.buffer import DataBuffer
 from tlt_jax.drafter.model import Drafter
@@ -83,6 +83,9 @@ BUSY, IDLE, TRAINING = "busy", "idle", "training"
 
 @dataclasses.dataclass(frozen=True)
 class SpotConfig:
+  """Online drafter training on idle rollout groups. Config: `drafter.spot` (seed: `seed`; the fields
+  after `solo_steps` keep their defaults in a run)."""
+
   enabled: bool = True  # False: the same sharded rollout, no drafter training (baselines, ablations)
   learning_rate: float = 1e-3
   warmup_steps: int = 20  # linear warmup: a fresh Adam's first steps would jolt a pre-trained drafter
@@ -96,12 +99,9 @@ class SpotConfig:
   poll_s: float = 0.05  # several processes: how often a process with only busy groups joins a round
 
   def __post_init__(self):
-    for key in ("rows_per_device", "row_len", "eval_rows"):
-      if getattr(self, key) < 1:
-        raise ValueError(f"spot config {key} must be positive, got {getattr(self, key)}")
-    for key in ("solo_steps", "warmup_steps"):
-      if getattr(self, key) < 0:
-        raise ValueError(f"spot config {key} must be >= 0, got {getattr(self, key)}")
+    fields.at_least(self, 1, "rows_per_device", "eval_rows")
+    fields.at_least(self, 2, "row_len")
+    fields.at_least(self, 0, "learning_rate", "solo_steps", "warmup_steps")
 
 
 @dataclasses.dataclass

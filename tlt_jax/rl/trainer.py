@@ -50,15 +50,13 @@ from tlt_jax import sharding
 from tlt_jax.drafter import checkpoint as drafter_checkpoint
 from tlt_jax.drafter import export
 from tlt_jax.drafter.buffer import BufferConfig, DataBuffer
-from tlt_jax.drafter.spot import SpotConfig, SpotTrainer
+from tlt_jax.drafter.spot import SpotTrainer
 from tlt_jax.drafter import train as drafter_train
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, hf
 from tlt_jax.rl import actor as actor_lib
 from tlt_jax.rl import datasets, grpo, rewards, tokenizer as tokenizer_lib
-from tlt_jax.rollout.bandit import Bandit
-from tlt_jax.rollout.engine import Engine, EngineConfig
-from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.engine import Engine
 
 _EVAL_OFFSET = 1 << 30  # held-out sampling keys: prompt indices training never reaches
 
@@ -116,7 +114,6 @@ def load_drafter(config, policy: CausalLM, tok) -> Drafter:
   if not distributed.primary():
     distributed.barrier("tiny drafter")
     return drafter_checkpoint.load_drafter(path, policy.config)
-  layers = config_lib.ints(config.drafter.feature_layers)
   examples = datasets.from_tasks(config.task.family, tok, size=2048, seed=config.seed + 3,
                                  difficulty=sft.difficulty(config))
   sequences = sft.sequences(examples, tok)
@@ -126,10 +123,11 @@ def load_drafter(config, policy: CausalLM, tok) -> Drafter:
       vocab = drafter_train.frequent_tokens(sequences, policy.config.vocab_size, config.drafter.draft_vocab_size)
     except ValueError as e:
       raise ValueError(f"config.drafter.draft_vocab_size: {e}") from None
-  drafter = Drafter(policy.config, feature_layers=layers, draft_vocab=vocab, rngs=nnx.Rngs(config.seed))
-  result = drafter_train.distill(policy, drafter, sequences, steps=config.drafter.warmup_steps,
-                                 batch_rows=config.drafter.batch_rows, row_len=config.drafter.row_len,
-                                 lr=config.drafter.learning_rate, seed=config.seed)
+  drafter = Drafter(policy.config, feature_layers=config.drafter.feature_layers, draft_vocab=vocab,
+                    rngs=nnx.Rngs(config.seed))
+  d = config.drafter.distill
+  result = drafter_train.distill(policy, drafter, sequences, steps=d.steps, batch_rows=d.batch_rows,
+                                 row_len=d.row_len, lr=d.learning_rate, seed=config.seed)
   logging.info("drafter warm-up: loss %.3f -> %.3f, top-1 %.2f", result.losses[0], result.losses[-1],
                result.metrics[-1]["top1"])
   drafter_checkpoint.save_drafter(drafter, path)
@@ -166,23 +164,6 @@ def load_eval_prompts(config, tok) -> datasets.Dataset:
                              reward=config.data.reward)
 
 
-def engine_config(config, strategies=(), largest_bucket: int | None = None, compact: bool = True,
-                  capture_hidden: bool = False) -> EngineConfig:
-  r = config.rollout
-  buckets = tuple(2**i for i in range((largest_bucket or r.batch_buckets).bit_length()))
-  return EngineConfig(batch_buckets=buckets, max_prompt_len=config.data.max_prompt_len, max_new_tokens=r.max_new_tokens,
-                      segment_steps=r.segment_steps, kv_block=r.kv_block, strategies=tuple(strategies),
-                      sd_max_batch=r.sd_max_batch, compilation_cache_dir=r.compilation_cache_dir or None,
-                      compact=compact, attention=config.kernels.attention, capture_hidden=capture_hidden,
-                      refill=r.refill, suffix_bank_len=r.suffix_bank_len, suffix_ngram=r.suffix_ngram)
-
-
-def sampling_params(config, tok) -> SamplingParams:
-  r = config.rollout
-  return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                        stop_token_ids=(tok.eos_token_id,), seed=config.seed)
-
-
 class NonFiniteUpdates(RuntimeError):
   """Too many policy updates in a row had a non-finite loss or gradient."""
 
@@ -211,19 +192,14 @@ class Trainer:
       raise ValueError("config.eval.every: held-out evaluation (a plain engine over all devices) runs in one "
                        "process only; set it to 0 for a multi-process run")
     devices = list(devices or jax.devices())
-    sampling = sampling_params(c, self.tok)
-    make_bandit = lambda: Bandit(strategies, thresholds=config_lib.ints(c.rollout.bandit_thresholds),
-                                 epsilon=c.rollout.bandit_epsilon, window=c.rollout.bandit_window, seed=c.seed)
+    sampling = config_lib.sampling_params(c, (self.tok.eos_token_id,))
+    make_bandit = lambda: config_lib.bandit(c, strategies)
     if eagle:  # TLT: group engines with tail SD + bandit; idle groups train the drafter
       drafter = load_drafter(c, self.policy, self.tok)
       self.drafter_graphdef = nnx.graphdef(drafter)
-      d = c.drafter
       self.spot = SpotTrainer(
-          self.policy, drafter, engine_config(c, strategies, capture_hidden=True), sampling, devices,
-          c.rollout.groups, DataBuffer(BufferConfig(max_pairs=d.buffer_pairs)),
-          SpotConfig(enabled=d.online, learning_rate=d.online_learning_rate, warmup_steps=d.online_warmup_steps,
-                     rows_per_device=d.online_rows_per_device, row_len=d.row_len, solo_steps=d.solo_steps,
-                     seed=c.seed), make_bandit)
+          self.policy, drafter, config_lib.engine_config(c, strategies, capture_hidden=True), sampling, devices,
+          c.rollout.groups, DataBuffer(BufferConfig(**c.drafter.buffer)), config_lib.spot_config(c), make_bandit)
       self.engines = self.spot.engines
     else:  # the baseline, or suffix drafts (no drafter model): one engine, data-parallel over the devices
       self.spot = None
@@ -236,29 +212,24 @@ class Trainer:
     self._plain_shardings = None if mesh is None else sharding.param_shardings(nnx.state(self.policy), mesh)
     self.plain_engines = []  # they take the policy's params after each update
     if self.spot is None:
-      largest = c.rollout.batch_buckets * c.rollout.groups
-      self.engines = [Engine(self.policy, engine_config(c, strategies, largest_bucket=largest), sampling, mesh=mesh,
-                             bandit=make_bandit() if strategies else None)]
+      largest = c.rollout.engine.batch_buckets[-1] * c.rollout.groups
+      self.engines = [Engine(self.policy, config_lib.engine_config(c, strategies, largest_bucket=largest), sampling,
+                             mesh=mesh, bandit=make_bandit() if strategies else None)]
       self.plain_engines = list(self.engines)
     self.eval_engine = None
     if c.eval.every and self.spot is None:
       self.eval_engine = self.engines[0]
     elif c.eval.every:
       rows = c.eval.size * c.eval.num_samples
-      self.eval_engine = Engine(self.policy, engine_config(c, largest_bucket=1 << (rows - 1).bit_length(),
-                                                           compact=False), sampling, mesh=mesh)
+      self.eval_engine = Engine(self.policy, config_lib.engine_config(c, largest_bucket=1 << (rows - 1).bit_length(),
+                                                                      compact=False), sampling, mesh=mesh)
       self.plain_engines.append(self.eval_engine)
     self._groups = self.spot.groups if self.spot is not None else [0]  # the engines' rollout groups
     if distributed.multiprocess():  # the actor runs SPMD over every process's devices
       mesh = sharding.make_mesh({k: c.mesh[k] for k in sharding.MESH_AXES})
       state = nnx.state(self.policy)
       nnx.update(self.policy, jax.device_put(jax.tree.map(np.asarray, state), sharding.param_shardings(state, mesh)))
-    optimizer = actor_lib.make_optimizer(c.rl.learning_rate, c.rl.warmup_steps, c.rl.weight_decay,
-                                         c.rl.max_grad_norm)
-    self.actor = actor_lib.Actor(self.policy, optimizer, micro_batch_rows=c.rl.micro_batch_rows,
-                                 clip_low=c.rl.clip_low, clip_high=c.rl.clip_high, kl_coef=c.rl.kl_coef,
-                                 remat=c.rl.remat, logits_chunk=c.rl.logits_chunk,
-                                 attention_block=c.rl.attention_block or None,
+    self.actor = actor_lib.Actor(self.policy, actor_lib.make_optimizer(**c.rl.optimizer), **c.rl.actor,
                                  mesh=mesh if distributed.multiprocess() else None)
     self.ref_params = jax.tree.map(jnp.copy, self.actor.params) if self.actor.uses_ref else None
     self._push_policy()
@@ -381,7 +352,7 @@ class Trainer:
         examples[0].reward, texts, [examples[s.prompt_index].ground_truth for s in samples],
         [examples[s.prompt_index].metadata for s in samples])
     lengths = np.asarray([len(s.tokens) for s in samples])
-    shaped = scores + grpo.overlong_penalty(lengths, c.rollout.max_new_tokens, c.rl.overlong_buffer)
+    shaped = scores + grpo.overlong_penalty(lengths, c.rollout.sampling.max_new_tokens, c.rl.overlong_buffer)
     adv = grpo.advantages(shaped.reshape(-1, g), normalize_std=c.rl.normalize_std).reshape(-1)
     truncated = np.asarray([s.finish_reason == "length" for s in samples]).reshape(-1, g)
     keep = grpo.trained_samples(shaped.reshape(-1, g), truncated, c.rl.dynamic_sampling, c.rl.overlong_filter)
@@ -435,8 +406,8 @@ class Trainer:
           raise NonFiniteUpdates(
               f"step {self.step + 1}: {self.skipped_in_a_row} policy updates in a row had a non-finite loss or "
               f"gradient (config.rl.max_skipped_updates={c.rl.max_skipped_updates}); stopping. The last checkpoint "
-              f"(step {self.saved_step}) holds the params from before them: lower rl.learning_rate, check the data "
-              "and rewards, then resume")
+              f"(step {self.saved_step}) holds the params from before them: lower rl.optimizer.learning_rate, check "
+              "the data and rewards, then resume")
         continue
       self.skipped_in_a_row = 0
       for k, v in stats.items():
