@@ -1,6 +1,7 @@
 """config.check and the CLI: random bad values of random keys are rejected with the key named (hypothesis)."""
 
 import inspect
+import json
 import math
 import re
 
@@ -87,7 +88,7 @@ def bad_settings(config, cli: bool = False):
       st.builds(lambda kv: ("model.num_kv_heads", kv, "model.num_heads"),
                 st.integers(2, 64).filter(lambda k: heads % k)),
       st.builds(lambda lo: ("task.min_terms", lo, "task.max_terms"), st.integers(most_terms + 1, 10**6)),
-      same(("rl.row_len",), st.integers(2, needed - 1)),  # below data.max_prompt_len + rollout.max_new_tokens
+      same(("rl.row_len",), st.integers(2, needed - 1)),  # below data.max_prompt_len + rollout.sampling.max_new_tokens
       same(("rl.actor.attention_block",), st.integers(1, 4096).filter(lambda a: row_len % a)),
   ]
   if not cli:  # a config file can also leave a key unset
@@ -236,3 +237,29 @@ def test_fuzz_bad_overrides_are_rejected_by_name(tmp_path_factory, overrides):
   results = run_clis([("tlt_jax.main", [flag], tmp) for flag, _ in overrides], tmp, prelude=_LET_THROUGH, timeout=300)
   for (flag, named), (code, _, message) in zip(overrides, results):
     assert code == 1 and named in message and "Traceback" not in message, (flag, message)
+
+
+# The config main would run with: printed, then exit 3 before any work.
+_SHOW_CONFIG = """
+import json
+import sys
+import tlt_jax.config
+def show(config):
+  r = config.rollout
+  print(json.dumps([r.strategies, r.engine.batch_buckets, r.bandit.thresholds, config.drafter.feature_layers]))
+  sys.exit(3)
+tlt_jax.config.setup_devices = show
+"""
+
+
+@pytest.mark.parametrize("flags,parsed", [
+    (["--config.rollout.strategies=('3_1_4','s4_2_6')", "--config.rollout.engine.batch_buckets=(1,2,4)",
+      "--config.rollout.bandit.thresholds=(1,3)", "--config.drafter.feature_layers=(0,2,4)"],
+     [["3_1_4", "s4_2_6"], [1, 2, 4], [1, 3], [0, 2, 4]]),
+    (["--config.rollout.strategies=('5_2_8',)", "--config.drafter.feature_layers=()"],
+     [["5_2_8"], [1, 2, 4, 8, 16, 32, 64, 128], [1, 2, 5, 21], []])])
+def test_tuple_overrides_parse_on_the_command_line(tmp_path, flags, parsed):
+  """The syntax the README shows: a Python literal per tuple key, strings quoted."""
+  [(code, out, err)] = run_clis([("tlt_jax.main", flags, tmp_path)], tmp_path, prelude=_SHOW_CONFIG, timeout=300)
+  assert code == 3, err[-2000:]
+  assert json.loads(out.strip().splitlines()[-1]) == parsed
