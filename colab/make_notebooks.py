@@ -1,8 +1,8 @@
 """Writes colab/*.ipynb (without outputs) from the cells below: `python colab/make_notebooks.py`.
 
 The notebooks are generated so that their code stays reviewable here; they only call tlt_jax's
-public API (configs, `tlt_jax.rl.trainer`, the CLIs). Each has a cell tagged "parameters" whose
-`SMOKE = False` the test suite flips (tests/test_notebooks.py).
+public API (configs, `tlt_jax.rl.bootstrap` and `tlt_jax.rl.trainer`, the CLIs). Each has a cell
+tagged "parameters" whose `SMOKE = False` the test suite flips (tests/test_notebooks.py).
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def tiny_notebook():
           'from configs import tiny\n'
           'from tlt_jax import config as config_lib\n'
           'from tlt_jax import metrics\n'
-          'from tlt_jax.rl import trainer as trainer_lib\n\n'
+          'from tlt_jax.rl import bootstrap\n'
+          'from tlt_jax.rl.trainer import Trainer\n\n'
           'config = tiny.get_config("smoke" if SMOKE else "")\n'
           'config.unlock()\n'
           'config.workdir = WORKDIR\n'
@@ -85,8 +86,8 @@ def tiny_notebook():
           "Both land in the workdir and are reused when they are there: the policy learns worked solutions "
           "of the task, and an EAGLE drafter is distilled from it on the same data."),
       v4.new_code_cell(
-          'policy, tok = trainer_lib.load_policy(config)  # SFT into WORKDIR/policy\n'
-          'drafter = trainer_lib.load_drafter(config, policy, tok)  # distillation into WORKDIR/drafter\n'
+          'policy, tok = bootstrap.load_policy(config)  # SFT into WORKDIR/policy\n'
+          'drafter = bootstrap.load_drafter(config, policy, tok)  # distillation into WORKDIR/drafter\n'
           'print(policy.config)'),
       v4.new_markdown_cell(
           "## RL: TLT vs plain rollouts\n\n"
@@ -102,7 +103,7 @@ def tiny_notebook():
           '  c.policy.path = os.path.join(WORKDIR, "policy")\n'
           '  c.drafter.path = os.path.join(WORKDIR, "drafter")\n'
           '  c.workdir = os.path.join(WORKDIR, arm)\n'
-          '  trainer = trainer_lib.Trainer(c)\n'
+          '  trainer = Trainer(c, *bootstrap.load(c))\n'
           '  try:\n'
           '    trainer.run()\n'
           '  finally:\n'
@@ -138,8 +139,8 @@ def qwen_notebook():
           'from configs import qwen2_5_0_5b, tiny\n'
           'from tlt_jax import config as config_lib\n'
           'from tlt_jax import metrics\n'
-          'from tlt_jax.rl import tasks\n'
-          'from tlt_jax.rl import trainer as trainer_lib\n\n'
+          'from tlt_jax.rl import bootstrap, tasks\n'
+          'from tlt_jax.rl.trainer import Trainer\n\n'
           'config = qwen2_5_0_5b.get_config("smoke" if SMOKE else "")\n'
           'config.unlock()\n'
           'config_lib.setup_devices(config)  # before any computation\n'
@@ -155,7 +156,7 @@ def qwen_notebook():
           '  tiny_config = tiny.get_config("smoke")\n'
           '  tiny_config.unlock()\n'
           '  tiny_config.workdir = "runs/colab_tiny"\n'
-          '  trainer_lib.load_drafter(tiny_config, *trainer_lib.load_policy(tiny_config))\n'
+          '  bootstrap.load_drafter(tiny_config, *bootstrap.load_policy(tiny_config))\n'
           '  MODEL_DIR = os.path.join(tiny_config.workdir, "policy")\n'
           '  difficulty = tasks.Difficulty(max_terms=tiny_config.task.max_terms)\n'
           '  rows = [{"prompt": p.prompt, "answer": p.answer}\n'
@@ -194,7 +195,7 @@ def qwen_notebook():
           'config.policy.path, config.data.path, config.drafter.path = MODEL_DIR, DATA, DRAFTER\n'
           'config.workdir = os.path.join(WORK, "rl")\n'
           'config.steps = 1 if SMOKE else STEPS\n'
-          'trainer = trainer_lib.Trainer(config)\n'
+          'trainer = Trainer(config, *bootstrap.load(config))\n'
           'try:\n'
           '  trainer.run()\n'
           'finally:\n'

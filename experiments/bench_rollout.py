@@ -20,8 +20,9 @@ import transformers
 from absl import app, flags
 
 from tlt_jax.models import hf
-from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.state import EngineConfig
 
 _NEW = flags.DEFINE_integer("new_tokens", 128, "Tokens generated per row (batch 1 / 16 runs).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per measurement (median reported).")

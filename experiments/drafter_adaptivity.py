@@ -4,7 +4,7 @@
       --out=runs/drafter_adaptivity --steps=12 --drift_steps=10 --groups=2]
 
 Start: the tiny policy and its distilled drafter. Every step k: (1) the same prompts are rolled
-out twice: through the spot trainer's data-parallel engines (--groups device groups) with the
+out twice: through the TLT rollout's data-parallel engines (--groups device groups) with the
 adaptive drafter, which trains on the groups that finished first from the rollout's captured
 features, and through one plain engine with a frozen copy of the starting drafter; (2) the
 target drifts: --drift_steps SFT steps on a different task mix (--drift_family, 2-digit
@@ -12,7 +12,7 @@ operands). Both rollouts must give identical samples (lossless speculation, what
 and the sharding); their acceptance lengths are compared. Writes CSV + PNG to --out and prints
 a JSON summary.
 
-Time the spot trainer adds to a step: `overrun_s`, from the last group's finish to the end of
+Time the drafter training adds to a step: `overrun_s`, from the last group's finish to the end of
 the drafter step running then (the preemption granularity), plus the push of the new drafter.
 On simulated CPU devices the groups also share the machine's cores, so training on a finished
 group slows the groups still decoding; on separate accelerators that contention does not exist.
@@ -36,15 +36,17 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from tlt_jax import packing, sft  # noqa: E402
+from tlt_jax import packing  # noqa: E402
 from tlt_jax.drafter import checkpoint  # noqa: E402
 from tlt_jax.drafter.buffer import BufferConfig, DataBuffer  # noqa: E402
-from tlt_jax.drafter.spot import SpotConfig, SpotTrainer  # noqa: E402
+from tlt_jax.drafter.trainer import DrafterTrainerConfig  # noqa: E402
 from tlt_jax.models import hf  # noqa: E402
-from tlt_jax.rl import datasets, tasks  # noqa: E402
-from tlt_jax.rollout.engine import Engine, EngineConfig  # noqa: E402
+from tlt_jax.rl import datasets, sft, tasks  # noqa: E402
+from tlt_jax.rollout.engine import Engine  # noqa: E402
+from tlt_jax.rollout.state import EngineConfig  # noqa: E402
 from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
 from tlt_jax.rollout.speculative import Strategy  # noqa: E402
+from tlt_jax.rollout.tlt import TLTRollout  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "..", "configs",
                                                                  "tiny.py"), "Config of the SFT data and task.")
@@ -112,10 +114,10 @@ def main(argv):
   sampling = SamplingParams(temperature=1.0, max_new_tokens=_MAX_NEW.value, stop_token_ids=(tok.eos_token_id,),
                             seed=0)
   devices = jax.devices()
-  spot = SpotConfig(learning_rate=_LR.value, rows_per_device=_ROWS.value, row_len=128, eval_rows=8,
-                    checkpoint_dir=os.path.abspath(os.path.join(_OUT.value, "drafter_ckpt")))
-  adaptive = SpotTrainer(policy, checkpoint.load_drafter(_DRAFTER.value, policy.config), engine_config, sampling,
-                         devices, _GROUPS.value, DataBuffer(BufferConfig(eval_every=8)), spot)
+  training = DrafterTrainerConfig(learning_rate=_LR.value, rows_per_device=_ROWS.value, row_len=128, eval_rows=8,
+                                  checkpoint_dir=os.path.abspath(os.path.join(_OUT.value, "drafter_ckpt")))
+  adaptive = TLTRollout(policy, checkpoint.load_drafter(_DRAFTER.value, policy.config), engine_config, sampling,
+                        devices, _GROUPS.value, DataBuffer(BufferConfig(eval_every=8)), drafter_config=training)
   everything = pow2(_PROMPTS.value * _SAMPLES.value)
   frozen = Engine(policy, EngineConfig(**{**engine_config.__dict__, "capture_hidden": False,
                                           "sd_max_batch": everything[-1], "batch_buckets": everything}),
@@ -125,7 +127,7 @@ def main(argv):
   for k in range(_STEPS.value):
     prompts = [ex.prompt_ids for ex in datasets.from_tasks(_DRIFT_FAMILY.value, tok, size=_PROMPTS.value,
                                                            seed=1000 + k, difficulty=difficulty)]
-    samples_a, m_a = adaptive.rollout(prompts, _SAMPLES.value)
+    samples_a, m_a = adaptive.generate(prompts, _SAMPLES.value)
     rollout_f = frozen.generate(prompts, _SAMPLES.value)
     samples_f = rollout_f.samples
     same = all(np.array_equal(a.tokens, b.tokens) for a, b in zip(samples_a, samples_f))

@@ -11,7 +11,7 @@ Three trainers from the same config, the same SFT policy and the same warmed-up 
 config's workdir's, else built into <out>/init), step alternately in one process, so all see the
 same machine conditions (the paper's Fig 11 / Fig 7 arms):
   tlt       tail SD + bandit, the drafter spot-trained on idle rollout groups;
-  frozen    the same rollouts with `drafter.spot.enabled=False` (the warm-up drafter never changes);
+  frozen    the same rollouts with `rollout.tlt.enabled=False` (the warm-up drafter never changes);
   baseline  `rollout.speculative=False`: plain decoding, data-parallel over the same devices;
 and, by `--arms`, `tlt_waves` / `baseline_waves`: the same with `rollout.engine.refill=False` (a group's rows
 beyond its largest batch bucket run in consecutive waves instead of refilling finished rows' slots).
@@ -36,6 +36,7 @@ from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
 import starting_point  # pylint: disable=wrong-import-position
 from tlt_jax import config as config_lib  # pylint: disable=wrong-import-position
+from tlt_jax.rl import bootstrap  # pylint: disable=wrong-import-position
 from tlt_jax.rl.trainer import Trainer  # pylint: disable=wrong-import-position
 
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "..", "configs",
@@ -43,10 +44,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname
 _STEPS = flags.DEFINE_integer("steps", 6, "RL steps per trainer.")
 _OUT = flags.DEFINE_string("out", "runs/end_to_end", "Output directory.")
 
-ARMS = {"tlt": {"rollout.speculative": True, "drafter.spot.enabled": True},
-        "frozen": {"rollout.speculative": True, "drafter.spot.enabled": False},
+ARMS = {"tlt": {"rollout.speculative": True, "rollout.tlt.enabled": True},
+        "frozen": {"rollout.speculative": True, "rollout.tlt.enabled": False},
         "baseline": {"rollout.speculative": False},
-        "tlt_waves": {"rollout.speculative": True, "drafter.spot.enabled": True, "rollout.engine.refill": False},
+        "tlt_waves": {"rollout.speculative": True, "rollout.tlt.enabled": True, "rollout.engine.refill": False},
         "baseline_waves": {"rollout.speculative": False, "rollout.engine.refill": False}}
 _ARMS = flags.DEFINE_list("arms", ["tlt", "frozen", "baseline"], f"Trainers to step side by side, of {list(ARMS)}.")
 _REFERENCE = flags.DEFINE_string("reference", "baseline", "The arm the step-time ratios divide (one of --arms).")
@@ -76,7 +77,7 @@ def main(argv):
     c.eval.every = 0  # nor held-out evaluations (their engine would compile in the first step)
     c.policy.path, c.drafter.path = policy_dir, drafter_dir  # all start from the same; each logs into its own
     c.workdir = starting_point.fresh_workdir(os.path.join(out, name))
-    trainers[name] = Trainer(c)
+    trainers[name] = Trainer(c, *bootstrap.load(c))
   rows = []
   for step in range(_STEPS.value):
     for name, trainer in trainers.items():

@@ -6,7 +6,7 @@
 A few RL steps of the config's recipe with plain decoding on TLT's layout (`rollout.groups`
 data-parallel groups; speculation may switch on only for a group's last row,
 `rollout.engine.sd_max_batch=1`, the least the config allows) and no spot training
-(`drafter.spot.enabled=False`), so devices whose group has finished sit idle until the last group is
+(`rollout.tlt.enabled=False`), so devices whose group has finished sit idle until the last group is
 done. The policy (and drafter, whose engines it feeds) are the config's workdir's, else
 built into <out>/init. Per step it records every response length, the share of decode time spent
 with at most --threshold active rows (from the engines' per-segment records) and the idle
@@ -38,6 +38,7 @@ from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
 import starting_point  # pylint: disable=wrong-import-position
 from tlt_jax import config as config_lib  # pylint: disable=wrong-import-position
+from tlt_jax.rl import bootstrap  # pylint: disable=wrong-import-position
 from tlt_jax.rl.trainer import Trainer  # pylint: disable=wrong-import-position
 from tlt_jax.rollout.engine import Engine  # pylint: disable=wrong-import-position
 
@@ -79,8 +80,8 @@ def timeline(rollout) -> tuple[np.ndarray, np.ndarray]:
 def waves_and_refill(trainer, prompts, num_samples: int, waves: int) -> dict:
   """mode -> the timed plain rollout of `prompts` with group 0's policy and engine config, its largest
   bucket cut to 1/`waves` of the rows, run in waves or with refill (after a warm-up each)."""
-  e = trainer.engines[0]
-  model = nnx.merge(e.graphdef, e.params)
+  e = trainer.rollout.engines[0]
+  model = nnx.merge(e.steps.graphdef, e.params)
   largest = max(1, 1 << ((len(prompts) * num_samples // waves).bit_length() - 1))
   out = {}
   for mode in ("waves", "refill"):
@@ -125,19 +126,19 @@ def main(argv):
   c = _CONFIG.value.copy_and_resolve_references()
   c.policy.path, c.drafter.path = starting_point.policy_and_drafter(c, out)
   c.steps = _STEPS.value
-  c.rollout.speculative, c.rollout.engine.sd_max_batch, c.drafter.spot.enabled = True, 1, False
+  c.rollout.speculative, c.rollout.engine.sd_max_batch, c.rollout.tlt.enabled = True, 1, False
   c.checkpoint.every, c.eval.every = 10**6, 0  # a measuring run: no periodic checkpoints, no held-out evaluation
   c.workdir = starting_point.fresh_workdir(os.path.join(out, "rl"))
-  trainer = Trainer(c)
+  trainer = Trainer(c, *bootstrap.load(c))
   rollouts = []
-  record_rollouts(trainer.engines, rollouts)
+  record_rollouts(trainer.rollout.engines, rollouts)
   lengths, steps = {}, []
   try:
     for step in range(1, _STEPS.value + 1):
       rollouts.clear()
       record = trainer.run_step()
       lengths[step] = [len(s.tokens) for _, r in rollouts for s in r.samples]
-      device_s = record["spot/wall_s"] * len(trainer.spot.meshes) * trainer.spot.meshes[0].size
+      device_s = record["spot/wall_s"] * len(trainer.rollout.meshes) * trainer.rollout.meshes[0].size
       steps.append({"step": step, "rows": len(lengths[step]), "median_len": float(np.median(lengths[step])),
                     "p90_len": float(np.percentile(lengths[step], 90)), "max_len": int(max(lengths[step])),
                     **step_stats(rollouts, _THRESHOLD.value), "idle_device_s": record["spot/idle_device_s"],

@@ -9,7 +9,7 @@ from absl import logging
 
 from tlt_jax.drafter import checkpoint
 from tlt_jax.models import hf
-from tlt_jax.rl import trainer as trainer_lib
+from tlt_jax.rl import bootstrap
 
 
 def fresh_workdir(path: str) -> str:
@@ -31,8 +31,8 @@ def policy_and_drafter(config, out: str) -> tuple[str, str]:
   policy_dir = c.policy.path or os.path.join(c.workdir, "policy")
   drafter_dir = c.drafter.path or os.path.join(c.workdir, "drafter")
   if not (os.path.exists(os.path.join(policy_dir, "config.json")) and os.path.exists(drafter_dir)):
-    policy, tok = trainer_lib.load_policy(c)
-    trainer_lib.load_drafter(c, policy, tok)
+    policy, tok = bootstrap.load_policy(c)
+    bootstrap.load_drafter(c, policy, tok)
   return policy_dir, drafter_dir
 
 

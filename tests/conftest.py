@@ -191,7 +191,7 @@ def tiny_rl_config(workdir, steps: int, cache_dir):
 @pytest.fixture(scope="session")
 def tiny_policy_dir(tmp_path_factory):
   """A random tiny policy (`tiny_rl_config`'s shape) saved as a Hugging Face directory (no SFT)."""
-  from tlt_jax import sft
+  from tlt_jax.rl import sft
   from tlt_jax.models import hf
   from tlt_jax.rl import tokenizer as tokenizer_lib
   c = tiny_rl_config("unused", 0, "unused")
@@ -204,8 +204,11 @@ def tiny_policy_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def xla_cache(tmp_path_factory):
   """One persistent compilation cache for the tiny trainer's tests (subprocesses included): the
-  same executables compile once per session."""
-  return str(tmp_path_factory.mktemp("xla_cache"))
+  same executables compile once per session. Set for this process as main's start-up sets it."""
+  from tlt_jax import config as config_lib
+  path = str(tmp_path_factory.mktemp("xla_cache"))
+  config_lib.setup_compilation_cache(path)
+  return path
 
 
 # Imports what the named CLI modules import (and runs `prelude`), once, then runs

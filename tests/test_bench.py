@@ -40,11 +40,24 @@ def test_bench_writes_the_grid(tmp_path):
   records = json.loads(out.read_text())
   assert [(r["batch_size"], r["strategy"]) for r in records] == [(1, "2_1_3"), (2, "2_1_3")]
   for r in records:
-    assert set(r) == {"batch_size", "strategy", "tokens_per_s", "baseline_tokens_per_s", "speedup", "accept_len"}
+    assert set(r) == {"batch_size", "rows", "strategy", "tokens_per_s", "baseline_tokens_per_s", "speedup",
+                      "accept_len"}
     assert r["tokens_per_s"] > 0 and r["accept_len"] >= 1
     assert abs(r["speedup"] - r["tokens_per_s"] / r["baseline_tokens_per_s"]) < 1e-2
   with open(tmp_path / "grid.csv", encoding="utf-8") as f:
     assert len(list(csv.DictReader(f))) == 2
+
+
+def test_grid_of_suffix_strategies_with_samples_and_history_needs_no_drafter(tmp_path):
+  """4 samples per prompt: batch 1 rolls one prompt's 4 samples one after another, batch 4 two prompts'
+  (4 rows at once); the suffix arm is also timed with an earlier rollout's responses in the bank."""
+  out = tmp_path / "grid.json"
+  run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--batch_sizes=1,8", "--strategies=s3_1_4",
+            "--drafter=", "--num_samples=4", "--history_len=64", "--max_new_tokens=12")
+  records = json.loads(out.read_text())
+  assert [(r["batch_size"], r["rows"], r["strategy"]) for r in records] == [
+      (1, 4, "s3_1_4"), (1, 4, "s3_1_4+history"), (8, 8, "s3_1_4"), (8, 8, "s3_1_4+history")]
+  assert all(r["tokens_per_s"] > 0 and r["accept_len"] >= 1 for r in records)
 
 
 def test_phases_mode_refuses_suffix_strategies(tmp_path):

@@ -21,7 +21,7 @@ _STOP_BEFORE_WORK = """
 import sys
 from tlt_jax.drafter import export
 from tlt_jax.models import gguf
-from tlt_jax.rl import trainer
+from tlt_jax.rl import bootstrap
 from tlt_jax.rollout.engine import Engine
 def reached(what):
   def stop(*args, **kwargs):
@@ -29,7 +29,7 @@ def reached(what):
     sys.exit(3)
   return stop
 Engine.__init__ = reached("the rollout engine")
-trainer.load_policy = reached("the policy (SFT warm start)")
+bootstrap.load_policy = reached("the policy (SFT warm start)")
 export.export_eagle = reached("the export")
 gguf.convert = reached("the conversion")
 """

@@ -15,9 +15,10 @@ from configs import tiny
 from tests.conftest import run_clis
 from tlt_jax import config as config_lib
 from tlt_jax.drafter.buffer import BufferConfig
-from tlt_jax.drafter.spot import SpotConfig
+from tlt_jax.drafter.trainer import DrafterTrainerConfig
 from tlt_jax.rl import actor as actor_lib
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.tlt import TLTConfig
 from tlt_jax.kernels import tree_attention
 from tlt_jax.rl import grpo
 from tlt_jax.rl import rewards
@@ -28,16 +29,17 @@ COUNTS = (  # must be >= 1
     "data.max_prompt_len", "sft.num_problems", "sft.batch_rows", "sft.eval_max_new_tokens", "rollout.prompts_per_step",
     "rollout.num_samples", "rollout.sampling.max_new_tokens", "rollout.groups", "rollout.engine.segment_steps",
     "rollout.engine.kv_block", "rollout.engine.sd_max_batch", "rollout.engine.suffix_ngram", "rollout.bandit.window",
-    "drafter.distill.batch_rows", "drafter.spot.rows_per_device", "drafter.buffer.max_pairs", "rl.mini_batches",
+    "drafter.distill.batch_rows", "drafter.trainer.rows_per_device", "drafter.buffer.max_pairs", "rl.mini_batches",
     "rl.actor.micro_batch_rows", "rl.actor.logits_chunk", "eval.size", "eval.num_samples", "checkpoint.every",
     "checkpoint.keep")
 NON_NEGATIVE_INTS = (
     "steps", "mesh.cpu_devices", "model.vocab_size", "sft.steps", "sft.warmup_steps", "sft.eval_size",
-    "rollout.sampling.top_k", "drafter.distill.steps", "drafter.spot.warmup_steps", "drafter.spot.solo_steps",
-    "rl.optimizer.warmup_steps", "rl.actor.attention_block", "rl.overlong_buffer", "eval.every")
+    "rollout.sampling.top_k", "drafter.distill.steps", "drafter.trainer.warmup_steps", "rollout.tlt.solo_steps",
+    "rollout.engine.suffix_history_len", "rl.optimizer.warmup_steps", "rl.actor.attention_block", "rl.overlong_buffer",
+    "eval.every")
 NON_NEGATIVE_FLOATS = (
     "mesh.device_memory_gb", "sft.learning_rate", "sft.weight_decay", "rollout.sampling.temperature",
-    "drafter.distill.learning_rate", "drafter.spot.learning_rate", "rl.optimizer.learning_rate",
+    "drafter.distill.learning_rate", "drafter.trainer.learning_rate", "rl.optimizer.learning_rate",
     "rl.optimizer.weight_decay", "rl.actor.clip_high", "rl.actor.kl_coef")
 POSITIVE_FLOATS = ("model.rope_theta", "task.tail_alpha", "rl.optimizer.max_grad_norm", "rollout.sampling.top_p")
 CHOICES = ("policy.dtype", "data.reward", "rollout.engine.attention", "rl.loss_aggregation", "rollout.drafter")
@@ -69,7 +71,7 @@ def bad_settings(config, cli: bool = False):
   same = lambda keys, values: st.tuples(st.sampled_from(keys), values).map(lambda kv: (kv[0], kv[1], kv[0]))
   cases = [
       same(COUNTS, st.integers(max_value=0)),
-      same(("sft.row_len", "drafter.distill.row_len", "drafter.spot.row_len", "rollout.engine.suffix_bank_len"),
+      same(("sft.row_len", "drafter.distill.row_len", "drafter.trainer.row_len", "rollout.engine.suffix_bank_len"),
            st.integers(max_value=1)),
       same(NON_NEGATIVE_INTS, st.integers(max_value=-1)),
       same(NON_NEGATIVE_FLOATS, negative),
@@ -120,7 +122,7 @@ def test_fuzz_bad_values_are_rejected_by_name(setting):
 
 @pytest.mark.parametrize("changes,message", [
     ({"strategies": ("3_1_4", "s4_1_5"), "engine.suffix_bank_len": 129},
-     "rollout.engine.suffix_bank_len=129: must be >= max_prompt_len + 2 = 130"),
+     "rollout.engine.suffix_bank_len=129: must be >= max_prompt_len + suffix_history_len + 2 = 130"),
     ({"strategies": ("4_1_5", "s4_1_5"), "drafter": "suffix"},
      "rollout.strategies=('4_1_5', 's4_1_5'): must not name a strategy twice"),
     ({"strategies": ("s4_1_5", "4_x_5")}, "rollout.strategies=('s4_1_5', '4_x_5'): strategy '4_x_5' is not")])
@@ -148,7 +150,8 @@ def test_subtrees_build_the_dataclasses_they_mirror(name):
   assert engine.batch_buckets == c.rollout.engine.batch_buckets and engine.attention == c.rollout.engine.attention
   assert engine.max_new_tokens == c.rollout.sampling.max_new_tokens
   assert config_lib.bandit(c, ()).thresholds == c.rollout.bandit.thresholds
-  assert config_lib.spot_config(c) == SpotConfig(**c.drafter.spot, seed=c.seed)
+  assert config_lib.tlt_config(c) == TLTConfig(**c.rollout.tlt)
+  assert config_lib.drafter_trainer_config(c) == DrafterTrainerConfig(**c.drafter.trainer, seed=c.seed)
   assert BufferConfig(**c.drafter.buffer).max_pairs == c.drafter.buffer.max_pairs
   assert set(c.rl.optimizer) == set(inspect.signature(actor_lib.make_optimizer).parameters)
   actor_kwargs = inspect.signature(actor_lib.Actor).parameters
@@ -239,6 +242,26 @@ def test_fuzz_bad_overrides_are_rejected_by_name(tmp_path_factory, overrides):
     assert code == 1 and named in message and "Traceback" not in message, (flag, message)
 
 
+def test_setup_devices_sets_the_compilation_cache(tmp_path):
+  """The start-up (`setup_devices`) points JAX's persistent cache at `rollout.compilation_cache_dir`:
+  what compiles next is written there."""
+  import jax
+  import numpy as np
+  from jax.experimental.compilation_cache import compilation_cache
+  config = config_lib.base()
+  config.rollout.compilation_cache_dir = str(tmp_path)
+  before = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+  try:
+    config_lib.setup_devices(config)
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path)
+    jax.jit(lambda x: x * 3 + 1).lower(np.arange(5.0)).compile()
+    assert list(tmp_path.iterdir())
+  finally:  # the process's own setting back
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+    compilation_cache.reset_cache()
+
+
 # The config main would run with: printed, then exit 3 before any work.
 _SHOW_CONFIG = """
 import json
@@ -263,3 +286,4 @@ def test_tuple_overrides_parse_on_the_command_line(tmp_path, flags, parsed):
   [(code, out, err)] = run_clis([("tlt_jax.main", flags, tmp_path)], tmp_path, prelude=_SHOW_CONFIG, timeout=300)
   assert code == 3, err[-2000:]
   assert json.loads(out.strip().splitlines()[-1]) == parsed
+

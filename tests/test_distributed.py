@@ -16,6 +16,7 @@ from configs import tiny
 from tests.conftest import float_order_mismatches, tiny_rl_config, xla_flags_without_device_count
 from tlt_jax import metrics
 from tlt_jax.models import hf
+from tlt_jax.rl import bootstrap
 from tlt_jax.rl.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,9 +80,9 @@ def _tlt_config(workdir, policy_dir, cache_dir, drafter_path):
   c.rollout.engine.sd_max_batch = 4
   c.drafter.path = str(drafter_path)  # absent at first: distilled on the tiny task
   c.drafter.distill.steps = 4
-  c.drafter.distill.row_len = c.drafter.spot.row_len = 64
-  c.drafter.spot.rows_per_device = 1
-  c.drafter.spot.warmup_steps = 1
+  c.drafter.distill.row_len = c.drafter.trainer.row_len = 64
+  c.drafter.trainer.rows_per_device = 1
+  c.drafter.trainer.warmup_steps = 1
   c.checkpoint.every = 1
   c.eval.every = 0  # held-out evaluation is single-process only
   c.seed = 1  # a random policy ends some responses early in both steps: rewards differ, gradients flow
@@ -126,7 +127,8 @@ def test_two_processes_match_one(tmp_path, tiny_policy_dir, xla_cache, monkeypat
       assert f.read() == g.read(), part
 
   # 1 process, all 8 devices, the same rollout groups.
-  trainer = Trainer(_tlt_config(one, tiny_policy_dir, xla_cache, drafter))
+  config = _tlt_config(one, tiny_policy_dir, xla_cache, drafter)
+  trainer = Trainer(config, *bootstrap.load(config))
   rows = []  # of each update's micro-batch: the same in both runs
   update = trainer.actor.update
   monkeypatch.setattr(trainer.actor, "update", lambda batch: rows.append(len(batch["tokens"])) or update(batch))

@@ -22,6 +22,7 @@ from tlt_jax import metrics
 from tlt_jax.drafter import checkpoint as drafter_checkpoint
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
+from tlt_jax.rl import bootstrap
 from tlt_jax.rl.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,19 +41,44 @@ BAD_CONFIGS = [
 ]
 
 
+# Where main checks its outputs (after its start-up), the forked run prints the compilation cache
+# directory JAX was given and exits 3.
+_REPORT_START_UP = """
+import sys
+import jax
+from tlt_jax import files
+def report(path):
+  print("compilation cache:", jax.config.jax_compilation_cache_dir, file=sys.stderr)
+  sys.exit(3)
+files.check_writable = report
+"""
+
+
 @pytest.fixture(scope="module")
-def bad_config_runs(tmp_path_factory):
-  """(exit code, stdout, stderr) of `python -m tlt_jax.main` on each of BAD_CONFIGS, in the repository,
-  forked from one process (tests/conftest.py `run_clis`)."""
-  return run_clis([("tlt_jax.main", args, REPO) for args, _ in BAD_CONFIGS], tmp_path_factory.mktemp("logs"))
+def main_runs(tmp_path_factory):
+  """(exit code, stdout, stderr) of `python -m tlt_jax.main` on each of BAD_CONFIGS, then with a
+  compilation cache directory (returned too), in the repository, forked from one process
+  (tests/conftest.py `run_clis`)."""
+  tmp = tmp_path_factory.mktemp("main")
+  cache = str(tmp / "cache")
+  start_up = [f"--config.workdir={tmp / 'run'}", f"--config.rollout.compilation_cache_dir={cache}"]
+  runs = run_clis([("tlt_jax.main", args, REPO) for args, _ in BAD_CONFIGS] + [("tlt_jax.main", start_up, REPO)],
+                  tmp, prelude=_REPORT_START_UP)
+  return runs, cache
 
 
 @pytest.mark.parametrize("index", range(len(BAD_CONFIGS)), ids=[" ".join(args) for args, _ in BAD_CONFIGS])
-def test_bad_config_is_rejected_by_name(index, bad_config_runs):
-  code, _, stderr = bad_config_runs[index]
+def test_bad_config_is_rejected_by_name(index, main_runs):
+  code, _, stderr = main_runs[0][index]
   assert code != 0
   assert BAD_CONFIGS[index][1] in stderr
   assert "Traceback" not in stderr
+
+
+def test_start_up_sets_the_compilation_cache(main_runs):
+  """`rollout.compilation_cache_dir` is set process-wide once, at start-up (the engine leaves it alone)."""
+  (code, _, stderr), cache = main_runs[0][-1], main_runs[1]
+  assert code == 3 and f"compilation cache: {cache}" in stderr, stderr
 
 
 # ---- faults: SIGKILL at random points, SIGTERM ----
@@ -83,10 +109,10 @@ def _fault_config(workdir, steps, policy_dir, drafter_dir, cache_dir):
   c.rollout.strategies = ("2_1_3",)
   c.rollout.engine.sd_max_batch = 4
   c.drafter.path = drafter_dir
-  c.drafter.distill.row_len = c.drafter.spot.row_len = 64
-  c.drafter.spot.rows_per_device = 1
-  c.drafter.spot.warmup_steps = 1
-  c.drafter.spot.solo_steps = 2
+  c.drafter.distill.row_len = c.drafter.trainer.row_len = 64
+  c.drafter.trainer.rows_per_device = 1
+  c.drafter.trainer.warmup_steps = 1
+  c.rollout.tlt.solo_steps = 2
   return c
 
 
@@ -122,7 +148,8 @@ def drafter_dir(tmp_path_factory, tiny_policy_dir):
 def straight(tmp_path_factory, tiny_policy_dir, drafter_dir, xla_cache):
   """An uninterrupted in-process run (it also fills the compilation cache the subprocesses read)."""
   workdir = tmp_path_factory.mktemp("straight")
-  trainer = Trainer(_fault_config(workdir, STEPS, tiny_policy_dir, drafter_dir, xla_cache))
+  config = _fault_config(workdir, STEPS, tiny_policy_dir, drafter_dir, xla_cache)
+  trainer = Trainer(config, *bootstrap.load(config))
   try:
     trainer.run()
     return workdir, jax.tree.map(np.asarray, trainer.actor.params), metrics.read(trainer.metrics.path)

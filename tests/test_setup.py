@@ -13,6 +13,7 @@ pip fetches what it needs (its cache makes repeats fast); a few minutes in all.
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -56,3 +57,31 @@ def test_readme_first_command_on_a_fresh_environment(tmp_path):
   for output in ("policy/config.json", "drafter/drafter_config.json", "export/policy/model.safetensors",
                  "export/drafter/model.safetensors", "metrics.jsonl"):
     assert (work / "runs" / "tiny" / output).is_file(), output
+
+
+def test_an_installed_copy_finds_its_default_config(tmp_path):
+  """`pip install .` (not editable) copies the package alone: `python -m tlt_jax.main` run from
+  elsewhere with only that copy importable defaults to the copy's config file, and loads and
+  checks it (then fails on the workdir it is given, a file)."""
+  source = tmp_path / "source"  # a copy: building in the checkout would leave build/ and *.egg-info there
+  shutil.copytree(os.path.join(REPO, "tlt_jax"), source / "tlt_jax", ignore=shutil.ignore_patterns("__pycache__"))
+  for name in ("setup.py", "README.md"):
+    shutil.copy(os.path.join(REPO, name), source / name)
+  site = tmp_path / "site"
+  install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+                            "--no-compile", "--quiet", "--target", str(site), str(source)],
+                           capture_output=True, text=True, timeout=300)
+  assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+  shutil.rmtree(source)
+  work = tmp_path / "elsewhere"
+  work.mkdir()
+  (work / "a_file").write_text("")
+  env = {**{k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}, "PYTHONPATH": str(site)}
+  run = subprocess.run([sys.executable, "-m", "tlt_jax.main", "--helpfull"], cwd=work, env=env,
+                       capture_output=True, text=True, timeout=300)
+  # absl wraps the help text, also at the path's hyphens.
+  assert f"(default:'{site / 'tlt_jax' / 'config.py'}')" in "".join(run.stdout.split()), run.stderr[-3000:]
+  run = subprocess.run([sys.executable, "-m", "tlt_jax.main", "--config.workdir=a_file"], cwd=work, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert run.returncode == 1 and run.stderr.strip().endswith("error: config.workdir='a_file': not a directory"), \
+      run.stderr[-3000:]

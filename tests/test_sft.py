@@ -1,80 +1,30 @@
-"""SFT: packing keeps samples apart, and the saved tiny policy is a model `transformers` loads."""
+"""`python -m tlt_jax.sft`: the default config's SFT (shrunk by overrides) writes a policy
+`transformers` loads, a report, and prints it."""
 
 import json
 import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import torch
 import transformers
-from flax import nnx
 
-from tlt_jax import packing, sft
-from tlt_jax.models import hf
-from tlt_jax.rl import datasets, rewards, tokenizer as tokenizer_lib
+from tlt_jax.models import KVCache, hf, transformer
 
-import configs.tiny
-
-
-def tiny_config(workdir):
-  config = configs.tiny.get_config()
-  config.workdir = str(workdir)
-  config.model.update(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
-  config.sft.update(num_problems=200, steps=4, batch_rows=4, row_len=128, warmup_steps=1, eval_size=16,
-                    eval_max_new_tokens=32)
-  return config
+_SMALL = ["--config.model.hidden_size=32", "--config.model.num_layers=2", "--config.model.num_heads=2",
+          "--config.model.num_kv_heads=1", "--config.model.head_dim=16", "--config.model.intermediate_size=64",
+          "--config.sft.num_problems=200", "--config.sft.steps=4", "--config.sft.batch_rows=4",
+          "--config.sft.row_len=128", "--config.sft.warmup_steps=1", "--config.sft.eval_size=16",
+          "--config.sft.eval_max_new_tokens=32"]
 
 
-@pytest.fixture(scope="module")
-def tok():
-  return tokenizer_lib.build_tokenizer()
-
-
-def test_packing_keeps_samples_apart(tok, tmp_path):
-  config = tiny_config(tmp_path)
-  examples = datasets.from_tasks("basic_arithmetic", tok, size=6, seed=0).examples
-  packed = packing.pack(sft.sequences(examples, tok), 512)
-  tokens, positions, segments, loss_mask = packed
-  assert packed.shape[1] == 1 and segments.max() == 6
-  expected = {tuple(ex.prompt_ids) + tuple(tok(ex.solution, add_special_tokens=False)["input_ids"]) +
-              (tok.eos_token_id,): len(ex.prompt_ids) for ex in examples}
-  for seg in range(1, 7):
-    at = np.flatnonzero(segments[0] == seg)
-    assert positions[0, at].tolist() == list(range(len(at)))  # positions restart per sample
-    prompt_len = expected.pop(tuple(tokens[0, at].tolist()))  # each sample is one example's prompt + solution
-    assert loss_mask[0, at].tolist() == [0] * prompt_len + [1] * (len(at) - prompt_len)
-  assert not expected
-  # The packed row's loss is the token-weighted mean of the samples' losses computed alone.
-  model = sft.build_policy(config, tok)
-  packed_loss = sft.lm_loss(model, *map(jnp.asarray, packed))
-  alone = [packing.pack(sft.sequences([ex], tok), 512) for ex in examples]
-  losses = [float(sft.lm_loss(model, *map(jnp.asarray, p))) for p in alone]
-  weights = [p[3, 0, 1:].sum() for p in alone]
-  np.testing.assert_allclose(float(packed_loss), np.average(losses, weights=weights), rtol=1e-5)
-
-
-def test_unanswered_solutions_lose_their_answer_line_and_with_it_the_reward(tok):
-  # configs/tiny.py's sloppy teacher: what SFT copies and RL has to unlearn.
-  examples = datasets.from_tasks("basic_arithmetic", tok, size=400, seed=0).examples
-  full, cut = sft.sequences(examples, tok), sft.sequences(examples, tok, unanswered=0.3, seed=5)
-  assert cut == sft.sequences(examples, tok, unanswered=0.3, seed=5) != sft.sequences(examples, tok, 0.3, seed=6)
-  assert sft.sequences(examples, tok, unanswered=0.0, seed=5) == full
-  dropped = 0
-  for ex, (prompt, answered), (same_prompt, response) in zip(examples, full, cut):
-    assert same_prompt == prompt and response[-1] == answered[-1] == tok.eos_token_id
-    text, answered_text = (tok.decode(r, skip_special_tokens=True) for r in (response, answered))
-    assert answered_text == ex.solution
-    if text != answered_text:
-      dropped += 1
-      assert answered_text == f"{text}\nAnswer: {ex.ground_truth}"  # only the answer line is gone
-      scores, _ = rewards.score_batch(ex.reward, [text, answered_text], [ex.ground_truth] * 2, [ex.metadata] * 2)
-      assert scores.tolist() == [0.0, 1.0]
-  assert 0.25 < dropped / len(examples) < 0.35
-
-
-def test_sft_writes_a_policy_transformers_loads(tok, tmp_path):
-  report = sft.run(tiny_config(tmp_path))
+def test_sft_writes_a_policy_transformers_loads(tmp_path):
+  run = subprocess.run([sys.executable, "-m", "tlt_jax.sft", f"--config.workdir={tmp_path}", *_SMALL],
+                       capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  report = json.loads(run.stdout[run.stdout.index("{"):])
   assert report["loss_last"] < report["loss_first"]
   for mode in ("greedy", "temperature_1"):
     assert set(report[mode]["response_length"]) >= {"median", "p90", "p99", "max"}
@@ -87,8 +37,6 @@ def test_sft_writes_a_policy_transformers_loads(tok, tmp_path):
   ids = reloaded_tok.apply_chat_template([{"role": "user", "content": "Calculate 1 + 2."}], add_generation_prompt=True,
                                          tokenize=True, return_dict=False)
   assert reloaded_tok.decode(ids) == "<bos><|user|>Calculate 1 + 2.<|assistant|>"
-  graphdef, state = nnx.split(ours)
-  from tlt_jax.models import KVCache, transformer
   out = transformer.prefill(ours, jnp.asarray([ids]), jnp.asarray([len(ids)]), KVCache.zeros(ours.config, 1, len(ids)),
                             all_logits=True)
   with torch.no_grad():

@@ -34,9 +34,9 @@ def test_sharded_forward_equals_single_device(hf_dirs):
   mesh = sharding.make_mesh({"fsdp": 2, "tensor": 4})
   single = hf.from_pretrained(path)
   sharded = hf.from_pretrained(path, mesh=mesh)
-  kernel = sharded.model.layers[0].self_attn.q_proj.kernel
-  assert kernel.sharding.spec == P("fsdp", "tensor") and len(kernel.addressable_shards) == 8
-  assert kernel.addressable_shards[0].data.shape == (16, 8)
+  kernel = sharded.model.layers.self_attn.q_proj.kernel  # the 2 layers' stacked: the layer axis unsharded
+  assert kernel.sharding.spec == P(None, "fsdp", "tensor") and len(kernel.addressable_shards) == 8
+  assert kernel.addressable_shards[0].data.shape == (2, 16, 8)
 
   rng = np.random.RandomState(0)
   tokens, lengths = rng.randint(2, VOCAB, (4, 6)), np.asarray([6, 2, 5, 3], np.int32)

@@ -17,8 +17,12 @@ train_drafter reads them), else procedural `--task` problems.
 Grid mode: prompts are procedural problems with at least `--min_terms` terms, so responses are
 long (the tail's regime); rows stop at EOS or `--max_new_tokens`. Compaction is off, so every step runs at
 the cell's batch size. Each cell times one rollout after a warm-up rollout (compilation excluded). Writes a JSON list of
-{batch_size, strategy, tokens_per_s, baseline_tokens_per_s, speedup, accept_len} and the same
-table as CSV next to it. The counterpart of the reference's bench_sd.
+{batch_size, rows, strategy, tokens_per_s, baseline_tokens_per_s, speedup, accept_len} and the same
+table as CSV next to it. The counterpart of the reference's bench_sd. With `--num_samples` N, a
+cell of batch size b rolls out ceil(b / N) prompts x N samples, b rows at once at most (siblings
+refilled): suffix strategies (`s<depth>_<matches>_<verify>`, no drafter needed) draft from
+siblings. `--history_len` also times each suffix strategy with each prompt's responses from an
+earlier rollout (another seed) in its bank (`<strategy>+history`).
 
 Phases mode (`--phases`): per batch size and strategy, one speculative iteration split into its
 phases (draft, verify with acceptance and commit, drafter feed), each timed alone, beside the
@@ -69,6 +73,7 @@ from tlt_jax.rollout.speculative import Strategy
 
 # Required only when run as the CLI: experiments import this module for its measuring functions and flags.
 _MODEL = flags.DEFINE_string("model", None, "Hugging Face model directory of the target.")
+_SCAN_LAYERS = cli.define_scan_layers()
 _DRAFTER = flags.DEFINE_string("drafter", None, "Drafter directory (train_drafter output) or 'random'.")
 _OUTPUT = flags.DEFINE_string("output", None, "Output JSON file (a CSV is written beside it).")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16", "32"], "Batch sizes.")
@@ -90,7 +95,10 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Adaptive and refill modes: timed 
                                 lower_bound=1)
 _REFILL = flags.DEFINE_bool("refill", False, "Refill vs waves on a rollout of more rows than the largest bucket.")
 _BUCKET = flags.DEFINE_integer("bucket", 8, "Refill mode: the largest batch bucket (a power of two).", lower_bound=1)
-_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Refill mode: samples per prompt (a GRPO group).", lower_bound=1)
+_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Grid and refill modes: samples per prompt (a GRPO group).",
+                                     lower_bound=1)
+_HISTORY_LEN = flags.DEFINE_integer("history_len", 0, "Grid mode: also time suffix strategies with this many tokens "
+                                    "of an earlier rollout's responses per prompt in the bank (0: off).", lower_bound=0)
 
 
 def _batch_sizes() -> list[int]:
@@ -153,6 +161,8 @@ def main(argv):
     raise cli.InputError(f"--bucket={_BUCKET.value}: must be a power of two")
   if _REFILL.value:
     drafter = None  # plain decoding: refill and waves differ before the tail, where speculation does not run
+  elif not _DRAFTER.value and all(s.suffix for s in strategies) and not _PHASES.value:
+    drafter = None  # suffix drafts need no drafter model
   elif not _DRAFTER.value:
     raise cli.InputError("--drafter: a drafter directory or 'random' is needed outside --refill")
   elif _DRAFTER.value == "random":
@@ -161,7 +171,7 @@ def main(argv):
     with cli.named("drafter", _DRAFTER.value):
       drafter = checkpoint.load_drafter(_DRAFTER.value, cfg)
   with cli.named("model", _MODEL.value):
-    model = hf.from_pretrained(_MODEL.value)
+    model = hf.from_pretrained(_MODEL.value, scan_layers=_SCAN_LAYERS.value)
   stop = set(model.config.stop_token_ids) | ({tokenizer.eos_token_id} if tokenizer is not None else set())
   temperature, max_new, seed = _TEMPERATURE.value, _MAX_NEW.value, _SEED.value
   if _REFILL.value:
@@ -174,7 +184,7 @@ def main(argv):
                                      _SD_MAX_BATCH.value, _REPEATS.value)
   else:
     records = benchmark.run_grid(model, drafter, prompts, batch_sizes, strategies, temperature, max_new, seed,
-                                 sorted(stop))
+                                 sorted(stop), _NUM_SAMPLES.value, _HISTORY_LEN.value)
   with files.atomic_file(_OUTPUT.value) as tmp_json, files.atomic_file(csv_path) as tmp_csv:
     with open(tmp_json, "w", encoding="utf-8") as f:
       json.dump(records, f, indent=2)

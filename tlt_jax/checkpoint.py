@@ -13,7 +13,7 @@ The arrays' shapes may depend on the metadata (the drafter's data buffer grows a
 
 Several processes (`jax.distributed`): every process calls save and restore (orbax writes each
 array's shards once and the metadata from process 0). Arrays that live on one process's devices
-only (the spot trainer's drafter: an identical copy on every process) are saved as one array
+only (the online drafter trainer's drafter: an identical copy on every process) are saved as one array
 replicated over all devices and restored onto the devices they came from. Data that differs by
 process (each process's own drafter buffer) goes in as `stack_processes` arrays: one row per
 process, written by its process, read back by it (`unstack_processes`).

@@ -1,16 +1,20 @@
 """Every key `python -m tlt_jax.main` understands, with defaults; experiment configs start from `base()`.
 
+This file is also the CLIs' default config file: its `get_config()` is the tiny world (configs/tiny.py),
+found inside the installed package.
+
 A config file is `get_config()` returning `base()` with its values set. The returned ConfigDict is
 locked, so a mistyped key in a `--config.key=value` override is an error that names the key, and
 `check` rejects keys base() does not have (an old key: naming its new name, `RENAMED`) and values
 that would fail later (naming the key).
 
 A subtree that builds a dataclass mirrors it: `SamplingParams(**rollout.sampling, ...)`,
-`EngineConfig(**rollout.engine, ...)`, `Bandit(strategies, **rollout.bandit)`,
-`SpotConfig(**drafter.spot)`, `BufferConfig(**drafter.buffer)`, `actor.make_optimizer(**rl.optimizer)`,
-`actor.Actor(policy, optimizer, **rl.actor)`; the dataclasses check their own fields' ranges (`check`
-re-raises their errors naming the key) and `check` the rest. Tuples are tuples; on the command line
-they are Python literals, strings quoted: `--config.rollout.strategies="('3_1_4','4_2_6')"`,
+`EngineConfig(**rollout.engine, ...)`, `Bandit(strategies, **rollout.bandit)`, `TLTConfig(**rollout.tlt)`,
+`DrafterTrainerConfig(**drafter.trainer, ...)`, `BufferConfig(**drafter.buffer)`,
+`actor.make_optimizer(**rl.optimizer)`, `actor.Actor(policy, optimizer, **rl.actor)` (the builders below;
+tlt_jax.rl.rollouts uses them); the dataclasses check their own fields' ranges (`check` re-raises their
+errors naming the key) and `check` the rest. Tuples are tuples; on the command line they are Python
+literals, strings quoted: `--config.rollout.strategies="('3_1_4','4_2_6')"`,
 `--config.rollout.engine.batch_buckets="(1,2,4,8)"`, `--config.drafter.feature_layers="(1,3,5)"`.
 """
 
@@ -22,17 +26,19 @@ import os
 import jax
 import ml_collections
 from absl import logging
+from jax.experimental.compilation_cache import compilation_cache
 
 from tlt_jax import fields
 from tlt_jax.drafter.buffer import BufferConfig
-from tlt_jax.drafter.spot import SpotConfig
+from tlt_jax.drafter.trainer import DrafterTrainerConfig
 from tlt_jax.rl import grpo
 from tlt_jax.rl import rewards
 from tlt_jax.rl import tasks
 from tlt_jax.rollout.bandit import Bandit
-from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
+from tlt_jax.rollout.state import EngineConfig
+from tlt_jax.rollout.tlt import TLTConfig
 
 
 def base() -> ml_collections.ConfigDict:
@@ -61,6 +67,9 @@ def base() -> ml_collections.ConfigDict:
   c.policy = ml_collections.ConfigDict()
   c.policy.path = ""
   c.policy.dtype = "float32"  # parameter dtype for training and rollout
+  # Decoder layers stacked and run by one lax.scan: every executable compiles one layer body.
+  # False: unrolled (docs/BENCHMARKS.md, "Scanned vs unrolled layers"). Checkpoints hold one form.
+  c.policy.scan_layers = True
 
   # Architecture of the tiny policy (Qwen3, tied embeddings); also the shape a dry run uses when
   # policy.path has no config.json (e.g. sizing a cluster run on a laptop).
@@ -112,7 +121,7 @@ def base() -> ml_collections.ConfigDict:
   # prompt's token bank (its prompt and its samples' tokens): no forward pass per draft.
   c.rollout.strategies = ("3_1_4", "4_2_6")
   c.rollout.drafter = "eagle"
-  c.rollout.compilation_cache_dir = ""
+  c.rollout.compilation_cache_dir = ""  # persistent XLA cache, set at start-up: later runs skip compiling
   c.rollout.sampling = ml_collections.ConfigDict()  # SamplingParams (stop tokens: the tokenizer's EOS)
   c.rollout.sampling.temperature = 1.0
   c.rollout.sampling.top_p = 1.0
@@ -126,11 +135,17 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.engine.sd_max_batch = 32  # speculate only while at most this many rows are active
   c.rollout.engine.suffix_bank_len = 4096  # tokens banked per prompt in flight at most
   c.rollout.engine.suffix_ngram = 4  # the longest suffix of a row's tokens matched in its bank
+  # Tokens of each prompt's earlier-epoch responses banked for suffix drafts (0: off); host memory:
+  # 4 bytes x this x prompts seen, checkpointed.
+  c.rollout.engine.suffix_history_len = 0
   c.rollout.engine.attention = "auto"  # tree attention: auto (by backend) | xla | pallas | pallas_tpu | pallas_gpu
   c.rollout.bandit = ml_collections.ConfigDict()  # Bandit over the strategies and SD off
   c.rollout.bandit.thresholds = (1, 2, 5, 21)  # active-row buckets: 1, 2-4, 5-20, 21+
   c.rollout.bandit.epsilon = 0.1
   c.rollout.bandit.window = 300
+  c.rollout.tlt = ml_collections.ConfigDict()  # TLTConfig: the TLT rollout's schedule of rollout groups
+  c.rollout.tlt.enabled = True  # idle groups train the drafter (False: it stays frozen)
+  c.rollout.tlt.solo_steps = 8  # one rollout group: drafter steps in the gap after each rollout
 
   c.drafter = ml_collections.ConfigDict()
   c.drafter.path = ""  # a drafter checkpoint (tlt_jax.train_drafter); "" = <workdir>/drafter, distilled if absent
@@ -141,13 +156,11 @@ def base() -> ml_collections.ConfigDict:
   c.drafter.distill.learning_rate = 3e-3
   c.drafter.distill.batch_rows = 16
   c.drafter.distill.row_len = 256  # packed row length
-  c.drafter.spot = ml_collections.ConfigDict()  # SpotConfig: online training on idle rollout groups
-  c.drafter.spot.enabled = True  # False: the drafter stays frozen
-  c.drafter.spot.learning_rate = 1e-3
-  c.drafter.spot.warmup_steps = 20  # learning-rate warm-up
-  c.drafter.spot.rows_per_device = 2
-  c.drafter.spot.row_len = 256
-  c.drafter.spot.solo_steps = 8  # one rollout group: drafter steps in the gap after each rollout
+  c.drafter.trainer = ml_collections.ConfigDict()  # DrafterTrainerConfig: online training on idle rollout groups
+  c.drafter.trainer.learning_rate = 1e-3
+  c.drafter.trainer.warmup_steps = 20  # learning-rate warm-up
+  c.drafter.trainer.rows_per_device = 2
+  c.drafter.trainer.row_len = 256  # packed row length
   c.drafter.buffer = ml_collections.ConfigDict()  # BufferConfig of the online data
   c.drafter.buffer.max_pairs = 1 << 18
 
@@ -202,10 +215,55 @@ def smoke(c: ml_collections.ConfigDict) -> None:
   r.groups, r.prompts_per_step, r.num_samples, r.sampling.max_new_tokens, r.strategies = 1, 1, 2, 24, ("2_1_3",)
   r.engine.batch_buckets, r.engine.segment_steps, r.engine.kv_block, r.engine.sd_max_batch = (1, 2), 8, 32, 2
   c.drafter.distill.steps, c.drafter.distill.batch_rows, c.drafter.distill.row_len = 4, 4, 64
-  c.drafter.spot.rows_per_device, c.drafter.spot.warmup_steps, c.drafter.spot.solo_steps, c.drafter.spot.row_len = \
-      1, 1, 2, 64
+  r.tlt.solo_steps = 2
+  c.drafter.trainer.rows_per_device, c.drafter.trainer.warmup_steps, c.drafter.trainer.row_len = 1, 1, 64
   c.rl.row_len, c.rl.actor.micro_batch_rows, c.rl.mini_batches, c.rl.optimizer.warmup_steps = 96, 4, 1, 0
   c.eval.every = 0
+
+
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+  """The tiny world, the default `--config` (this file; configs/tiny.py says more): a 0.8M-parameter
+  Qwen3-architecture policy on procedural arithmetic, RL with TLT on a CPU in minutes.
+
+  `variant="smoke"`: the same pipeline at seconds-sized shapes (notebook smoke runs, tests).
+  """
+  c = base()
+  c.workdir = "runs/tiny"
+  c.steps = 20
+  # 0.8M parameters: on a 2-core CPU training is compute-bound, and in the 3-minute budget this
+  # size learns the task far better than a 1.5M one (31-48% vs 7% held-out accuracy).
+  c.model.hidden_size = 96
+  c.model.num_layers = 6  # deep enough that a one-layer drafter is cheap beside it
+  c.model.num_heads = 3
+  c.model.num_kv_heads = 1
+  c.model.head_dim = 32
+  c.model.intermediate_size = 384
+  c.model.max_position_embeddings = 1024
+
+  # Two simulated CPU devices, one rollout group each: a group that finishes its share trains
+  # the drafter while the other decodes its tail.
+  c.mesh.cpu_devices = 2
+  c.rollout.groups = 2
+  c.rollout.prompts_per_step = 32  # x 8 samples = 256 rollouts per step, 128 per group
+  c.rollout.engine.batch_buckets = (1, 2, 4, 8, 16, 32, 64, 128)
+  c.rollout.sampling.max_new_tokens = 256
+  c.rollout.strategies = ("5_2_8",)  # the bandit plays it against SD off per batch-size bucket
+  c.rollout.engine.sd_max_batch = 16
+  c.rollout.compilation_cache_dir = "runs/xla_cache"  # later runs skip compiling
+  c.sft.unanswered = 0.3
+  c.drafter.distill.steps = 200
+  c.rl.row_len = 384
+  c.rl.optimizer.learning_rate = 1e-4
+  c.rl.optimizer.warmup_steps = 10
+  c.rl.mini_batches = 4
+  c.eval.every = 10  # held-out reward before the first step, at step 10 and at the end
+  c.eval.size = 64
+  if variant == "smoke":
+    smoke(c)
+  elif variant:
+    raise ValueError(f"the tiny config: unknown variant {variant!r} (known: smoke)")
+  c.lock()
+  return c
 
 
 def strategies(config) -> tuple[Strategy, ...]:
@@ -227,15 +285,19 @@ def engine_config(config, strategies: tuple[Strategy, ...] = (), largest_bucket:
     engine["batch_buckets"] = tuple(2**i for i in range(largest_bucket.bit_length()))
   return EngineConfig(**engine, max_prompt_len=config.data.max_prompt_len,
                       max_new_tokens=config.rollout.sampling.max_new_tokens, strategies=tuple(strategies),
-                      compilation_cache_dir=config.rollout.compilation_cache_dir or None, **engine_fields)
+                      **engine_fields)
 
 
 def bandit(config, strategies: tuple[Strategy, ...]) -> Bandit:
   return Bandit(strategies, **config.rollout.bandit, seed=config.seed)
 
 
-def spot_config(config) -> SpotConfig:
-  return SpotConfig(**config.drafter.spot, seed=config.seed)
+def tlt_config(config) -> TLTConfig:
+  return TLTConfig(**config.rollout.tlt)
+
+
+def drafter_trainer_config(config) -> DrafterTrainerConfig:
+  return DrafterTrainerConfig(**config.drafter.trainer, seed=config.seed)
 
 
 # Keys that were renamed or moved into the subtree of the dataclass they build: a config file or a
@@ -243,16 +305,17 @@ def spot_config(config) -> SpotConfig:
 RENAMED = {
     **{f"rollout.{k}": f"rollout.sampling.{k}" for k in ("temperature", "top_p", "top_k", "max_new_tokens")},
     **{f"rollout.{k}": f"rollout.engine.{k}" for k in ("batch_buckets", "refill", "segment_steps", "kv_block",
-                                                        "sd_max_batch", "suffix_bank_len", "suffix_ngram")},
+                                                        "sd_max_batch", "suffix_bank_len", "suffix_ngram",
+                                                        "suffix_history_len")},
     "kernels.attention": "rollout.engine.attention",
     **{f"rollout.bandit_{k}": f"rollout.bandit.{k}" for k in ("thresholds", "epsilon", "window")},
     "drafter.warmup_steps": "drafter.distill.steps",
     "drafter.learning_rate": "drafter.distill.learning_rate",
     "drafter.batch_rows": "drafter.distill.batch_rows",
-    "drafter.row_len": "drafter.distill.row_len and drafter.spot.row_len",
-    "drafter.online": "drafter.spot.enabled",
-    **{f"drafter.online_{k}": f"drafter.spot.{k}" for k in ("learning_rate", "warmup_steps", "rows_per_device")},
-    "drafter.solo_steps": "drafter.spot.solo_steps",
+    "drafter.row_len": "drafter.distill.row_len and drafter.trainer.row_len",
+    "drafter.online": "rollout.tlt.enabled",
+    **{f"drafter.online_{k}": f"drafter.trainer.{k}" for k in ("learning_rate", "warmup_steps", "rows_per_device")},
+    "drafter.solo_steps": "rollout.tlt.solo_steps",
     "drafter.buffer_pairs": "drafter.buffer.max_pairs",
     **{f"rl.{k}": f"rl.optimizer.{k}" for k in ("learning_rate", "warmup_steps", "weight_decay", "max_grad_norm")},
     **{f"rl.{k}": f"rl.actor.{k}" for k in ("micro_batch_rows", "clip_low", "clip_high", "kl_coef", "remat",
@@ -346,7 +409,8 @@ def check(config: ml_collections.ConfigDict) -> None:
       ("rollout.engine", lambda: engine_config(config, named),
        {"max_prompt_len": "data.max_prompt_len", "max_new_tokens": "rollout.sampling.max_new_tokens"}),
       ("rollout.bandit", lambda: bandit(config, named), {}),
-      ("drafter.spot", lambda: spot_config(config), {}),
+      ("rollout.tlt", lambda: tlt_config(config), {}),
+      ("drafter.trainer", lambda: drafter_trainer_config(config), {}),
       ("drafter.buffer", lambda: BufferConfig(**config.drafter.buffer), {})):
     try:
       build()
@@ -376,7 +440,7 @@ def config_value(config, key: str):
 
 
 def setup_devices(config) -> None:
-  """Simulated CPU devices and the multi-process runtime, before any computation."""
+  """Simulated CPU devices, the multi-process runtime and the compilation cache, before any computation."""
   cpu_devices = config.mesh.dry_run_devices if config.dry_run else config.mesh.cpu_devices
   if cpu_devices:  # only the CPU backend's device count: on an accelerator host this changes nothing
     jax.config.update("jax_num_cpu_devices", cpu_devices)
@@ -387,6 +451,19 @@ def setup_devices(config) -> None:
       kwargs = dict(coordinator_address=d.coordinator_address, num_processes=d.num_processes, process_id=d.process_id)
     jax.distributed.initialize(**kwargs)
     logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+  setup_compilation_cache(config.rollout.compilation_cache_dir)
+
+
+def setup_compilation_cache(path: str) -> None:
+  """Points JAX's persistent compilation cache at `path` ("": leaves it as it is), caching every
+  executable: later processes load what this one compiles. Process-wide: call it once at start-up."""
+  previous = jax.config.jax_compilation_cache_dir
+  if not path or previous == path:
+    return
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  if previous:  # JAX opens the cache once per process: make it open the new dir
+    compilation_cache.reset_cache()
 
 
 def _multi_host_environment() -> bool:

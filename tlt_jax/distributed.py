@@ -1,7 +1,7 @@
 """Cross-process pieces of multi-controller runs (`jax.distributed`; one process per host).
 
 Every process runs the same program. What the processes must agree on while their devices are
-busy with process-local work (the spot trainer's rounds while other groups still decode, a tiny
+busy with process-local work (the drafter trainer's rounds while other groups still decode, a tiny
 policy trained by process 0 alone) goes through the coordination service's key-value store on
 the host, never through a device collective that would queue behind that work. Arrays sharded
 over several processes come to the host by a device collective (`multihost_utils`). With one

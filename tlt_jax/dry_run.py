@@ -16,6 +16,7 @@ bounds what the drafter's online data buffer adds to each process's checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -83,6 +84,7 @@ def run(config) -> dict:
   start = time.perf_counter()
   config_lib.check(config)
   cfg, source = model_config(config)
+  cfg = dataclasses.replace(cfg, scan_layers=config.policy.scan_layers)
   dtype = jnp.dtype(config.policy.dtype)
   devices = jax.devices()
   report = {"model": source, "parameters_b": None, "devices": f"{len(devices)} x {devices[0].device_kind}"}

@@ -3,7 +3,7 @@
   python -m tlt_jax.export_drafter --model=POLICY_DIR --drafter=DRAFTER_DIR --output=DIR [--overwrite]
 
 --model is the (final) policy's Hugging Face directory, whose embedding and lm_head the
-drafter reads; --drafter a tlt_jax drafter checkpoint (`train_drafter`, or the spot trainer's).
+drafter reads; --drafter a tlt_jax drafter checkpoint (`train_drafter`, or the online drafter trainer's).
 Writes DIR/model.safetensors + DIR/config.json with the tensor names listed in
 `tlt_jax.drafter.export` and prints a JSON summary. DIR must not be an input or hold one; an
 existing non-empty DIR is replaced only when it is an EAGLE export and --overwrite is given.

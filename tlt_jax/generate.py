@@ -37,11 +37,13 @@ from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
 from tlt_jax.prompts import read_prompts
 from tlt_jax.rollout.bandit import Bandit
-from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
+from tlt_jax.rollout.state import EngineConfig
 
 _MODEL = flags.DEFINE_string("model", None, "Hugging Face model directory.", required=True)
+_SCAN_LAYERS = cli.define_scan_layers()
 _PROMPTS = flags.DEFINE_string("prompts", None, "Input JSONL file.", required=True)
 _OUTPUT = flags.DEFINE_string("output", None, "Output JSONL file.", required=True)
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens to generate at most per sample (fewer for a prompt "
@@ -99,7 +101,7 @@ def main(argv):
     with cli.named("drafter", _DRAFTER.value):
       drafter = checkpoint.load_drafter(_DRAFTER.value, cfg)
   with cli.named("model", _MODEL.value):
-    model = hf.from_pretrained(_MODEL.value, dtype=_DTYPE.value)
+    model = hf.from_pretrained(_MODEL.value, dtype=_DTYPE.value, scan_layers=_SCAN_LAYERS.value)
   stop = set(cfg.stop_token_ids)
   if tokenizer is not None and tokenizer.eos_token_id is not None:
     stop.add(tokenizer.eos_token_id)

@@ -29,8 +29,7 @@ from tlt_jax import config as config_lib
 from tlt_jax import files
 from tlt_jax import metrics
 
-_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.py")
-_CONFIG = cli.define_config(_DEFAULT_CONFIG)
+_CONFIG = cli.define_config(config_lib.__file__)  # its get_config(): the tiny world, found in an installed copy too
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Same as --config.dry_run=True.")
 
 
@@ -91,13 +90,14 @@ def main(argv):
     print(json.dumps(dry_run.run(config), indent=2))
     return
   check_outputs(config)
+  from tlt_jax.rl import bootstrap  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl.trainer import NonFiniteUpdates, Trainer  # pylint: disable=import-outside-toplevel
   resume = shlex.join(["python", "-m", "tlt_jax.main", *sys.argv[1:]])
   stop = _StopSignal(os.path.join(os.path.abspath(config.workdir), "checkpoints"), resume)
   for signum in (signal.SIGTERM, signal.SIGINT):
     signal.signal(signum, stop)
   try:  # prompt files, the policy and the drafter are read (and checked) before SFT or a rollout starts
-    trainer = Trainer(config)
+    trainer = Trainer(config, *bootstrap.load(config))
   except (OSError, ValueError) as e:
     cli.fail(str(e))
   try:

@@ -33,6 +33,7 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("seq", None),
     ("cache_len", None),
     ("act_embed", None),
+    ("layers", None),  # a scanned decoder's stacked layer axis: each device holds every layer's share
 )
 
 ACTIVATION_AXES = ("batch", "seq", "act_embed")

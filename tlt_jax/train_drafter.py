@@ -43,10 +43,12 @@ from tlt_jax.drafter.model import Drafter, check_feature_layers
 from tlt_jax.models import hf
 from tlt_jax.prompts import read_prompts
 from tlt_jax.rl import datasets, tasks
-from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.state import EngineConfig
 
 _MODEL = flags.DEFINE_string("model", None, "Target: a Hugging Face model directory.", required=True)
+_SCAN_LAYERS = cli.define_scan_layers()
 _OUTPUT = flags.DEFINE_string("output", None, "Directory to write the drafter checkpoint to.", required=True)
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the drafter checkpoint already at --output (nothing "
                                "else is ever replaced).")
@@ -149,7 +151,7 @@ def run() -> dict:
     raise InputError(f"--row_len={_ROW_LEN.value} cannot hold prompt {longest} ({len(prompts[longest])} tokens as "
                      "encoded) and a response token; raise it above the longest prompt")
   with cli.named("model", _MODEL.value):
-    model = hf.from_pretrained(_MODEL.value)
+    model = hf.from_pretrained(_MODEL.value, scan_layers=_SCAN_LAYERS.value)
   rollout = sample(model, tokenizer, prompts, capture_hidden=not layers)
   rollout_s = time.perf_counter() - start
 

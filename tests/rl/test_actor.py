@@ -126,8 +126,9 @@ def test_grpo_updates_raise_the_reward_they_are_given():
   from flax import nnx
   from tlt_jax.models import CausalLM, ModelConfig
   from tlt_jax.rl import grpo
-  from tlt_jax.rollout.engine import Engine, EngineConfig
+  from tlt_jax.rollout.engine import Engine
   from tlt_jax.rollout.sampling import SamplingParams
+  from tlt_jax.rollout.state import EngineConfig
   cfg = ModelConfig("Qwen3ForCausalLM", vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
                     num_kv_heads=1, head_dim=16, qk_norm=True, tie_word_embeddings=True)
   model = CausalLM(cfg, rngs=nnx.Rngs(0))

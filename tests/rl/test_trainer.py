@@ -11,7 +11,7 @@ from flax import nnx
 from tests.conftest import tiny_rl_config
 from tlt_jax import metrics
 from tlt_jax.models import hf
-from tlt_jax.rl import grpo
+from tlt_jax.rl import bootstrap, grpo
 from tlt_jax.rl.trainer import NonFiniteUpdates, Trainer
 
 
@@ -23,7 +23,7 @@ def _timing(key: str) -> bool:
 def _run(workdir, steps, policy_dir, cache_dir):
   c = tiny_rl_config(workdir, steps, cache_dir)
   c.policy.path = policy_dir
-  trainer = Trainer(c, devices=jax.devices()[:2])  # the plain engine data-parallel over 2 devices
+  trainer = Trainer(c, *bootstrap.load(c), devices=jax.devices()[:2])  # the plain engine data-parallel over 2 devices
   try:
     trainer.run()
     return trainer.actor.params
@@ -56,6 +56,11 @@ def test_resume_continues_exactly(tmp_path, tiny_policy_dir, xla_cache):
   assert os.path.isdir(tmp_path / "straight" / "tensorboard")
   exported = nnx.state(hf.from_pretrained(str(tmp_path / "straight" / "export" / "policy")))
   assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), exported, straight)))
+  # The checkpoints hold the scanned form's stacked layers: the unrolled form refuses them, naming the key.
+  c = tiny_rl_config(tmp_path / "straight", 4, cache)
+  c.policy.path, c.policy.scan_layers = policy_dir, False
+  with pytest.raises(ValueError, match=r"layers scanned; resume it with --config.policy.scan_layers=True"):
+    Trainer(c, *bootstrap.load(c), devices=jax.devices()[:2])
 
 
 def test_tlt_step_trains_the_drafter_on_idle_groups_and_checkpoints_it(tmp_path, tiny_policy_dir, xla_cache):
@@ -68,19 +73,19 @@ def test_tlt_step_trains_the_drafter_on_idle_groups_and_checkpoints_it(tmp_path,
   c.rollout.engine.sd_max_batch = 4
   c.drafter.path = str(tmp_path / "drafter")  # absent: distilled on the tiny task, then saved there
   c.drafter.distill.steps = 4
-  c.drafter.distill.row_len = c.drafter.spot.row_len = 64
-  c.drafter.spot.rows_per_device = 1
-  c.drafter.spot.warmup_steps = 1
+  c.drafter.distill.row_len = c.drafter.trainer.row_len = 64
+  c.drafter.trainer.rows_per_device = 1
+  c.drafter.trainer.warmup_steps = 1
   c.checkpoint.every = 1
   # A random policy's drafter warm-up needs the tiny world's tokenizer; policy.path holds it.
   c.policy.path = ""
   os.makedirs(tmp_path / "tlt", exist_ok=True)
   os.symlink(policy_dir, tmp_path / "tlt" / "policy")
-  trainer = Trainer(c, devices=jax.devices()[:2])
+  trainer = Trainer(c, *bootstrap.load(c), devices=jax.devices()[:2])
   try:
     records = trainer.run()
-    version = trainer.spot.version
-    drafter = trainer.spot.state_dict()[0]["params"]
+    version = trainer.rollout.drafter_trainer.version
+    drafter = trainer.rollout.drafter_trainer.state_dict()[0]["params"]
   finally:
     trainer.close()
   assert os.path.exists(tmp_path / "drafter" / "drafter_config.json")
@@ -89,12 +94,13 @@ def test_tlt_step_trains_the_drafter_on_idle_groups_and_checkpoints_it(tmp_path,
   assert os.path.exists(tmp_path / "tlt" / "export" / "drafter" / "model.safetensors")
   # A restart restores the drafter and the bandits with the policy.
   c.steps = 2
-  again = Trainer(c, devices=jax.devices()[:2])
+  again = Trainer(c, *bootstrap.load(c), devices=jax.devices()[:2])
   try:
-    assert again.step == 2 and again.spot.version == version
-    same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), again.spot.state_dict()[0]["params"], drafter)
+    assert again.step == 2 and again.rollout.drafter_trainer.version == version
+    restored = again.rollout.drafter_trainer.state_dict()[0]["params"]
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), restored, drafter)
     assert all(jax.tree.leaves(same))
-    assert all(e.bandit is not None for e in again.engines)
+    assert all(e.bandit is not None for e in again.rollout.engines)
   finally:
     again.close()
 
@@ -111,18 +117,19 @@ def test_suffix_drafts_need_no_drafter_and_their_bandit_resumes(tmp_path, tiny_p
   c.rollout.engine.suffix_bank_len = 256
   c.checkpoint.every = 1
   c.eval.every = 0
-  trainer = Trainer(c, devices=jax.devices()[:2])
+  trainer = Trainer(c, *bootstrap.load(c), devices=jax.devices()[:2])
   try:
-    assert trainer.spot is None and [s.name for s in trainer.engines[0].config.strategies] == ["s2_1_3", "s3_2_5"]
+    assert trainer.rollout.drafter_model() is None
+    assert [s.name for s in trainer.rollout.engines[0].config.strategies] == ["s2_1_3", "s3_2_5"]
     record = trainer.run()[-1]
-    bandit = trainer.engines[0].bandit.state_dict()
+    bandit = trainer.rollout.engines[0].bandit.state_dict()
   finally:
     trainer.close()
   assert not os.path.exists(tmp_path / "suffix" / "drafter")
   assert record["rollout/verify_passes"] > 0 and any("/arm_s" in key for key in record)
-  again = Trainer(c, devices=jax.devices()[:2])
+  again = Trainer(c, *bootstrap.load(c), devices=jax.devices()[:2])
   try:
-    assert again.step == 1 and again.engines[0].bandit.state_dict() == bandit
+    assert again.step == 1 and again.rollout.engines[0].bandit.state_dict() == bandit
   finally:
     again.close()
 
@@ -133,7 +140,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, tiny_policy_
   c = tiny_rl_config(tmp_path / "nan", 2, xla_cache)
   c.policy.path = tiny_policy_dir
   c.rl.max_skipped_updates = 3  # 2 updates a step: step 1 skips 2, step 2's first skip is the third
-  trainer = Trainer(c, devices=jax.devices()[:2])
+  trainer = Trainer(c, *bootstrap.load(c), devices=jax.devices()[:2])
   before = jax.tree.map(np.asarray, trainer.actor.params)
   monkeypatch.setattr(grpo, "advantages", lambda rewards, **kw: np.full(rewards.shape, np.nan, np.float32))
   try:

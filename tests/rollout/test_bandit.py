@@ -118,3 +118,14 @@ def test_moves_to_the_new_best_arm_when_rewards_change(change):
   share = (chosen == table.argmax(1)).mean(0)
   assert (table.argmax(1) != TABLE.argmax(1)).all()
   assert (share >= 0.9).all(), share
+
+
+def test_choose_among_allowed_arms():
+  """Arms outside `allowed` are never played (a NaN drafter's); SD off always may be."""
+  b = Bandit([A, B], epsilon=1.0, seed=0)
+  played = set()
+  for _ in range(100):
+    arm = b.choose(1, allowed=[B])
+    b.update(1, arm, tokens=10, seconds=1.0)
+    played.add(arm)
+  assert played == {None, B}

@@ -1,7 +1,5 @@
 """The rollout engine: parity with `transformers.generate`, seed invariance, compaction, no recompiles."""
 
-import functools
-
 import jax
 import numpy as np
 import pytest
@@ -9,25 +7,17 @@ import torch
 from flax import nnx
 
 from tests.conftest import FAMILIES, VOCAB
+from tests.rollout.conftest import CONFIG, STOP, configured, prompts, with_sd
 from tlt_jax.drafter.model import Drafter
-from tlt_jax.models import CausalLM, ModelConfig, hf
-from tlt_jax.rollout.engine import Engine, EngineConfig, RolloutMetrics, SegmentRecord
+from tlt_jax.models import CausalLM, ModelConfig
+from tlt_jax.rollout import suffix
+from tlt_jax.rollout.bandit import Bandit
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
+from tlt_jax.rollout.state import EngineConfig
 
-STOP = 1
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring's event per XLA compilation
-CONFIG = EngineConfig(batch_buckets=(1, 2, 4, 8), max_prompt_len=24, max_new_tokens=64, kv_block=16, segment_steps=8)
-
-
-def prompts(n, seed=0):
-  rng = np.random.RandomState(seed)
-  return [rng.randint(2, VOCAB, rng.randint(1, 20)).tolist() for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def models(hf_dirs):
-  return {f: hf.from_pretrained(hf_dirs[f][0]) for f in FAMILIES}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -131,17 +121,13 @@ def test_set_params_swaps_weights_without_recompiling(models):
   assert len(engine.pool) == n and first != second
 
 
-def test_persistent_compilation_cache(models, tmp_path):
-  config = EngineConfig(**{**CONFIG.__dict__, "batch_buckets": (1, 2), "compilation_cache_dir": str(tmp_path)})
-  try:
-    Engine(models["qwen2_tied"], config, SamplingParams(temperature=0, max_new_tokens=4)).generate([[5, 6]])
-  finally:
-    jax.config.update("jax_compilation_cache_dir", None)
-  assert len(list(tmp_path.iterdir())) >= 3  # init, prefill, segments, halve
-
-
-def with_sd(config, strategy, sd_max_batch=8):
-  return EngineConfig(**{**config.__dict__, "strategies": (Strategy.parse(strategy),), "sd_max_batch": sd_max_batch})
+def test_the_engine_leaves_jax_settings_alone(models):
+  """The persistent compilation cache is the process's start-up's to set (`config.setup_compilation_cache`)."""
+  settings = lambda: (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+  before = settings()
+  engine = Engine(models["qwen2_tied"], configured(CONFIG, batch_buckets=(1,)), SamplingParams(max_new_tokens=4))
+  engine.generate([[5, 6]])
+  assert settings() == before
 
 
 def test_speculative_greedy_is_identical_for_any_drafter(models):
@@ -208,10 +194,6 @@ def test_speculation_needs_a_drafter(models):
   with pytest.raises(ValueError, match=r"\['2_2_4'\] need a drafter"):
     Engine(models["qwen3"], configured(CONFIG, strategies=(Strategy.parse("2_2_4"), Strategy.parse("s2_2_4"))),
            SamplingParams(max_new_tokens=8))
-  with pytest.raises(ValueError, match="suffix_bank_len must be >= max_prompt_len \\+ 2 = 26"):
-    configured(with_sd(CONFIG, "s2_2_4"), suffix_bank_len=25)
-  with pytest.raises(ValueError, match="suffix_ngram must be >= 1"):
-    configured(CONFIG, suffix_ngram=0)
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, top_p=0.9)])
@@ -248,6 +230,28 @@ def test_suffix_drafts_from_a_finished_sibling_in_a_refilled_slot(models):
   assert passes[1] == passes[2] == 8 < passes[0], passes
 
 
+def test_suffix_drafts_from_an_earlier_epoch(models):
+  """The prompt's history holds its greedy response from an earlier rollout (`suffix.History`):
+  the first sample of the next rollout drafts it from its first token on, as later siblings do
+  from the bank; tokens are plain decoding's, also with a history that predicts nothing."""
+  model = models["llama3"]
+  params = SamplingParams(temperature=0, max_new_tokens=40)
+  config = configured(with_sd(CONFIG, "s4_1_5", sd_max_batch=1), batch_buckets=(1,), suffix_history_len=96)
+  engine, prompt = Engine(model, config, params), [5, 9, 13]
+  first = engine.generate([prompt])
+  history = suffix.History(config.suffix_history_len, config.suffix_ngram)
+  history.add(prompt, [first.samples[0].tokens])
+  again = engine.generate([prompt], history=[history.get(prompt)])
+  assert sample_set(again) == sample_set(first)
+  assert sum(s.passes for s in first.metrics.segments) > 8 == sum(s.passes for s in again.metrics.segments)
+  noise = [np.random.default_rng(0).integers(0, 50, 90)]
+  sampled = SamplingParams(temperature=1.0, max_new_tokens=40, seed=3)
+  assert (sample_set(Engine(model, config, sampled).generate([prompt], num_samples=2, history=noise))
+          == sample_set(Engine(model, CONFIG, sampled).generate([prompt], num_samples=2)))
+  with pytest.raises(ValueError, match="history has 2 entries for 1 prompts"):
+    engine.generate([prompt], history=noise * 2)
+
+
 def test_suffix_speculation_on_a_mesh(models):
   """Rows split over two devices, the bank replicated: plain decoding's greedy tokens."""
   from tlt_jax import sharding
@@ -274,8 +278,8 @@ def test_the_bank_follows_prompts_through_compaction(models):
   engine.prepare(4, [len(p) for p in ps])
   bank = engine._bank_rows(rows)
   slots = np.arange(4, dtype=np.int32)
-  st = engine.pool[("init", 4)](*engine._identity(rows, slots, [6, 40], 0, bank))
-  st = engine._prefill_slots(st, ps, rows, slots)
+  st = engine.pool[("init", 4)](engine._slot_rows(rows, slots, [6, 40], 0, bank))
+  st = engine._prefill_slots(st, ps, rows, slots, None)
   params = engine.params, engine.drafter_params
   st = engine.pool[("plain", 4)](*params, st, np.int32(0))
 
@@ -360,7 +364,6 @@ def test_speculative_first_three_tokens_follow_plain_sampling(drafter_kind):
 def test_bandit_picks_strategies_losslessly_without_compiling(models):
   """One segment executable per (bucket, arm); the bandit plays every arm (EAGLE, suffix, SD off),
   outputs equal plain greedy ones, nothing compiles inside the rollouts."""
-  from tlt_jax.rollout.bandit import Bandit
   model = models["qwen3"]
   strategies = (Strategy.parse("3_1_3"), Strategy.parse("2_2_3"), Strategy.parse("s3_2_4"))
   config = EngineConfig(**{**CONFIG.__dict__, "strategies": strategies, "sd_max_batch": 4})
@@ -425,81 +428,6 @@ def test_pallas_kernels_give_the_greedy_tokens_of_transformers(models, hf_dirs):
     assert [s.tokens.tolist() for s in rollout.samples] == expected, attention
 
 
-def test_prefill_feeds_the_drafter_each_rows_prompt_pairs(models):
-  """The prefill runs the drafter once per unique prompt and copies it into the prompt's rows, then
-  feeds each row its own last pair; the result equals one drafter pass over the row's whole prompt."""
-  from tlt_jax.models import transformer
-  from tlt_jax.models.transformer import KVCache
-  model = models["qwen3"]
-  drafter = Drafter(model.config, rngs=nnx.Rngs(5))
-  engine = Engine(model, with_sd(CONFIG, "2_2_4"), SamplingParams(temperature=1.0, max_new_tokens=64, seed=4,
-                                                                   stop_token_ids=(STOP,)), drafter=drafter)
-  ps = prompts(3, seed=31)
-  t = 24
-  tokens = np.zeros((3, t), np.int32)
-  for i, p in enumerate(ps):
-    tokens[i, :len(p)] = p
-  lengths = np.asarray([len(p) for p in ps], np.int32)
-  row_prompt = np.asarray([0, 0, 1, 2, 2, 2, -1, -1], np.int32)  # 2, 1 and 3 samples; 2 empty rows
-  ids = np.arange(8, dtype=np.int32)
-  st = jax.jit(engine._init)(ids, ids * 0, ids, np.full((8,), 64, np.int32), *[ids * 0] * 3)
-  st = jax.jit(engine._prefill)(engine.params, engine.drafter_params, st, tokens, lengths, row_prompt)
-
-  out = transformer.prefill(model, tokens, lengths, KVCache.zeros(model.config, 3, t))
-  src = np.maximum(row_prompt, 0)
-  pairs = np.concatenate([tokens[:, 1:], np.zeros((3, 1), np.int32)], axis=1)[src]
-  pairs[np.arange(8), lengths[src] - 1] = np.asarray(st.tokens)[:, 0]  # each row's own first token
-  ref_out, ref_cache = drafter(model, out.hidden[src], pairs, np.broadcast_to(np.arange(t), (8, t)),
-                               drafter.empty_cache(8, t), np.broadcast_to(np.tril(np.ones((t, t), bool)), (8, t, t)))
-  for r in range(6):
-    n = lengths[src[r]]
-    assert int(st.drafter_cache.lengths[r]) == n
-    for name in ("k", "v"):
-      np.testing.assert_allclose(getattr(st.drafter_cache, name)[:, r, :n], getattr(ref_cache, name)[:, r, :n],
-                                 atol=1e-5)
-    np.testing.assert_allclose(st.draft_feat[r], ref_out[r, n - 1], atol=1e-5)
-  assert not np.asarray(st.drafter_cache.lengths)[6:].any()
-
-
-def test_plain_segments_keep_the_drafter_cache_current(models):
-  """A plain segment feeds the drafter its committed pairs in one chunk at the end; the drafter
-  cache and last output equal feeding them step by step (one-node verify steps)."""
-  from tlt_jax.rollout import speculative
-  model = models["qwen3"]
-  engine = Engine(model, with_sd(CONFIG, "2_2_4"), SamplingParams(temperature=1.0, max_new_tokens=64, seed=3,
-                                                                   stop_token_ids=(STOP,)),
-                  drafter=Drafter(model.config, rngs=nnx.Rngs(7)))
-  ps = prompts(4, seed=30)
-  tokens = np.zeros((4, 24), np.int32)
-  for i, p in enumerate(ps):
-    tokens[i, :len(p)] = p
-  ids = np.arange(4, dtype=np.int32)
-  budgets = np.asarray([3, 64, 64, 64], np.int32)  # row 0 ends inside the segment
-  st = jax.jit(engine._init)(ids, ids * 0, ids, budgets, *[ids * 0] * 3)
-  st = jax.jit(engine._prefill)(engine.params, engine.drafter_params, st, tokens,
-                                np.asarray([len(p) for p in ps], np.int32), ids)
-  chunked = jax.jit(functools.partial(engine._segment, strategy=None))(engine.params, engine.drafter_params, st, 0)
-
-  @jax.jit
-  def one_step(p, d, s):
-    model, drafter = engine._models(p, d)
-    s, pairs = engine._verify_step(model, drafter, s, speculative.root_only(s.last_token), 0)
-    return engine._feed_drafter(model, drafter, s, pairs, CONFIG.kv_block)
-
-  stepped = st
-  for _ in range(CONFIG.segment_steps):
-    stepped = one_step(engine.params, engine.drafter_params, stepped)
-  np.testing.assert_array_equal(chunked.tokens, stepped.tokens)
-  lengths = np.asarray(stepped.drafter_cache.lengths)
-  np.testing.assert_array_equal(chunked.drafter_cache.lengths, lengths)
-  assert lengths[0] < lengths[1]  # the finished row stopped feeding
-  for name in ("k", "v"):
-    a, b = (np.asarray(getattr(s.drafter_cache, name)) for s in (chunked, stepped))
-    for r, n in enumerate(lengths):
-      np.testing.assert_allclose(a[:, r, :n], b[:, r, :n], atol=1e-5)
-  np.testing.assert_allclose(chunked.draft_feat, stepped.draft_feat, atol=1e-5)
-
-
 def test_nan_drafter_turns_speculation_off_losslessly(models, caplog):
   """A drafter with NaN params: the guard sees it at the prefill's feed, the rollout decodes plain,
   greedy outputs equal the finite drafter's (which equal plain decoding, tested above), and a
@@ -517,7 +445,25 @@ def test_nan_drafter_turns_speculation_off_losslessly(models, caplog):
   assert sample_set(bad) == sample_set(good)
   assert bad.metrics.drafter_nonfinite and bad.metrics.summary()["rollout/drafter_nonfinite"] == 1
   assert not any(s.strategy for s in bad.metrics.segments)
-  assert "speculation is off for the rest of this rollout" in caplog.text
+  assert "its strategies are off for the rest of this rollout" in caplog.text
+
+
+def test_nan_drafter_leaves_suffix_arms_on(models):
+  """With an EAGLE and a suffix arm under a bandit, a NaN drafter turns the EAGLE arm off; the
+  bandit plays SD off and the suffix arm, and the tokens are plain decoding's."""
+  model = models["qwen3"]
+  strategies = (Strategy.parse("2_1_2"), Strategy.parse("s3_1_4"))
+  config = EngineConfig(**{**CONFIG.__dict__, "strategies": strategies, "sd_max_batch": 8, "compact": False,
+                            "segment_steps": 4})
+  params = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=(STOP,))
+  bandit = Bandit(strategies, epsilon=0.0)
+  engine = Engine(model, config, params, drafter=Drafter(model.config, rngs=nnx.Rngs(3)), bandit=bandit)
+  engine.set_drafter_params(jax.tree.map(lambda x: np.full(x.shape, np.nan, x.dtype), engine.drafter_params))
+  ps = [p[:12] for p in prompts(3, seed=22)]
+  bad = engine.generate(ps, num_samples=2)
+  assert bad.metrics.drafter_nonfinite
+  assert {s.strategy for s in bad.metrics.segments} == {None, "s3_1_4"}
+  assert sample_set(bad) == sample_set(Engine(model, CONFIG, params).generate(ps, num_samples=2))
 
 
 def count_compiles():
@@ -525,10 +471,6 @@ def count_compiles():
   jax.monitoring.register_event_duration_secs_listener(
       lambda event, secs, **kw: compiles.append(event) if event == COMPILE_EVENT else None)
   return compiles
-
-
-def configured(config, **changes):
-  return EngineConfig(**{**config.__dict__, **changes})
 
 
 @pytest.mark.parametrize("sampling,strategy", [(dict(temperature=0), None), (dict(temperature=1.0, top_p=0.9), None),
@@ -585,7 +527,7 @@ def refill_engine(models):
 
 def test_refilled_shards_sample_what_one_engine_samples(refill_engine):
   """Data-parallel rollout groups each run a shard of the prompts at its `prompt_offset` (as
-  tlt_jax.drafter.spot does); refilled shards sample what one refilled rollout does, compiling nothing."""
+  tlt_jax.rollout.tlt does); refilled shards sample what one refilled rollout does, compiling nothing."""
   ps = prompts(6, seed=41)
   compiles = count_compiles()
   whole = refill_engine.generate(ps, num_samples=3)
@@ -608,15 +550,3 @@ def test_longest_expected_first_changes_the_order_not_the_tokens(refill_engine):
   assert sample_set(longest) == sample_set(in_order)
   with pytest.raises(ValueError, match="expected_lengths has 5 entries for 6 prompts"):
     refill_engine.generate(ps, expected_lengths=expected[:5])
-
-
-def test_occupancy_idle_slots_and_tail_share():
-  m = RolloutMetrics(decode_s=10.0)
-  # bucket, active rows at the start, tokens, seconds, strategy, row-steps, steps, tail, waiting
-  m.segments = [SegmentRecord(8, 8, 60, 4.0, None, 60, 8, False, 5), SegmentRecord(8, 6, 30, 2.0, None, 30, 8),
-                SegmentRecord(4, 4, 8, 3.0, "2_1_3", 8, 4, True), SegmentRecord(2, 1, 3, 1.0, None, 3, 3)]
-  np.testing.assert_allclose(m.occupancy(), [7.5, 3.75, 2.0, 1.0])
-  summary = m.summary()
-  assert summary["rollout/idle_slot_fraction"] == pytest.approx(1 - 101 / (64 + 64 + 16 + 6))
-  assert summary["rollout/tail_share"] == pytest.approx((3.0 + 1.0) / 10.0)  # plays begun with <= 4 of 8 rows
-  assert summary["rollout/refills"] == 0

@@ -132,6 +132,24 @@ def test_layout_and_context():
   np.testing.assert_array_equal(got, [[13, 21, 22, 23, 24], [-1, 11, 12, 13, 21]])
 
 
+def test_history_sizes_regions_and_keeps_the_latest_epochs():
+  layout = suffix.Layout(bank_len=40, max_prompt_len=8, num_samples=3, max_new_tokens=100, history_len=12)
+  assert (layout.region, layout.offset(2)) == (6, 20)  # 40 - 8 - 12 = 20 slots for 3 samples
+  history = suffix.History(length=12, ngram=2)
+  prompt = [7, 8, 9]
+  assert history.get(prompt).tolist() == [] and len(history) == 0
+  history.add(prompt, [[1, 2], [3]])
+  assert history.get(prompt).tolist() == [8, 9, 1, 2, -1, 8, 9, 3, -1]
+  history.add(prompt, [[4, 5, 6]])  # the newer epoch first; the oldest tokens dropped past 12
+  assert history.get(prompt).tolist() == [8, 9, 4, 5, 6, -1, 8, 9, 1, 2, -1, 8]
+  history.add([1], [[2]])
+  restored = suffix.History(length=12, ngram=2)
+  restored.load_state_dict(history.state_dict())
+  assert len(restored) == 2
+  for p in (prompt, [1]):
+    assert restored.get(p).tolist() == history.get(p).tolist()
+
+
 @pytest.mark.parametrize("name", ["s4_1_6", "s2_3_8", "s0_1_2", "sx_1_2", "s4_1"])
 def test_bad_suffix_strategy_rejected(name):
   with pytest.raises(ValueError, match=name):

@@ -27,7 +27,7 @@ def ungroup(out_BxKxRxD, t: int):
   return out_BxKxRxD.reshape(b, k, r // t, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, k * (r // t), d)
 
 
-def window(cache_LxBxSxKxD, layer: int, lengths_B, w: int):
+def window(cache_LxBxSxKxD, layer, lengths_B, w: int):
   """[B, K, W, D]: each row's W window slots, gathered without copying the layer's cache."""
   b = lengths_B.shape[0]
   slots_BxW = lengths_B[:, None] + jnp.arange(w)[None, :]

@@ -28,17 +28,18 @@ from jax.experimental.pallas import triton as pltriton
 from tlt_jax.kernels import layout
 
 
-def _kernel(lengths_ref, q_ref, k_ref, v_ref, kw_ref, vw_ref, mask_ref, m_ref, l_ref, acc_ref, *, block, scale):
+def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, kw_ref, vw_ref, mask_ref, m_ref, l_ref, acc_ref, *, block,
+            scale):
   split, splits = pl.program_id(2), pl.num_programs(2)
-  length = lengths_ref[0]
+  length, layer = lengths_ref[0], layer_ref[0]
   q_RxD = q_ref[...]
   r, d = q_RxD.shape
 
   def prefix_block(i, carry):
     start = pl.multiple_of(i * block, block)
-    s = layout.scores(q_RxD, k_ref[pl.ds(start, block), :], scale)
+    s = layout.scores(q_RxD, k_ref[layer, pl.ds(start, block), :], scale)
     s = jnp.where((start + jnp.arange(block))[None, :] < length, s, -jnp.inf)
-    return layout.online_step(*carry, s, v_ref[pl.ds(start, block), :])
+    return layout.online_step(*carry, s, v_ref[layer, pl.ds(start, block), :])
 
   n_blocks = pl.cdiv(length, block)
   per_split = pl.cdiv(n_blocks, splits)
@@ -58,9 +59,10 @@ def _pow2(n: int) -> int:
   return max(16, 1 << (n - 1).bit_length())
 
 
-def tree_attention(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer: int, lengths_B, mask_BxTxW, *, block: int,
+def tree_attention(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW, *, block: int,
                    scale: float, interpret: bool = False):
-  """`tree_attention.reference` semantics on GPU; `interpret=True` runs it in the Pallas interpreter."""
+  """`tree_attention.reference` semantics on GPU; `interpret=True` runs it in the Pallas interpreter.
+  `layer` may be traced (a scanned decoder's layer index)."""
   b, t, h, d = q_BxTxHxD.shape
   kv_heads, w = k_LxBxSxKxD.shape[3], mask_BxTxW.shape[2]
   for name, n in (("attention block", block), ("head dim", d)):
@@ -77,19 +79,23 @@ def tree_attention(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer: int, lengths_B, m
 
   splits = max(1, min(k_LxBxSxKxD.shape[2] // block, _PROGRAMS // (b * kv_heads)))
   rows = lambda n: pl.BlockSpec((None, None, n, d), lambda row, kh, split: (row, kh, 0, 0))
-  cache = pl.BlockSpec((None, None, k_LxBxSxKxD.shape[2], None, d), lambda row, kh, split: (layer, row, 0, kh, 0))
+  # Every layer of the row's KV head: the kernel indexes the layer it reads (Triton has no scalar prefetch).
+  cache = pl.BlockSpec((k_LxBxSxKxD.shape[0], None, k_LxBxSxKxD.shape[2], None, d),
+                       lambda row, kh, split: (0, row, 0, kh, 0))
   part = lambda n: pl.BlockSpec((None, None, None, r_pad, n), lambda row, kh, split: (row, kh, split, 0, 0))
   part_shape = lambda n: jax.ShapeDtypeStruct((b, kv_heads, splits, r_pad, n), jnp.float32)
   m, l, acc = pl.pallas_call(
       functools.partial(_kernel, block=block, scale=scale),
       grid=(b, kv_heads, splits),
-      in_specs=[pl.BlockSpec((1,), lambda row, kh, split: (row,)), rows(r_pad), cache, cache, rows(w_pad),
+      in_specs=[pl.BlockSpec((1,), lambda row, kh, split: (row,)), pl.BlockSpec((1,), lambda row, kh, split: (0,)),
+                rows(r_pad), cache, cache, rows(w_pad),
                 rows(w_pad), pl.BlockSpec((None, r_pad, w_pad), lambda row, kh, split: (row, 0, 0))],
       out_specs=[part(1), part(1), part(d)],
       out_shape=[part_shape(1), part_shape(1), part_shape(d)],
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret,
-  )(lengths_B.astype(jnp.int32), q, k_LxBxSxKxD, v_LxBxSxKxD, kw, vw, mask)
+  )(lengths_B.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), q, k_LxBxSxKxD, v_LxBxSxKxD, kw, vw,
+    mask)
   # Merge the splits' softmax states (flash-decoding); empty splits carry m = NEG and weigh 0.
   weight = jnp.exp(m - m.max(axis=2, keepdims=True))
   out = (acc * weight).sum(axis=2) / (l * weight).sum(axis=2)

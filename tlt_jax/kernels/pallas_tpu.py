@@ -3,7 +3,8 @@
 Grid (row,). A row's queries (all heads) stay in VMEM; the kernel itself streams the row's
 filled cache blocks from HBM with double-buffered DMAs (the next block's copy runs while the
 current one is computed), in a loop whose trip count is the row's own filled length (lengths
-are prefetched into SMEM). Nothing past the filled length is copied or visited, so the cost
+are prefetched into SMEM, with the layer index: a run-time value, so one kernel serves every
+layer of a scanned decoder). Nothing past the filled length is copied or visited, so the cost
 tracks the filled length, not the cache capacity, whatever the block size. The running softmax
 state lives in VMEM scratch; the window (W slots with the tree mask) is folded in last. The
 cache is read as [L, B, S, K*D] (a free reshape), so a block is one contiguous (block, K*D)
@@ -22,9 +23,9 @@ from jax.experimental.pallas import tpu as pltpu
 from tlt_jax.kernels import layout
 
 
-def _kernel(lengths_ref, q_ref, k_hbm, v_hbm, kw_ref, vw_ref, mask_ref, o_ref, k_buf, v_buf, sems, m_ref, l_ref,
-            acc_ref, *, layer, block, kv_heads, head_dim, scale):
-  b = pl.program_id(0)
+def _kernel(lengths_ref, layer_ref, q_ref, k_hbm, v_hbm, kw_ref, vw_ref, mask_ref, o_ref, k_buf, v_buf, sems, m_ref,
+            l_ref, acc_ref, *, block, kv_heads, head_dim, scale):
+  b, layer = pl.program_id(0), layer_ref[0]
   length = lengths_ref[b]
   n_blocks = pl.cdiv(length, block)
   m_ref[...] = jnp.full(m_ref.shape, layout.NEG, jnp.float32)
@@ -70,9 +71,10 @@ def _kernel(lengths_ref, q_ref, k_hbm, v_hbm, kw_ref, vw_ref, mask_ref, o_ref, k
     o_ref[h] = (acc_ref[h] / l_ref[h]).astype(o_ref.dtype)
 
 
-def tree_attention(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer: int, lengths_B, mask_BxTxW, *, block: int,
+def tree_attention(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW, *, block: int,
                    scale: float, interpret: bool = False):
-  """`tree_attention.reference` semantics on TPU; `interpret=True` runs the TPU interpreter (CPU)."""
+  """`tree_attention.reference` semantics on TPU; `interpret=True` runs the TPU interpreter (CPU).
+  `layer` may be traced (a scanned decoder's layer index)."""
   b, t, h, d = q_BxTxHxD.shape
   n_layers, _, s_cap, kv_heads, _ = k_LxBxSxKxD.shape
   w, groups = mask_BxTxW.shape[2], h // kv_heads
@@ -81,22 +83,23 @@ def tree_attention(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer: int, lengths_B, m
   if block % tile:
     raise ValueError(f"pallas_tpu needs an attention block that is a multiple of {tile} for {dtype}, got {block}")
   flat = lambda c: c.reshape(n_layers, b, s_cap, kv_heads * d)
-  per_row = lambda shape: pl.BlockSpec((None, *shape), lambda row, lengths: (row,) + (0,) * len(shape))
+  per_row = lambda shape: pl.BlockSpec((None, *shape), lambda row, lengths, layer: (row,) + (0,) * len(shape))
   hbm = pl.BlockSpec(memory_space=pl.ANY)  # the caches stay in HBM; the kernel copies what it reads
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=1, grid=(b,),
+      num_scalar_prefetch=2, grid=(b,),
       in_specs=[per_row((kv_heads, r, d)), hbm, hbm, per_row((kv_heads, w, d)), per_row((kv_heads, w, d)),
                 per_row((r, w))],
       out_specs=per_row((kv_heads, r, d)),
       scratch_shapes=[pltpu.VMEM((2, block, kv_heads * d), dtype), pltpu.VMEM((2, block, kv_heads * d), dtype),
                       pltpu.SemaphoreType.DMA((2, 2)), pltpu.VMEM((kv_heads, r, 1), jnp.float32),
                       pltpu.VMEM((kv_heads, r, 1), jnp.float32), pltpu.VMEM((kv_heads, r, d), jnp.float32)])
-  kernel = functools.partial(_kernel, layer=layer, block=block, kv_heads=kv_heads, head_dim=d, scale=scale)
+  kernel = functools.partial(_kernel, block=block, kv_heads=kv_heads, head_dim=d, scale=scale)
   out = pl.pallas_call(
       kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((b, kv_heads, r, d), q_BxTxHxD.dtype),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
       interpret=pltpu.InterpretParams() if interpret else False,
-  )(lengths_B.astype(jnp.int32), layout.group_queries(q_BxTxHxD, kv_heads), flat(k_LxBxSxKxD), flat(v_LxBxSxKxD),
+  )(lengths_B.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), layout.group_queries(q_BxTxHxD, kv_heads),
+    flat(k_LxBxSxKxD), flat(v_LxBxSxKxD),
     layout.window(k_LxBxSxKxD, layer, lengths_B, w), layout.window(v_LxBxSxKxD, layer, lengths_B, w),
     layout.group_mask(mask_BxTxW, groups))
   return layout.ungroup(out, t)

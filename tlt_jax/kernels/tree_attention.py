@@ -60,7 +60,8 @@ def reference(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW,
   """[B, T, H, D] attention outputs over layer `layer` of the caches (GQA: H = K x groups).
 
   The caches hold every layer so that the blockwise path slices blocks straight out of them:
-  slicing the layer first would copy the whole layer cache at every step.
+  slicing the layer first would copy the whole layer cache at every step. `layer` is a Python
+  int (unrolled decoder) or a traced index (scanned decoder): every implementation takes both.
   """
   b, t, h, d = q_BxTxHxD.shape
   s_cap, kv_heads = k_LxBxSxKxD.shape[2], k_LxBxSxKxD.shape[3]

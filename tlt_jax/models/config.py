@@ -44,6 +44,10 @@ class ModelConfig:
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None
   pad_token_id: int | None = None
+  # Not a Hugging Face key: how our decoder runs its layers. True: parameters stacked along a
+  # leading layer axis and one `lax.scan` over them, so every executable compiles one layer body;
+  # False: the layers unrolled, each its own parameters (paths `model.layers.<i>.*`).
+  scan_layers: bool = True
 
   def __post_init__(self):
     if self.architecture not in SUPPORTED_ARCHITECTURES:

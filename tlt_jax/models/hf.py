@@ -2,12 +2,14 @@
 
 Loading streams tensor by tensor: every device reads only its own slice of each tensor straight
 from the safetensors file onto its NamedSharding, so the model never exists twice on the host.
-Our parameter paths mirror HF names; Linear kernels are stored transposed ([in, out]).
+Our parameter paths mirror HF names; Linear kernels are stored transposed ([in, out]). A scanned
+decoder's layer parameters are stacked ([L, ...]): layer i's tensor `model.layers.<i>.*` is slice i.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import json
 import os
@@ -44,6 +46,15 @@ def hf_name(path: tuple) -> str:
   """Our parameter path -> HF tensor name: ('model', 'layers', 0, 'mlp', 'up_proj', 'kernel')
   -> 'model.layers.0.mlp.up_proj.weight'."""
   return ".".join(str(p) for p in path[:-1]) + "." + _LEAF_NAMES[path[-1]]
+
+
+def hf_tensors(path: tuple, shape: tuple) -> list[tuple[str, int | None]]:
+  """The HF tensors of one of our parameters, as (name, layer): the parameter itself (layer None),
+  or, for a scanned decoder's stacked layer parameter ('model', 'layers', 'mlp', ...), one tensor
+  per layer `i`, its slice `[i]`."""
+  if path[:2] != ("model", "layers") or isinstance(path[2], int):
+    return [(hf_name(path), None)]
+  return [(hf_name((*path[:2], i, *path[2:])), i) for i in range(shape[0])]
 
 
 def _dtype(name: Any, source: str):
@@ -98,12 +109,16 @@ def _open_safetensors(path: str):
     raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
-def from_pretrained(model_dir: str, dtype=None, mesh: jax.sharding.Mesh | None = None) -> CausalLM:
+def from_pretrained(model_dir: str, dtype=None, mesh: jax.sharding.Mesh | None = None,
+                    scan_layers: bool | None = None) -> CausalLM:
   """Loads a HF model directory into a `CausalLM`, sharded over `mesh` (default: one device).
 
-  `dtype` (a jnp dtype or 'float32' / 'bfloat16' / 'float16') defaults to the checkpoint's.
+  `dtype` (a jnp dtype or 'float32' / 'bfloat16' / 'float16') defaults to the checkpoint's;
+  `scan_layers` (`ModelConfig.scan_layers`) to the config's default.
   """
   cfg, raw = read_config(model_dir)
+  if scan_layers is not None:
+    cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
   config_path = os.path.join(model_dir, "config.json")
   dtype = _dtype(dtype, "dtype argument") or _dtype(raw.get("torch_dtype") or raw.get("dtype") or "float32",
                                                       config_path)
@@ -116,32 +131,43 @@ def from_pretrained(model_dir: str, dtype=None, mesh: jax.sharding.Mesh | None =
   with contextlib.ExitStack() as stack:
     handles = {}
 
-    def load(path, var):
-      name = hf_name(path)
+    def tensor(name, shape, transpose):
+      """The open slice of tensor `name`, checked to hold a parameter (layer) of `shape`."""
       if name not in files:
         raise CheckpointError(f"{model_dir}: tensor {name!r} is missing from the checkpoint")
       if files[name] not in handles:
         handles[files[name]] = stack.enter_context(_open_safetensors(files[name]))
-      tensor = handles[files[name]].get_slice(name)
-      transpose = path[-1] == "kernel"
-      shape = tuple(tensor.get_shape())
-      expected = tuple(var.shape[::-1] if transpose else var.shape)
-      if shape != expected:
-        raise CheckpointError(f"{files[name]}: tensor {name!r} has shape {shape}, expected {expected}")
-      if tensor.get_dtype() not in _SAFETENSORS_DTYPES:
-        raise CheckpointError(f"{files[name]}: tensor {name!r} has dtype {tensor.get_dtype()}, "
+      found = handles[files[name]].get_slice(name)
+      expected = tuple(shape[::-1] if transpose else shape)
+      if tuple(found.get_shape()) != expected:
+        raise CheckpointError(f"{files[name]}: tensor {name!r} has shape {tuple(found.get_shape())}, "
+                              f"expected {expected}")
+      if found.get_dtype() not in _SAFETENSORS_DTYPES:
+        raise CheckpointError(f"{files[name]}: tensor {name!r} has dtype {found.get_dtype()}, "
                               f"supported: {sorted(_SAFETENSORS_DTYPES)}")
+      return found
 
-      def read(index):
+    def load(path, var):
+      transpose = path[-1] == "kernel"
+      names = hf_tensors(path, var.shape)
+      stacked = names[0][1] is not None
+      parts = [tensor(name, var.shape[1:] if stacked else var.shape, transpose) for name, _ in names]
+
+      def read_one(part, index):
         with jax.default_device(cpu):
-          part = tensor[index[::-1]].T if transpose else tensor[index]
-          return np.asarray(part).astype(dtype)
+          return np.asarray(part[index[::-1]].T if transpose else part[index]).astype(dtype)
+
+      def read(index):  # this device's block; of a stacked parameter, its layers' blocks stacked
+        if stacked:
+          return np.stack([read_one(part, index[1:]) for part in parts[index[0]]])
+        return read_one(parts[0], index)
 
       target = sharding.variable_sharding(var, mesh)
       return var.replace(jax.make_array_from_callback(var.shape, target, read))
 
-    state = nnx.from_flat_state([(p, load(p, v)) for p, v in nnx.to_flat_state(abstract)])
-  unused = set(files) - {hf_name(p) for p, _ in nnx.to_flat_state(abstract)}
+    flat = nnx.to_flat_state(abstract)
+    state = nnx.from_flat_state([(p, load(p, v)) for p, v in flat])
+  unused = set(files) - {name for p, v in flat for name, _ in hf_tensors(p, v.shape)}
   if unused:
     logging.info("%s: %d checkpoint tensors unused (e.g. %s)", model_dir, len(unused), sorted(unused)[0])
   return nnx.merge(graphdef, state)
@@ -175,11 +201,17 @@ def save_pretrained(model: CausalLM, out_dir: str, tokenizer=None, max_shard_byt
   replaces only an empty directory or a model written like this one (`is_saved_model`).
   """
   cfg = model.config
-  flat = [(hf_name(p), p[-1] == "kernel", v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+  params = [(p, v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+  # (name, transpose, value, layer): a stacked layer parameter's tensors are its slices. In the
+  # names' natural order (layer 2 before layer 10), whatever the layer form: a layer's tensors stay
+  # together in the shards.
+  natural = lambda item: tuple((0, int(x), "") if x.isdigit() else (1, 0, x) for x in item[0].split("."))
+  flat = sorted(((name, p[-1] == "kernel", v, layer) for p, v in params for name, layer in hf_tensors(p, v.shape)),
+                key=natural)
   dtype = jnp.dtype(flat[0][2].dtype).name
   shards, size = [[]], 0
   for item in flat:
-    nbytes = item[2].size * item[2].dtype.itemsize
+    nbytes = item[2].nbytes // (1 if item[3] is None else item[2].shape[0])
     if shards[-1] and size + nbytes > max_shard_bytes:
       shards.append([])
       size = 0
@@ -191,13 +223,13 @@ def save_pretrained(model: CausalLM, out_dir: str, tokenizer=None, max_shard_byt
     for i, shard in enumerate(shards):
       fname = _SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
       tensors = {}
-      for name, transpose, value in shard:
-        host = np.asarray(jax.device_get(value))
+      for name, transpose, value, layer in shard:
+        host = np.asarray(jax.device_get(value if layer is None else value[layer]))
         tensors[name] = jax.device_put(host.T if transpose else host, cpu)
         weight_map[name] = fname
       safetensors.flax.save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
     if len(shards) > 1:
-      total = sum(v.size * v.dtype.itemsize for _, _, v in flat)
+      total = sum(v.nbytes for _, v in params)
       with open(os.path.join(tmp, _INDEX), "w", encoding="utf-8") as f:
         json.dump({"metadata": {"total_size": int(total)}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:

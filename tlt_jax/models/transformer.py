@@ -12,8 +12,16 @@ filled length (`tlt_jax.kernels.tree_attention`), so its cost tracks the filled 
 cache capacity, by the implementation `attention` names ("auto": the backend's Pallas kernel, the
 jnp reference on CPU); `kv_block=None` is one dense, differentiable softmax (training).
 
-Module and parameter names mirror Hugging Face's (`model.layers.3.self_attn.q_proj`), which
-keeps the checkpoint mapping in `hf.py` mechanical.
+The decoder layers run in one of two forms (`ModelConfig.scan_layers`), through one layer body:
+scanned (the default), their parameters stacked along a leading layer axis and one `lax.scan`
+over them, so an executable compiles the body once whatever the depth; or unrolled, each layer
+its own parameters and its own copy of the body in the executable. Scanned, the KV cache's layer
+axis is carried through the scan whole: layer i writes and reads its slice at a traced index
+(the attention kernels take it at run time), and the requested layers' outputs (`hidden_layers`)
+are carried too, each kept when its layer comes by.
+
+Module and parameter names mirror Hugging Face's (`model.layers.3.self_attn.q_proj`; stacked:
+`model.layers.self_attn.q_proj` [L, ...]), which keeps the checkpoint mapping in `hf.py` mechanical.
 """
 
 from __future__ import annotations
@@ -175,13 +183,28 @@ class DecoderLayer(nnx.Module):
     return sharding.constrain(x, sharding.ACTIVATION_AXES), k, v
 
 
+def _stack(layers: Sequence[DecoderLayer]) -> DecoderLayer:
+  """One layer whose parameters hold those of `layers` along a leading, unsharded `layers` axis.
+
+  The layers are built one by one first, so a stacked model's parameters are, layer for layer,
+  the unrolled model's of the same seed.
+  """
+  def stack(*vs):
+    names = vs[0].get_metadata().get("out_sharding") or (None,) * vs[0].ndim
+    return vs[0].replace(jnp.stack([v.get_value() for v in vs]), out_sharding=("layers", *names))
+
+  state = jax.tree.map(stack, *(nnx.state(layer) for layer in layers), is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.merge(nnx.graphdef(layers[0]), state)
+
+
 class Decoder(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
                                   embedding_init=_partitioned(_init, ("vocab", "embed")),
                                   rngs=rngs)
-    self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+    layers = [DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)]
+    self.layers = _stack(layers) if cfg.scan_layers else nnx.List(layers)
     self.norm = _norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
 
 
@@ -215,24 +238,52 @@ class CausalLM(nnx.Module):
     cfg = self.config
     x = sharding.constrain(self.model.embed_tokens(tokens_BxT), sharding.ACTIVATION_AXES)
     cos, sin = rope_tables(cfg, positions_BxT, x.dtype)
-    k, v, aux = cache.k, cache.v, []
-    run = (lambda layer, *args: layer(*args))
-    if remat:
-      run = nnx.remat(run, static_argnums=(4, 9, 10, 11))
-    for i, layer in enumerate(self.model.layers):
-      x, k, v = run(layer, x, cos, sin, i, k, v, cache.lengths, mask_BxTxW, kv_block, attention, query_block)
-      if i in hidden_layers:
-        aux.append(x)
-    cache = dataclasses.replace(cache, k=k, v=v)
-    return self.model.norm(x), tuple(aux), cache
+    if cfg.scan_layers:
+      layer_def, stacked = nnx.split(self.model.layers)
+    else:
+      layer_def = nnx.graphdef(self.model.layers[0])
+
+    def run(state, x, k, v, i):
+      return nnx.merge(layer_def, state)(x, cos, sin, i, k, v, cache.lengths, mask_BxTxW, kv_block, attention,
+                                         query_block)
+
+    if remat:  # unrolled, the layer index stays a Python int: each copy indexes the cache at a constant
+      run = jax.checkpoint(run, static_argnums=() if cfg.scan_layers else (4,))
+
+    def step(carry, layer):
+      """Layer i over the carry (x, caches, requested outputs); the body of both forms."""
+      (x, k, v, aux), (i, state) = carry, layer
+      x, k, v = run(state, x, k, v, i)
+      return (x, k, v, tuple(jnp.where(i == j, x, a) for j, a in zip(hidden_layers, aux))), None
+
+    carry = (x, cache.k, cache.v, tuple(jnp.zeros_like(x) for _ in hidden_layers))
+    if cfg.scan_layers:  # the cache's layer axis is carried whole: layer i writes and reads its own slice
+      carry, _ = jax.lax.scan(step, carry, (jnp.arange(cfg.num_layers), stacked))
+    else:
+      for i, layer in enumerate(self.model.layers):
+        carry, _ = step(carry, (i, nnx.state(layer)))
+    x, k, v, aux = carry
+    return self.model.norm(x), aux, dataclasses.replace(cache, k=k, v=v)
 
 
 def prefill(model: CausalLM, tokens_BxT, lengths_B, cache: KVCache, *, all_logits: bool = False,
             kv_block: int | None = None, attention: str = "auto", hidden_layers: Sequence[int] = ()) -> Output:
   """Prefill of a right-padded ragged batch (rows of `lengths_B` tokens) after each row's prefix.
 
-  Returns the logits of each row's last real token ([B, V]), or of every position with
-  `all_logits`, and advances the cache lengths by `lengths_B`.
+  Args:
+    model: the target.
+    tokens_BxT: int32 tokens, row b's first `lengths_B[b]` real, the rest padding.
+    lengths_B: real tokens per row (0: the row is untouched).
+    cache: the rows' caches; row b's tokens go to slots `cache.lengths[b] ..` (its prefix, if any,
+      is attended to).
+    all_logits: logits of every position instead of each row's last real token.
+    kv_block, attention: the attention block and implementation (`tlt_jax.kernels.tree_attention`).
+    hidden_layers: also return these layers' hidden states (EAGLE-3 features).
+
+  Returns:
+    `Output`: float32 logits [B, vocab] of each row's last real token ([B, T, vocab] with
+    `all_logits`), final hidden states [B, T, H], the requested layers' hidden states, and the
+    cache with the tokens written and its lengths advanced by `lengths_B`.
   """
   b, t = tokens_BxT.shape
   positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
@@ -250,7 +301,12 @@ def prefill(model: CausalLM, tokens_BxT, lengths_B, cache: KVCache, *, all_logit
 
 def decode(model: CausalLM, tokens_B, cache: KVCache, *, kv_block: int | None = None, attention: str = "auto",
            hidden_layers: Sequence[int] = ()) -> Output:
-  """One token per row at position `cache.lengths`; advances the lengths by one."""
+  """One token per row (`tokens_B`) at position `cache.lengths`.
+
+  Returns:
+    `Output`: float32 logits [B, vocab], final hidden states [B, H], the requested layers' hidden
+    states [B, H] each, and the cache with the token written and its lengths advanced by one.
+  """
   b = tokens_B.shape[0]
   hidden, aux, cache = model(tokens_B[:, None], cache.lengths[:, None], cache, jnp.ones((b, 1, 1), bool),
                              kv_block=kv_block, attention=attention, hidden_layers=hidden_layers)
@@ -262,8 +318,17 @@ def verify(model: CausalLM, tokens_BxV, positions_BxV, mask_BxVxV, cache: KVCach
            kv_block: int | None = None, attention: str = "auto", hidden_layers: Sequence[int] = ()) -> Output:
   """Speculative verification: V tree tokens per row with explicit positions and ancestor mask.
 
-  The tree's keys/values are written at slots `lengths .. lengths + V - 1` but the lengths are
-  not advanced: committing the accepted path is the caller's job.
+  Args:
+    tokens_BxV: the tree's tokens (node 0: the row's last committed token).
+    positions_BxV: each node's position (`cache.lengths` + its depth).
+    mask_BxVxV: `mask[b, i, j]`: node i attends to node j (j is i or one of its ancestors).
+    cache: the rows' caches; every node also attends to the whole filled prefix.
+
+  Returns:
+    `Output`: float32 logits [B, V, vocab] (node i's: the distribution after its path), final
+    hidden states [B, V, H], the requested layers' hidden states, and the cache with the tree's
+    keys/values written at slots `lengths .. lengths + V - 1` but its lengths not advanced:
+    committing the accepted path is the caller's job (`KVCache` slots past the length are free).
   """
   hidden, aux, cache = model(tokens_BxV, positions_BxV, cache, mask_BxVxV, kv_block=kv_block, attention=attention,
                              hidden_layers=hidden_layers)

@@ -2,14 +2,14 @@
 
 One step:
   1. the next `prompts_per_step` prompts (a seeded permutation per epoch; the position is saved);
-  2. `num_samples` responses each from the rollout engine (speculative tail with the drafter and
-     the bandit, suffix drafts alone with `rollout.drafter='suffix'`, or plain with
-     `rollout.speculative=False`); row keys depend on the running prompt
-     count, so a resumed run samples exactly what the uninterrupted one would have;
+  2. `num_samples` responses each from the rollout (tlt_jax.rl.rollouts: TLT group engines with the
+     speculative tail, the drafter trained on idle groups; suffix drafts alone with
+     `rollout.drafter='suffix'`; or plain with `rollout.speculative=False`); row keys depend on the
+     running prompt count, so a resumed run samples exactly what the uninterrupted one would have;
   3. rewards (+ DAPO's overlong penalty), group advantages, dynamic sampling, overlong filtering;
   4. log-probs of the responses recomputed by the trainer (`old_logp`; rollout numerics never
      enter the loss), then `mini_batches` optimizer updates of micro-batched gradients;
-  5. the new policy into the engine (the drafter reads its embedding and lm_head live);
+  5. the new policy into the rollouts (the drafter reads its embedding and lm_head live);
   6. a metrics record; a checkpoint every `checkpoint.every` steps.
 
 Faults: a killed run resumes from its newest complete checkpoint (a damaged one is skipped,
@@ -19,18 +19,17 @@ leaves params and optimizer state as they were) and counted, and `rl.max_skipped
 skips in a row stop the run with `NonFiniteUpdates`.
 
 Several processes (`jax.distributed`; see README "Multi-host"): every process runs this loop on
-the same data. The rollout groups are split among the processes (tlt_jax.drafter.spot), every
+the same data. The rollout groups are split among the processes (tlt_jax.rollout.tlt), every
 process gets every sample, and the actor runs SPMD over the trainer mesh (config.mesh) of all
-processes' devices. Process 0 alone writes metrics and the export and creates a missing tiny
-policy or drafter (the others wait, then read them); every process takes part in checkpoints.
+processes' devices. Process 0 alone writes metrics and the export; every process takes part in
+checkpoints.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,123 +44,14 @@ from tlt_jax import config as config_lib
 from tlt_jax import distributed
 from tlt_jax import metrics as metrics_lib
 from tlt_jax import packing
-from tlt_jax import sft
 from tlt_jax import sharding
-from tlt_jax.drafter import checkpoint as drafter_checkpoint
 from tlt_jax.drafter import export
-from tlt_jax.drafter.buffer import BufferConfig, DataBuffer
-from tlt_jax.drafter.spot import SpotTrainer
-from tlt_jax.drafter import train as drafter_train
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, hf
 from tlt_jax.rl import actor as actor_lib
-from tlt_jax.rl import datasets, grpo, rewards, tokenizer as tokenizer_lib
-from tlt_jax.rollout.engine import Engine
+from tlt_jax.rl import datasets, grpo, rewards, rollouts
 
 _EVAL_OFFSET = 1 << 30  # held-out sampling keys: prompt indices training never reaches
-
-
-def load_tokenizer(config):
-  """The policy's tokenizer, without the policy: prompt files are read, and checked, before the
-  policy loads or the tiny policy's SFT warm start runs."""
-  if config.policy.path:
-    try:
-      hf.read_config(config.policy.path)
-      tok = hf.load_tokenizer(config.policy.path)
-    except (OSError, ValueError) as e:
-      raise ValueError(f"config.policy.path={config.policy.path!r}: {e}") from None
-    if tok is None:
-      raise FileNotFoundError(f"config.policy.path={config.policy.path!r}: no tokenizer "
-                              "(tokenizer.json / tokenizer_config.json) to encode prompts with")
-    return tok
-  policy_dir = os.path.join(config.workdir, "policy")
-  if os.path.exists(os.path.join(policy_dir, "config.json")):
-    return hf.load_tokenizer(policy_dir)
-  return tokenizer_lib.build_tokenizer(config.model.max_position_embeddings)  # what SFT saves with the policy
-
-
-def load_policy(config) -> tuple[CausalLM, object]:
-  """The policy and its tokenizer: `policy.path`, else the tiny world's (SFT into the workdir if absent)."""
-  if config.policy.path:
-    return hf.from_pretrained(config.policy.path, dtype=config.policy.dtype), hf.load_tokenizer(config.policy.path)
-  policy_dir = os.path.join(config.workdir, "policy")
-  if _missing(os.path.join(policy_dir, "config.json")):
-    if distributed.primary():
-      logging.info("no policy in %s: SFT warm start of the tiny policy", policy_dir)
-      tok = tokenizer_lib.build_tokenizer(config.model.max_position_embeddings)
-      model, losses = sft.warm_start(config, tok)
-      logging.info("SFT loss %.3f -> %.3f", losses[0], losses[-1])
-      hf.save_pretrained(model, policy_dir, tokenizer=tok)
-    distributed.barrier("tiny policy")
-    if distributed.primary():
-      return model, tok
-  return hf.from_pretrained(policy_dir, dtype=config.policy.dtype), hf.load_tokenizer(policy_dir)
-
-
-def _missing(path: str) -> bool:
-  """Whether `path` is absent, as process 0 sees it (the processes must take the same branch)."""
-  return distributed.allgather(not os.path.exists(path))[0]
-
-
-def load_drafter(config, policy: CausalLM, tok) -> Drafter:
-  """`drafter.path` or <workdir>/drafter; else a new drafter distilled on the SFT data (warm-up), saved there."""
-  path = config.drafter.path or os.path.join(config.workdir, "drafter")
-  if not _missing(path):
-    return drafter_checkpoint.load_drafter(path, policy.config)
-  if config.policy.path:
-    raise FileNotFoundError(f"config.drafter.path: no drafter at {path}; warm one up on the policy's own samples "
-                            f"with python -m tlt_jax.train_drafter --model={config.policy.path} --output={path}")
-  if not distributed.primary():
-    distributed.barrier("tiny drafter")
-    return drafter_checkpoint.load_drafter(path, policy.config)
-  examples = datasets.from_tasks(config.task.family, tok, size=2048, seed=config.seed + 3,
-                                 difficulty=sft.difficulty(config))
-  sequences = sft.sequences(examples, tok)
-  vocab = ()
-  if config.drafter.draft_vocab_size:
-    try:
-      vocab = drafter_train.frequent_tokens(sequences, policy.config.vocab_size, config.drafter.draft_vocab_size)
-    except ValueError as e:
-      raise ValueError(f"config.drafter.draft_vocab_size: {e}") from None
-  drafter = Drafter(policy.config, feature_layers=config.drafter.feature_layers, draft_vocab=vocab,
-                    rngs=nnx.Rngs(config.seed))
-  d = config.drafter.distill
-  result = drafter_train.distill(policy, drafter, sequences, steps=d.steps, batch_rows=d.batch_rows,
-                                 row_len=d.row_len, lr=d.learning_rate, seed=config.seed)
-  logging.info("drafter warm-up: loss %.3f -> %.3f, top-1 %.2f", result.losses[0], result.losses[-1],
-               result.metrics[-1]["top1"])
-  drafter_checkpoint.save_drafter(drafter, path)
-  distributed.barrier("tiny drafter")
-  return drafter
-
-
-def _prompt_file(config, key: str, tok) -> datasets.Dataset:
-  """The prompt file config.<key> names; a missing or unusable one is an error naming the key."""
-  path = config_lib.config_value(config, key)
-  try:
-    return datasets.from_file(path, tok, max_prompt_len=config.data.max_prompt_len, reward=config.data.reward)
-  except (OSError, ValueError) as e:
-    raise ValueError(f"config.{key}={path!r}: {e}") from None
-
-
-def load_prompts(config, tok) -> datasets.Dataset:
-  if config.data.path:
-    return _prompt_file(config, "data.path", tok)
-  return datasets.from_tasks(config.task.family, tok, size=config.data.size, seed=config.seed + 2,
-                             difficulty=sft.difficulty(config), max_prompt_len=config.data.max_prompt_len,
-                             reward=config.data.reward)
-
-
-def load_eval_prompts(config, tok) -> datasets.Dataset:
-  """Held-out prompts: the first eval.size of eval.path, or eval.size procedural problems of a
-  seed the training prompts do not use."""
-  e = config.eval
-  if e.path:
-    data = _prompt_file(config, "eval.path", tok)
-    return datasets.Dataset(data.examples[:e.size], data.skipped)
-  return datasets.from_tasks(config.task.family, tok, size=e.size, seed=config.seed + 1_000_003,
-                             difficulty=sft.difficulty(config), max_prompt_len=config.data.max_prompt_len,
-                             reward=config.data.reward)
 
 
 class NonFiniteUpdates(RuntimeError):
@@ -169,62 +59,32 @@ class NonFiniteUpdates(RuntimeError):
 
 
 class Trainer:
-  """Builds everything from a config (see tlt_jax.config) and runs RL steps."""
+  """Runs RL steps (module docstring) with a rollout for the steps and one for held-out evaluations."""
 
-  def __init__(self, config: ml_collections.ConfigDict, devices: list[jax.Device] | None = None):
-    """`devices`: what the rollout runs on (default: all; split into config.rollout.groups groups)."""
+  def __init__(self, config: ml_collections.ConfigDict, policy: CausalLM, tokenizer, drafter: Drafter | None,
+               prompts: datasets.Dataset, eval_prompts: datasets.Dataset | None = None,
+               devices: Sequence[jax.Device] | None = None):
+    """Builds the rollouts (tlt_jax.rl.rollouts), the actor and the checkpoints, and resumes from
+    the newest checkpoint in <workdir>/checkpoints when there is one. tlt_jax.rl.bootstrap.load
+    makes the arguments after `config` from it.
+
+    Args:
+      config: the run's config (tlt_jax.config).
+      policy: the initial policy (a restored checkpoint replaces its params).
+      tokenizer: the policy's tokenizer.
+      drafter: the EAGLE drafter the rollout speculates with and trains; None when it uses none.
+      prompts: the training prompts.
+      eval_prompts: the held-out prompts (with `eval.every`).
+      devices: what the rollouts run on (default: all; split into config.rollout.groups groups).
+    """
     config_lib.check(config)
     self.config = c = config
-    tok = load_tokenizer(c)
-    self.prompts = load_prompts(c, tok)
-    if len(self.prompts) < c.rollout.prompts_per_step:
-      raise ValueError(f"{len(self.prompts)} prompts, fewer than config.rollout.prompts_per_step="
-                       f"{c.rollout.prompts_per_step}")
-    self.eval_prompts = load_eval_prompts(c, tok) if c.eval.every else None
-    self.policy, self.tok = load_policy(c)
-    strategies = config_lib.strategies(c) if c.rollout.speculative else ()
-    eagle = any(not s.suffix for s in strategies)  # else no drafter model: suffix arms or none
-    if distributed.multiprocess() and not eagle:
-      raise ValueError("config.rollout.speculative=False or rollout.drafter='suffix': a rollout without an EAGLE "
-                       "drafter runs in one process only; several processes run the TLT group engines "
-                       "(config.rollout.speculative=True, rollout.drafter='eagle')")
-    if distributed.multiprocess() and c.eval.every:
-      raise ValueError("config.eval.every: held-out evaluation (a plain engine over all devices) runs in one "
-                       "process only; set it to 0 for a multi-process run")
-    devices = list(devices or jax.devices())
-    sampling = config_lib.sampling_params(c, (self.tok.eos_token_id,))
-    make_bandit = lambda: config_lib.bandit(c, strategies)
-    if eagle:  # TLT: group engines with tail SD + bandit; idle groups train the drafter
-      drafter = load_drafter(c, self.policy, self.tok)
-      self.drafter_graphdef = nnx.graphdef(drafter)
-      self.spot = SpotTrainer(
-          self.policy, drafter, config_lib.engine_config(c, strategies, capture_hidden=True), sampling, devices,
-          c.rollout.groups, DataBuffer(BufferConfig(**c.drafter.buffer)), config_lib.spot_config(c), make_bandit)
-      self.engines = self.spot.engines
-    else:  # the baseline, or suffix drafts (no drafter model): one engine, data-parallel over the devices
-      self.spot = None
-    # Engines data-parallel over all the devices: the baseline's rollouts (as many rows at once as
-    # the TLT groups together; with rollout.drafter='suffix', suffix drafts in their tail) and
-    # held-out evaluations. Evaluations use the baseline's engine when there is one (compiled for
-    # its rollouts anyway), else their own, which decodes the fixed batch without compaction: one
-    # bucket to compile. Per-row keys make the samples the same either way.
-    mesh = sharding.make_mesh({"data": len(devices)}, devices) if len(devices) > 1 else None
-    self._plain_shardings = None if mesh is None else sharding.param_shardings(nnx.state(self.policy), mesh)
-    self.plain_engines = []  # they take the policy's params after each update
-    if self.spot is None:
-      largest = c.rollout.engine.batch_buckets[-1] * c.rollout.groups
-      self.engines = [Engine(self.policy, config_lib.engine_config(c, strategies, largest_bucket=largest), sampling,
-                             mesh=mesh, bandit=make_bandit() if strategies else None)]
-      self.plain_engines = list(self.engines)
-    self.eval_engine = None
-    if c.eval.every and self.spot is None:
-      self.eval_engine = self.engines[0]
-    elif c.eval.every:
-      rows = c.eval.size * c.eval.num_samples
-      self.eval_engine = Engine(self.policy, config_lib.engine_config(c, largest_bucket=1 << (rows - 1).bit_length(),
-                                                                      compact=False), sampling, mesh=mesh)
-      self.plain_engines.append(self.eval_engine)
-    self._groups = self.spot.groups if self.spot is not None else [0]  # the engines' rollout groups
+    if c.eval.every and eval_prompts is None:
+      raise ValueError("config.eval.every: held-out evaluations need eval_prompts")
+    self.policy, self.tok, self.prompts, self.eval_prompts = policy, tokenizer, prompts, eval_prompts
+    self.rollout, self.eval_rollout = rollouts.make(c, policy, drafter, tokenizer, devices or jax.devices())
+    # Each takes the policy's params after an update (once: the rollout may be the evaluations' too).
+    self._rollouts = [self.rollout] + ([self.eval_rollout] if self.eval_rollout not in (None, self.rollout) else [])
     if distributed.multiprocess():  # the actor runs SPMD over every process's devices
       mesh = sharding.make_mesh({k: c.mesh[k] for k in sharding.MESH_AXES})
       state = nnx.state(self.policy)
@@ -257,53 +117,34 @@ class Trainer:
 
   def _state(self) -> tuple[dict, dict]:
     """What a checkpoint holds: (arrays, JSON-able metadata). Every process calls it at the same point."""
-    local = [(g, e.bandit.state_dict()) for g, e in zip(self._groups, self.engines) if e.bandit is not None]
-    bandits = sorted((item for part in distributed.allgather(local) for item in part), key=lambda item: item[0])
-    arrays, meta = self._policy_arrays(), {"step": self.step, "skipped_in_a_row": self.skipped_in_a_row,
-                                           "bandits": [state for _, state in bandits], "drafter": None}
-    if self.spot is not None:
-      arrays["drafter"], meta["drafter"] = self.spot.state_dict()
-    return arrays, meta
+    arrays, meta = self.rollout.state_dict()
+    return {**self._policy_arrays(), **arrays}, {"step": self.step, "skipped_in_a_row": self.skipped_in_a_row,
+                                                 "scan_layers": self.policy.config.scan_layers, **meta}
 
   def _abstract(self, meta: dict) -> dict:
     """The arrays of a checkpoint with metadata `meta`, as shapes to restore them into (the
-    drafter's data buffer is as large as the checkpoint's metadata says)."""
-    arrays = self._policy_arrays()
-    if self.spot is not None:
-      arrays["drafter"] = self.spot.abstract_state(meta.get("drafter") or {})
-    return arrays
+    drafter's data buffer is as large as the checkpoint's metadata says). The policy's layers are
+    in the form they were saved in (stacked or one by one; checkpoints from before the scanned
+    form hold no `scan_layers`: unrolled); another form is refused, naming the key that reads it."""
+    saved = meta.get("scan_layers", False)
+    if saved != self.policy.config.scan_layers:
+      raise ValueError(f"it holds the policy's layers {'scanned' if saved else 'unrolled'}; resume it with "
+                       f"--config.policy.scan_layers={saved}")
+    return {**self._policy_arrays(), **self.rollout.abstract_state(meta)}
 
   def _restore(self, step: int, arrays, meta: dict) -> None:
     self.actor.params, self.actor.opt_state = arrays["policy"], arrays["opt_state"]
     self.ref_params = arrays.get("ref")
-    if self.spot is not None:
-      self.spot.load_state_dict(arrays["drafter"], meta["drafter"])
-    for g, engine in zip(self._groups, self.engines):  # every engine has a bandit, or none has
-      if engine.bandit is not None:
-        engine.bandit.load_state_dict(meta["bandits"][g])
+    self.rollout.load_state_dict(arrays, meta)
     self.step = self.saved_step = meta["step"]
     self.skipped_in_a_row = meta.get("skipped_in_a_row", 0)
     self._push_policy()
     logging.info("resumed from %s at step %d", os.path.join(self.checkpoints.directory, str(step)), self.step)
 
   def _push_policy(self) -> None:
-    """The actor's params into the rollout (the group engines get copies; the drafter reads them live)."""
-    if self.spot is not None:
-      self.spot.set_policy_params(self.actor.params)
-    if self.plain_engines:
-      params = self.actor.params if self._plain_shardings is None else \
-          jax.device_put(self.actor.params, self._plain_shardings)
-      for engine in self.plain_engines:
-        engine.set_params(params)
-
-  def _rollout(self, prompts, offset: int):
-    """Samples (prompt_index counted within `prompts`) and the rollout's metrics."""
-    g = self.config.rollout.num_samples
-    if self.spot is not None:
-      return self.spot.rollout(prompts, g, prompt_offset=offset)
-    rollout = self.engines[0].generate(prompts, num_samples=g, prompt_offset=offset)
-    samples = [dataclasses.replace(s, prompt_index=s.prompt_index - offset) for s in rollout.samples]
-    return samples, rollout.metrics.summary()
+    """The actor's params into the rollouts."""
+    for rollout in self._rollouts:
+      rollout.set_policy_params(self.actor.params)
 
   # ---- held-out evaluation ----
 
@@ -312,11 +153,10 @@ class Trainer:
     different steps differ only by the policy)."""
     start, e = time.perf_counter(), self.config.eval
     examples = list(self.eval_prompts)
-    rollout = self.eval_engine.generate([ex.prompt_ids for ex in examples], num_samples=e.num_samples,
-                                        prompt_offset=_EVAL_OFFSET)
-    samples = rollout.samples
+    samples, _ = self.eval_rollout.generate([ex.prompt_ids for ex in examples], num_samples=e.num_samples,
+                                            prompt_offset=_EVAL_OFFSET)
     texts = [self.tok.decode(s.tokens, skip_special_tokens=True) for s in samples]
-    truth = [examples[s.prompt_index - _EVAL_OFFSET] for s in samples]
+    truth = [examples[s.prompt_index] for s in samples]
     scores, _ = rewards.score_batch(examples[0].reward, texts, [ex.ground_truth for ex in truth],
                                     [ex.metadata for ex in truth])
     return {"eval/reward": float(scores.mean()), "eval/accuracy": float((scores >= 1.0).mean()),
@@ -340,11 +180,12 @@ class Trainer:
     return indices, first
 
   def run_step(self) -> dict[str, float]:
+    """One RL step (module docstring); returns its metrics record (also written to metrics.jsonl)."""
     c, start = self.config, time.perf_counter()
     indices, offset = self._batch_prompts(self.step)
     examples = [self.prompts[i] for i in indices]
     g = c.rollout.num_samples
-    samples, rollout_metrics = self._rollout([ex.prompt_ids for ex in examples], offset)
+    samples, rollout_metrics = self.rollout.generate([ex.prompt_ids for ex in examples], g, prompt_offset=offset)
     rollout_s = time.perf_counter() - start
 
     texts = [self.tok.decode(s.tokens, skip_special_tokens=True) for s in samples]
@@ -459,10 +300,14 @@ class Trainer:
     if not distributed.primary():
       return
     hf.save_pretrained(policy, os.path.join(out, "policy"), tokenizer=self.tok)
-    if self.spot is not None:
-      export.export_eagle(policy, nnx.merge(self.drafter_graphdef, self.spot.params), os.path.join(out, "drafter"))
+    drafter = self.rollout.drafter_model()
+    if drafter is not None:
+      export.export_eagle(policy, drafter, os.path.join(out, "drafter"))
 
   def close(self) -> None:
+    """Waits for the checkpoints and the metrics to be written."""
+    for rollout in self._rollouts:
+      rollout.close()
     self.checkpoints.close()
     if self.metrics is not None:
       self.metrics.close()

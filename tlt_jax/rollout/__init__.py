@@ -1,1 +1,1 @@
-"""The Adaptive Rollout Engine: sampling, the engine loop with bucket compaction, the executable pool."""
+"""The Adaptive Rollout Engine: state and step functions, the engine loop with bucket compaction, the pool."""

@@ -61,13 +61,16 @@ class Bandit:
       rewards[a].append(r)
     return [float(np.median(r[-self.window:])) if r else None for r in rewards]
 
-  def choose(self, active_rows: int) -> Arm:
-    medians = self._medians(self.bucket(active_rows))
+  def choose(self, active_rows: int, allowed: Sequence[Arm] | None = None) -> Arm:
+    """The arm of the next play at `active_rows`, among `allowed` (default: every arm; SD off always is)."""
+    allowed = self.arms if allowed is None else (None, *(a for a in allowed if a is not None))
+    index = [self.arms.index(a) for a in allowed]
+    medians = [self._medians(self.bucket(active_rows))[i] for i in index]
     if None in medians:
-      return self.arms[medians.index(None)]
+      return allowed[medians.index(None)]
     if self._rng.random() < self.epsilon:
-      return self.arms[self._rng.integers(len(self.arms))]
-    return self.arms[int(np.argmax(medians))]
+      return allowed[self._rng.integers(len(allowed))]
+    return allowed[int(np.argmax(medians))]
 
   def update(self, active_rows: int, arm: Arm, tokens: int, seconds: float) -> None:
     b, a = self.bucket(active_rows), self.arms.index(arm)

@@ -12,27 +12,29 @@ Each returns a list of JSON-able records; timings exclude compilation (a warm-up
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
 from tqdm import tqdm
 
 from tlt_jax.drafter.model import Drafter
-from tlt_jax.rollout import profile
+from tlt_jax.rollout import profile, suffix
 from tlt_jax.rollout.bandit import Bandit
-from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.state import EngineConfig
 
 
-def _timed(engine: Engine, prompts, repeats: int = 3):
-  """Metrics of `repeats` rollouts after a warm-up one (which compiles)."""
-  engine.generate(prompts)
-  return [engine.generate(prompts).metrics for _ in range(repeats)]
+def _timed(engine: Engine, prompts, repeats: int = 3, **kwargs):
+  """Metrics of `repeats` rollouts after a warm-up one (which compiles); `kwargs` go to `generate`."""
+  engine.generate(prompts, **kwargs)
+  return [engine.generate(prompts, **kwargs).metrics for _ in range(repeats)]
 
 
-def _rollout_speed(engine: Engine, prompts) -> tuple[float, float]:
+def _rollout_speed(engine: Engine, prompts, **kwargs) -> tuple[float, float]:
   """Median decode tokens/s and the acceptance length."""
-  runs = _timed(engine, prompts)
+  runs = _timed(engine, prompts, **kwargs)
   return float(np.median([sum(s.tokens for s in m.segments) / m.decode_s for m in runs])), runs[0].accept_len
 
 
@@ -119,7 +121,15 @@ def run_refill(model, prompts, num_samples, bucket, temperature, max_new_tokens,
   return records
 
 
-def run_grid(model, drafter: Drafter, prompts, batch_sizes, strategies, temperature, max_new_tokens, seed, stop_ids):
+def run_grid(model, drafter: Drafter | None, prompts, batch_sizes, strategies, temperature, max_new_tokens, seed,
+             stop_ids, num_samples: int = 1, history_len: int = 0):
+  """SD vs plain decoding per batch size b and strategy (compaction off): the rollout of
+  ceil(b / num_samples) prompts x `num_samples` samples with at most b rows at once (refilled).
+
+  With `history_len`, each suffix strategy is also timed with each prompt's history (`suffix.History`)
+  holding its responses of an earlier rollout sampled with another seed (an earlier epoch of an
+  unchanged policy), as `<strategy>+history`.
+  """
   records = []
   top = max(batch_sizes)
   buckets = tuple(2**i for i in range(int(np.ceil(np.log2(top))) + 1))
@@ -127,16 +137,26 @@ def run_grid(model, drafter: Drafter, prompts, batch_sizes, strategies, temperat
                       segment_steps=32, compact=False)
   params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
                           stop_token_ids=tuple(stop_ids))
-  plain = Engine(model, base, params)
-  with tqdm(total=len(batch_sizes) * (len(strategies) + 1), desc="bench", file=sys.stderr) as bar:
+  arms = [(s, 0) for s in strategies] + [(s, history_len) for s in strategies if s.suffix and history_len]
+  with tqdm(total=len(batch_sizes) * (len(arms) + 1), desc="bench", file=sys.stderr) as bar:
     for b in batch_sizes:
-      batch = prompts[:b]
-      baseline, _ = _rollout_speed(plain, batch)
+      sized = lambda config: EngineConfig(**{**config.__dict__, "batch_buckets": buckets[:(b - 1).bit_length() + 1]})
+      batch = prompts[:-(-b // num_samples)]
+      baseline, _ = _rollout_speed(Engine(model, sized(base), params), batch, num_samples=num_samples)
       bar.update()
-      for strategy in strategies:
-        config = EngineConfig(**{**base.__dict__, "strategies": (strategy,), "sd_max_batch": top})
-        speed, accept_len = _rollout_speed(Engine(model, config, params, drafter=drafter), batch)
-        records.append({"batch_size": b, "strategy": strategy.name, "tokens_per_s": round(speed, 2),
+      for strategy, history in arms:
+        config = sized(EngineConfig(**{**base.__dict__, "strategies": (strategy,), "sd_max_batch": top,
+                                       "suffix_history_len": history}))
+        kwargs = {"num_samples": num_samples}
+        if history:
+          earlier = Engine(model, sized(base), dataclasses.replace(params, seed=seed + 1))
+          bank = suffix.History(history, config.suffix_ngram)
+          for prompt in batch:
+            bank.add(prompt, [s.tokens for s in earlier.generate([prompt], num_samples).samples])
+          kwargs["history"] = [bank.get(p) for p in batch]
+        speed, accept_len = _rollout_speed(Engine(model, config, params, drafter=drafter), batch, **kwargs)
+        records.append({"batch_size": b, "rows": len(batch) * num_samples,
+                        "strategy": strategy.name + ("+history" if history else ""), "tokens_per_s": round(speed, 2),
                         "baseline_tokens_per_s": round(baseline, 2), "speedup": round(speed / baseline, 3),
                         "accept_len": round(accept_len, 3)})
         bar.update()

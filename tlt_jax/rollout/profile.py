@@ -47,7 +47,7 @@ def prefilled_state(engine: Engine, prompts: Sequence[Sequence[int]]):
   engine.prepare(n, [len(p) for p in prompts])
   rows = [(i, 0) for i in range(n)]
   slots = np.asarray(list(range(n)) + [-1] * (b - n), np.int32)
-  st = engine.pool[("init", b)](*engine._identity(rows, slots, [engine.sampling.max_new_tokens] * n, 0,
+  st = engine.pool[("init", b)](engine._slot_rows(rows, slots, [engine.sampling.max_new_tokens] * n, 0,
                                                   engine._bank_rows(rows)))
   return engine._prefill_slots(st, prompts, rows, slots)
 
@@ -55,15 +55,12 @@ def prefilled_state(engine: Engine, prompts: Sequence[Sequence[int]]):
 def phase_times(engine: Engine, prompts: Sequence[Sequence[int]], strategy: Strategy,
                 repeats: int = 10) -> dict[str, float]:
   """Milliseconds per phase of one speculative iteration at batch len(prompts); see the module docstring."""
-  cfg = engine.config
+  cfg, steps = engine.config, engine.steps
   st = prefilled_state(engine, prompts)
   params = (engine.params, engine.drafter_params)
 
-  def models(p, d):
-    return engine._models(p, d)
-
   def draft(p, d, st):
-    model, drafter = models(p, d)
+    model, drafter = steps.models(p, d)
     head = drafter.head(model)
 
     def draft_fn(cache, feats, tokens, positions, mask):
@@ -73,25 +70,27 @@ def phase_times(engine: Engine, prompts: Sequence[Sequence[int]], strategy: Stra
                                   st.drafter_cache, strategy, drafter.target_ids)
 
   def verify(p, d, st, tree, dcache):
-    model, drafter = models(p, d)
-    return engine._verify_step(model, drafter, dataclasses.replace(st, drafter_cache=dcache), tree, strategy.depth)
+    model, drafter = steps.models(p, d)
+    return steps.verify_step(model, drafter, dataclasses.replace(st, drafter_cache=dcache), tree, strategy.depth)
 
   def feed(p, d, st, pairs):
-    model, drafter = models(p, d)
-    return engine._feed_drafter(model, drafter, st, pairs, cfg.kv_block)
+    model, drafter = steps.models(p, d)
+    return steps.feed_drafter(model, drafter, st, pairs, cfg.kv_block)
 
   def iteration(p, d, st):
-    return feed(p, d, *verify(p, d, st, *draft(p, d, st)))
+    verified = verify(p, d, st, *draft(p, d, st))
+    return feed(p, d, verified.state, verified.pairs)
 
   def plain(p, d, st):
-    model, drafter = models(p, d)
-    return engine._verify_step(model, drafter, st, speculative.root_only(st.last_token), 0)[0]
+    model, drafter = steps.models(p, d)
+    return steps.verify_step(model, drafter, st, speculative.root_only(st.last_token), 0).state
 
   draft, verify, feed, iteration, plain = (jax.jit(f) for f in (draft, verify, feed, iteration, plain))
   tree, dcache = draft(*params, st)
-  verified, pairs = verify(*params, st, tree, dcache)
+  verified = verify(*params, st, tree, dcache)
   ms = lambda fn, *args: 1e3 * _median_s(fn, (*params, *args), repeats)
-  out = {"draft": ms(draft, st), "verify": ms(verify, st, tree, dcache), "feed": ms(feed, verified, pairs),
+  out = {"draft": ms(draft, st), "verify": ms(verify, st, tree, dcache),
+         "feed": ms(feed, verified.state, verified.pairs),
          "iteration": ms(iteration, st), "plain": ms(plain, st)}
   segment = engine.pool[engine._segment_key(cfg.bucket(len(prompts)), strategy)]
 

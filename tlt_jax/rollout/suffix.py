@@ -13,7 +13,10 @@ sample, each ending with an empty slot that separates it from the next one:
                       ^ max_prompt_len  ^ max_prompt_len + region
 Rows write their accepted tokens into their own region as they go (`Layout.room` of them: a long
 response's later tokens are matched against the bank but not banked), so the bank keeps finished
-siblings' tokens after compaction or refill drops their rows.
+siblings' tokens after compaction or refill drops their rows. With `history_len` > 0 the row's
+last slots hold the prompt's history, written with the prompt: its responses in earlier epochs,
+newest first, each after the prompt's last tokens (so a fresh row's context, the end of its
+prompt, matches where each earlier response began), kept by a `History` across rollouts.
 """
 
 from __future__ import annotations
@@ -36,11 +39,13 @@ class Layout:
   max_prompt_len: int
   num_samples: int
   max_new_tokens: int
+  history_len: int = 0
 
   @property
   def region(self) -> int:
     """Slots per sample: its tokens and an empty separator (all the samples share the bank fairly)."""
-    return min((self.bank_len - self.max_prompt_len) // self.num_samples, self.max_new_tokens + 1)
+    room = self.bank_len - self.max_prompt_len - self.history_len
+    return min(room // self.num_samples, self.max_new_tokens + 1)
 
   def offset(self, sample_index: int) -> int:
     return self.max_prompt_len + sample_index * self.region
@@ -142,3 +147,46 @@ class BankRows:
     self._left[prompt] -= 1
     if not self._left[prompt]:
       self._free.append(self._row.pop(prompt))
+
+
+class History:
+  """Each prompt's responses in earlier rollouts, as the tokens its bank row's history holds.
+
+  Per prompt (keyed by its tokens) at most `length` tokens: its latest rollout's responses first,
+  each after the prompt's last `ngram` tokens and followed by an empty slot (-1); what does not fit
+  is dropped, the oldest epochs first. Host memory: `length` int32 per prompt seen.
+  """
+
+  def __init__(self, length: int, ngram: int):
+    self.length, self.ngram = length, ngram
+    self._tokens: dict[tuple[int, ...], np.ndarray] = {}
+
+  def __len__(self) -> int:
+    return len(self._tokens)
+
+  def get(self, prompt) -> np.ndarray:
+    """int32 [<= length] the history of `prompt` (empty if it has none)."""
+    return self._tokens.get(tuple(int(t) for t in prompt), np.zeros((0,), np.int32))
+
+  def add(self, prompt, responses) -> None:
+    """Puts one rollout's `responses` of `prompt` before its older history."""
+    tail = [int(t) for t in prompt][-self.ngram:]
+    new = [t for r in responses for t in (*tail, *(int(x) for x in r), -1)]
+    old = self.get(prompt)
+    self._tokens[tuple(int(t) for t in prompt)] = np.concatenate([np.asarray(new, np.int32), old])[:self.length]
+
+  def state_dict(self) -> dict[str, np.ndarray]:
+    """Arrays for a checkpoint: `prompts` int32 [N, P] (-1 padded), `tokens` int32 [N, length] and
+    their `lengths` int32 [N]."""
+    width = max([len(p) for p in self._tokens] + [1])
+    prompts = np.full((len(self._tokens), width), -1, np.int32)
+    tokens = np.full((len(self._tokens), self.length), -1, np.int32)
+    for i, (p, h) in enumerate(self._tokens.items()):
+      prompts[i, :len(p)], tokens[i, :len(h)] = p, h
+    return {"prompts": prompts, "tokens": tokens, "lengths": np.asarray([len(h) for h in self._tokens.values()],
+                                                                        np.int32).reshape(-1)}
+
+  def load_state_dict(self, arrays: dict[str, np.ndarray]) -> None:
+    """Restores `state_dict`'s arrays (a history of another `length` is cut to this one)."""
+    self._tokens = {tuple(int(t) for t in p[p >= 0]): np.asarray(h[:min(n, self.length)], np.int32)
+                    for p, h, n in zip(*(np.asarray(arrays[k]) for k in ("prompts", "tokens", "lengths")))}

@@ -1,6 +1,6 @@
-"""Spot trainer on 8 simulated devices in 4 groups with skewed lengths: who trains, when it stops,
+"""The TLT rollout on 8 simulated devices in 4 groups with skewed lengths: who trains, when it stops,
 one merged drafter, versions, losslessness, async selective checkpoints, non-finite drafters, and a
-state reloaded from `state_dict` that trains on as before."""
+drafter state reloaded from `state_dict` that trains on as before."""
 
 import json
 
@@ -12,10 +12,12 @@ from flax import nnx
 
 from tlt_jax.drafter.buffer import BufferConfig, DataBuffer
 from tlt_jax.drafter.model import Drafter
-from tlt_jax.drafter.spot import SpotConfig, SpotTrainer
+from tlt_jax.drafter.trainer import DrafterTrainerConfig
 from tlt_jax.models import CausalLM, ModelConfig
-from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.engine import Engine
+from tlt_jax.rollout.state import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.tlt import TLTConfig, TLTRollout
 
 CFG = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                   num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, tie_word_embeddings=True)
@@ -43,16 +45,18 @@ def policy():
 def test_idle_groups_train_one_drafter_losslessly(policy, tmp_path):
   drafter = Drafter(CFG, rngs=nnx.Rngs(1))
   initial = jax.tree.map(np.asarray, nnx.state(drafter))
-  trainer = SpotTrainer(policy, drafter, ENGINE, SAMPLING, jax.devices(), 4, DataBuffer(BufferConfig(eval_every=4)),
-                        SpotConfig(learning_rate=1e-2, rows_per_device=1, row_len=32, eval_rows=2, timeout_s=300,
-                                   checkpoint_dir=str(tmp_path / "ckpt")))
+  rollout = TLTRollout(policy, drafter, ENGINE, SAMPLING, jax.devices(), 4, DataBuffer(BufferConfig(eval_every=4)),
+                       TLTConfig(timeout_s=300),
+                       DrafterTrainerConfig(learning_rate=1e-2, rows_per_device=1, row_len=32, eval_rows=2,
+                                            checkpoint_dir=str(tmp_path / "ckpt")))
+  trainer = rollout.drafter_trainer
   plain = Engine(policy, EngineConfig(**{**ENGINE.__dict__, "capture_hidden": False}), SAMPLING)
   for step in range(2):
     prompts, limits = prompts_and_limits(step)
-    samples, metrics = trainer.rollout(prompts, 2, limits)
+    samples, metrics = rollout.generate(prompts, 2, limits)
     # Lossless: exactly what one plain engine samples, whatever the drafter and the sharding.
     assert tokens(samples) == tokens(plain.generate(prompts, 2, limits).samples)
-    finished, end, rounds = trainer.last["finished"], trainer.last["end"], trainer.last["rounds"]
+    finished, end, rounds = rollout.last["finished"], rollout.last["end"], rollout.last["rounds"]
     assert end == finished[3] == max(finished)  # the skewed group is the tail
     assert rounds, "no drafter step ran in the tail"
     for r in rounds:  # only groups that had finished train, and no round starts after the rollout ended
@@ -67,12 +71,12 @@ def test_idle_groups_train_one_drafter_losslessly(policy, tmp_path):
     # One merged drafter, pushed to every group's engine.
     master = jax.tree.map(np.asarray, trainer.params)
     pointer = lambda x: x.addressable_shards[0].data.unsafe_buffer_pointer()
-    for engine in trainer.engines:
+    for engine in rollout.engines:
       jax.tree.map(np.testing.assert_array_equal, master, jax.tree.map(np.asarray, engine.drafter_params))
       # The engines hold copies: the next update donates the master's buffers.
       assert not set(map(pointer, jax.tree.leaves(engine.drafter_params))) & set(map(pointer,
                                                                                     jax.tree.leaves(trainer.params)))
-    assert trainer.engine_versions == [step + 1] * 4
+    assert rollout.engine_versions == [step + 1] * 4
   moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), initial, master)
   assert all(jax.tree.leaves(moved))
 
@@ -86,40 +90,42 @@ def test_idle_groups_train_one_drafter_losslessly(policy, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, params), master)
   jax.tree.map(np.testing.assert_array_equal, *(jax.tree.map(np.asarray, x) for x in (opt_state, tree["opt_state"])))
   trainer.load_state_dict(tree, {**meta, "version": 5})
-  assert trainer.engine_versions == [5] * 4
+  assert rollout.engine_versions == [5] * 4
   with pytest.raises(KeyError, match="'opt_state'"):
     trainer.load_state_dict({"params": tree["params"]}, meta)
 
 
 def test_one_group_trains_in_the_gap_a_non_finite_drafter_is_restored_and_a_reloaded_state_trains_on_alike(
     policy, caplog):
-  trainer = SpotTrainer(policy, Drafter(CFG, rngs=nnx.Rngs(1)), ENGINE, SAMPLING, jax.devices()[:2], 1,
-                        DataBuffer(BufferConfig(eval_every=0)), SpotConfig(rows_per_device=1, row_len=32, solo_steps=3))
+  rollout = TLTRollout(policy, Drafter(CFG, rngs=nnx.Rngs(1)), ENGINE, SAMPLING, jax.devices()[:2], 1,
+                       DataBuffer(BufferConfig(eval_every=0)), TLTConfig(solo_steps=3),
+                       DrafterTrainerConfig(rows_per_device=1, row_len=32))
+  trainer = rollout.drafter_trainer
   prompts, limits = prompts_and_limits(0)
   prompts, limits = prompts[:2], [len(p) + 10 for p in prompts[:2]]
-  first, metrics = trainer.rollout(prompts, 1, limits)
+  first, metrics = rollout.generate(prompts, 1, limits)
   assert metrics["drafter/steps"] == 3 and metrics["spot/train_rounds"] == 0 and metrics["spot/gap_s"] > 0
   assert metrics["spot/idle_device_s"] == 0 and metrics["drafter/version"] == 1
   assert metrics["drafter/restored"] == 0
   with pytest.raises(ValueError, match="8 devices do not split into groups=3"):
-    SpotTrainer(policy, Drafter(CFG, rngs=nnx.Rngs(1)), ENGINE, SAMPLING, jax.devices(), 3, DataBuffer())
+    TLTRollout(policy, Drafter(CFG, rngs=nnx.Rngs(1)), ENGINE, SAMPLING, jax.devices(), 3, DataBuffer())
 
   # NaN drafter params in the engine: the rollout goes on without the drafter (same samples), then
   # the last finite drafter (version 1) is restored and pushed; a checkpoint with NaN is refused.
   good = jax.tree.map(np.asarray, trainer.params)
   nan = lambda tree: jax.tree.map(lambda x: np.full(x.shape, np.nan, x.dtype), tree)
-  trainer.engines[0].set_drafter_params(nan(trainer.engines[0].drafter_params))
+  rollout.engines[0].set_drafter_params(nan(rollout.engines[0].drafter_params))
   with caplog.at_level("WARNING"):
-    again, metrics = trainer.rollout(prompts, 1, limits)
+    again, metrics = rollout.generate(prompts, 1, limits)
   assert tokens(again) == tokens(first)
   assert metrics["drafter/restored"] == 1 and metrics["drafter/version"] == 1
   assert "restored its last finite state (version 1)" in caplog.text
-  for tree in (trainer.params, trainer.engines[0].drafter_params):
+  for tree in (trainer.params, rollout.engines[0].drafter_params):
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, tree), good)
   tree, meta = trainer.state_dict()
   trainer.load_state_dict({"params": nan(tree["params"]), "opt_state": tree["opt_state"]}, {**meta, "version": 9})
   assert trainer.version == 1
-  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, trainer.engines[0].drafter_params), good)
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, rollout.engines[0].drafter_params), good)
 
   # What a resumed run rebuilds: `state_dict()` (data buffer with the previous step's long samples,
   # optimizer, version, RL step; the metadata through JSON as a checkpoint stores it) loaded back
@@ -130,7 +136,7 @@ def test_one_group_trains_in_the_gap_a_non_finite_drafter_is_restored_and_a_relo
   runs = []
   for _ in range(2):
     trainer.load_state_dict(*saved)
-    metrics = [trainer.rollout(p, 1, [len(x) + 10 for x in p])[1] for p in step_prompts]
+    metrics = [rollout.generate(p, 1, [len(x) + 10 for x in p])[1] for p in step_prompts]
     runs.append(([{k: v for k, v in m.items() if not k.endswith("_s")} for m in metrics],
                  jax.tree.map(np.asarray, trainer.params)))
   (a, params_a), (b, params_b) = runs

@@ -1,0 +1,139 @@
+"""The step functions on their own: the prefill's and the plain segment's drafter feeds equal
+feeding it pair by pair; a reset and a halving move rows and nothing else."""
+
+import functools
+
+import jax
+import numpy as np
+from flax import nnx
+
+from tests.rollout.conftest import CONFIG, STOP, prompts, with_sd
+from tlt_jax.drafter.model import Drafter
+from tlt_jax.models import transformer
+from tlt_jax.models.transformer import KVCache
+from tlt_jax.rollout import speculative, steps as steps_lib
+from tlt_jax.rollout.engine import Engine
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.state import SlotRows
+
+
+def slot_rows(row_id, max_new):
+  """Slot b holds row `row_id[b]`, of prompt `row_id[b]`, sample 0, with no bank."""
+  zeros = row_id * 0
+  return SlotRows(prompt_index=row_id, sample_index=zeros, row_id=row_id, max_new=max_new, bank_row=zeros,
+                  bank_offset=zeros, bank_room=zeros)
+
+
+def test_prefill_feeds_the_drafter_each_rows_prompt_pairs(models):
+  """The prefill runs the drafter once per unique prompt and copies it into the prompt's rows, then
+  feeds each row its own last pair; the result equals one drafter pass over the row's whole prompt."""
+  model = models["qwen3"]
+  drafter = Drafter(model.config, rngs=nnx.Rngs(5))
+  engine = Engine(model, with_sd(CONFIG, "2_2_4"), SamplingParams(temperature=1.0, max_new_tokens=64, seed=4,
+                                                                   stop_token_ids=(STOP,)), drafter=drafter)
+  ps = prompts(3, seed=31)
+  t = 24
+  tokens = np.zeros((3, t), np.int32)
+  for i, p in enumerate(ps):
+    tokens[i, :len(p)] = p
+  lengths = np.asarray([len(p) for p in ps], np.int32)
+  row_prompt = np.asarray([0, 0, 1, 2, 2, 2, -1, -1], np.int32)  # 2, 1 and 3 samples; 2 empty rows
+  ids = np.arange(8, dtype=np.int32)
+  st = jax.jit(engine.steps.init)(slot_rows(ids, np.full((8,), 64, np.int32)))
+  st = jax.jit(engine.steps.prefill)(engine.params, engine.drafter_params, st, tokens, lengths, row_prompt,
+                                     np.zeros((3, 0), np.int32))
+
+  out = transformer.prefill(model, tokens, lengths, KVCache.zeros(model.config, 3, t))
+  src = np.maximum(row_prompt, 0)
+  pairs = np.concatenate([tokens[:, 1:], np.zeros((3, 1), np.int32)], axis=1)[src]
+  pairs[np.arange(8), lengths[src] - 1] = np.asarray(st.tokens)[:, 0]  # each row's own first token
+  ref_out, ref_cache = drafter(model, out.hidden[src], pairs, np.broadcast_to(np.arange(t), (8, t)),
+                               drafter.empty_cache(8, t), np.broadcast_to(np.tril(np.ones((t, t), bool)), (8, t, t)))
+  for r in range(6):
+    n = lengths[src[r]]
+    assert int(st.drafter_cache.lengths[r]) == n
+    for name in ("k", "v"):
+      np.testing.assert_allclose(getattr(st.drafter_cache, name)[:, r, :n], getattr(ref_cache, name)[:, r, :n],
+                                 atol=1e-5)
+    np.testing.assert_allclose(st.draft_feat[r], ref_out[r, n - 1], atol=1e-5)
+  assert not np.asarray(st.drafter_cache.lengths)[6:].any()
+
+
+def test_plain_segments_keep_the_drafter_cache_current(models):
+  """A plain segment feeds the drafter its committed pairs in one chunk at the end; the drafter
+  cache and last output equal feeding them step by step (one-node verify steps)."""
+  model = models["qwen3"]
+  engine = Engine(model, with_sd(CONFIG, "2_2_4"), SamplingParams(temperature=1.0, max_new_tokens=64, seed=3,
+                                                                   stop_token_ids=(STOP,)),
+                  drafter=Drafter(model.config, rngs=nnx.Rngs(7)))
+  ps = prompts(4, seed=30)
+  tokens = np.zeros((4, 24), np.int32)
+  for i, p in enumerate(ps):
+    tokens[i, :len(p)] = p
+  ids = np.arange(4, dtype=np.int32)
+  budgets = np.asarray([3, 64, 64, 64], np.int32)  # row 0 ends inside the segment
+  steps = engine.steps
+  st = jax.jit(steps.init)(slot_rows(ids, budgets))
+  st = jax.jit(steps.prefill)(engine.params, engine.drafter_params, st, tokens,
+                              np.asarray([len(p) for p in ps], np.int32), ids, np.zeros((4, 0), np.int32))
+  chunked = jax.jit(functools.partial(steps.segment, strategy=None))(engine.params, engine.drafter_params, st, 0)
+
+  @jax.jit
+  def one_step(p, d, s):
+    model, drafter = steps.models(p, d)
+    verified = steps.verify_step(model, drafter, s, speculative.root_only(s.last_token), 0)
+    return steps.feed_drafter(model, drafter, verified.state, verified.pairs, CONFIG.kv_block)
+
+  stepped = st
+  for _ in range(CONFIG.segment_steps):
+    stepped = one_step(engine.params, engine.drafter_params, stepped)
+  np.testing.assert_array_equal(chunked.tokens, stepped.tokens)
+  lengths = np.asarray(stepped.drafter_cache.lengths)
+  np.testing.assert_array_equal(chunked.drafter_cache.lengths, lengths)
+  assert lengths[0] < lengths[1]  # the finished row stopped feeding
+  for name in ("k", "v"):
+    a, b = (np.asarray(getattr(s.drafter_cache, name)) for s in (chunked, stepped))
+    for r, n in enumerate(lengths):
+      np.testing.assert_allclose(a[:, r, :n], b[:, r, :n], atol=1e-5)
+  np.testing.assert_allclose(chunked.draft_feat, stepped.draft_feat, atol=1e-5)
+
+
+def filled_state(steps, b, seed):
+  """`init`'s state of b slots with every field, caches and bank included, random."""
+  rng = np.random.default_rng(seed)
+  ids = np.arange(b, dtype=np.int32)
+  st = jax.jit(steps.init)(slot_rows(ids, np.full((b,), 8, np.int32)))
+  fill = lambda x: (rng.random(x.shape) < 0.5 if x.dtype == bool else rng.integers(0, 50, x.shape)).astype(x.dtype)
+  return jax.tree.map(fill, st)
+
+
+def test_halve_gathers_rows_and_keeps_the_bank(models):
+  steps = Engine(models["qwen3"], with_sd(CONFIG, "s2_2_4"), SamplingParams(max_new_tokens=8)).steps
+  st = filled_state(steps, 4, seed=0)
+  out = jax.jit(steps_lib.halve)(st, np.asarray([2, -1], np.int32))
+  a, b = jax.device_get((st, out))
+  for name, x in vars(b.per_row()).items():
+    if x is not None and name not in ("done", "row_id"):
+      np.testing.assert_array_equal(x[0], getattr(a, name)[2], err_msg=name)
+  assert b.row_id.tolist() == [a.row_id[2], -1] and b.done.tolist() == [a.done[2], True]
+  np.testing.assert_array_equal(b.cache.k, a.cache.k[:, [2, 0]])
+  np.testing.assert_array_equal(b.cache.lengths, a.cache.lengths[[2, 0]])
+  np.testing.assert_array_equal(b.bank, a.bank)
+
+
+def test_reset_empties_the_new_rows_slots_and_the_new_prompts_bank_rows(models):
+  steps = Engine(models["qwen3"], with_sd(CONFIG, "s2_2_4"), SamplingParams(max_new_tokens=8)).steps
+  st = filled_state(steps, 4, seed=1)
+  new = SlotRows(*[np.asarray([-1, v, -1, v + 1], np.int32) for v in (7, 1, 5, 3, 2, 24, 10)])
+  clear = np.zeros((steps.config.bank_rows,), bool)
+  clear[2] = True
+  out = jax.jit(steps.reset)(st, new, clear)
+  a, b, fresh = jax.device_get((st, out, jax.jit(steps.init)(new)))
+  for name, x in vars(b.per_row()).items():
+    if x is not None:
+      np.testing.assert_array_equal(x[[0, 2]], getattr(a, name)[[0, 2]], err_msg=name)  # other slots unchanged
+      np.testing.assert_array_equal(x[[1, 3]], getattr(fresh, name)[[1, 3]], err_msg=name)  # as init makes them
+  for name in ("k", "v", "lengths"):  # the prefill overwrites what a new row reads
+    np.testing.assert_array_equal(getattr(b.cache, name), getattr(a.cache, name))
+  assert (b.bank[2] == -1).all()
+  np.testing.assert_array_equal(np.delete(b.bank, 2, 0), np.delete(a.bank, 2, 0))

@@ -1,0 +1,156 @@
+"""What an RL run starts from, built from its config: the tokenizer, the prompts, the policy and the
+drafter, made first when the tiny world's are missing (SFT warm start of the policy, distillation
+of a drafter). `Trainer(config, *load(config))` is a run (tlt_jax.main).
+
+Several processes: process 0 alone creates a missing tiny policy or drafter (the others wait, then
+read them).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+from absl import logging
+from flax import nnx
+
+from tlt_jax import config as config_lib
+from tlt_jax import distributed
+from tlt_jax.drafter import checkpoint as drafter_checkpoint
+from tlt_jax.drafter import train as drafter_train
+from tlt_jax.drafter.model import Drafter
+from tlt_jax.models import CausalLM, hf
+from tlt_jax.rl import datasets, rollouts, sft, tokenizer as tokenizer_lib
+
+
+class Loaded(NamedTuple):
+  """A run's inputs, in the order `Trainer` takes them after the config."""
+
+  policy: CausalLM
+  tokenizer: object
+  drafter: Drafter | None  # None: the rollout needs no drafter model (rollouts.uses_drafter)
+  prompts: datasets.Dataset
+  eval_prompts: datasets.Dataset | None  # None: no held-out evaluation (eval.every=0)
+
+
+def load(config) -> Loaded:
+  """The run's inputs. Prompt files are read, and checked, before the policy loads or the tiny
+  policy's SFT warm start runs; errors (OSError, ValueError) name the config key."""
+  config_lib.check(config)
+  rollouts.check(config)
+  tok = load_tokenizer(config)
+  prompts = load_prompts(config, tok)
+  eval_prompts = load_eval_prompts(config, tok) if config.eval.every else None
+  policy, tok = load_policy(config)
+  drafter = load_drafter(config, policy, tok) if rollouts.uses_drafter(config) else None
+  return Loaded(policy, tok, drafter, prompts, eval_prompts)
+
+
+def load_tokenizer(config):
+  """The policy's tokenizer, without the policy (to read the prompts with before it loads)."""
+  if config.policy.path:
+    try:
+      hf.read_config(config.policy.path)
+      tok = hf.load_tokenizer(config.policy.path)
+    except (OSError, ValueError) as e:
+      raise ValueError(f"config.policy.path={config.policy.path!r}: {e}") from None
+    if tok is None:
+      raise FileNotFoundError(f"config.policy.path={config.policy.path!r}: no tokenizer "
+                              "(tokenizer.json / tokenizer_config.json) to encode prompts with")
+    return tok
+  policy_dir = os.path.join(config.workdir, "policy")
+  if os.path.exists(os.path.join(policy_dir, "config.json")):
+    return hf.load_tokenizer(policy_dir)
+  return tokenizer_lib.build_tokenizer(config.model.max_position_embeddings)  # what SFT saves with the policy
+
+
+def load_policy(config) -> tuple[CausalLM, object]:
+  """The policy and its tokenizer: `policy.path`, else the tiny world's (SFT into the workdir if absent)."""
+  if config.policy.path:
+    return (hf.from_pretrained(config.policy.path, dtype=config.policy.dtype, scan_layers=config.policy.scan_layers),
+            hf.load_tokenizer(config.policy.path))
+  policy_dir = os.path.join(config.workdir, "policy")
+  if _missing(os.path.join(policy_dir, "config.json")):
+    if distributed.primary():
+      logging.info("no policy in %s: SFT warm start of the tiny policy", policy_dir)
+      tok = tokenizer_lib.build_tokenizer(config.model.max_position_embeddings)
+      model, losses = sft.warm_start(config, tok)
+      logging.info("SFT loss %.3f -> %.3f", losses[0], losses[-1])
+      hf.save_pretrained(model, policy_dir, tokenizer=tok)
+    distributed.barrier("tiny policy")
+    if distributed.primary():
+      return model, tok
+  return (hf.from_pretrained(policy_dir, dtype=config.policy.dtype, scan_layers=config.policy.scan_layers),
+          hf.load_tokenizer(policy_dir))
+
+
+def _missing(path: str) -> bool:
+  """Whether `path` is absent, as process 0 sees it (the processes must take the same branch)."""
+  return distributed.allgather(not os.path.exists(path))[0]
+
+
+def load_drafter(config, policy: CausalLM, tok) -> Drafter:
+  """`drafter.path` or <workdir>/drafter; else a new drafter distilled on the SFT data (warm-up), saved there."""
+  path = config.drafter.path or os.path.join(config.workdir, "drafter")
+  if not _missing(path):
+    return drafter_checkpoint.load_drafter(path, policy.config)
+  if config.policy.path:
+    raise FileNotFoundError(f"config.drafter.path: no drafter at {path}; warm one up on the policy's own samples "
+                            f"with python -m tlt_jax.train_drafter --model={config.policy.path} --output={path}")
+  if not distributed.primary():
+    distributed.barrier("tiny drafter")
+    return drafter_checkpoint.load_drafter(path, policy.config)
+  examples = datasets.from_tasks(config.task.family, tok, size=2048, seed=config.seed + 3,
+                                 difficulty=sft.difficulty(config))
+  sequences = sft.sequences(examples, tok)
+  vocab = ()
+  if config.drafter.draft_vocab_size:
+    try:
+      vocab = drafter_train.frequent_tokens(sequences, policy.config.vocab_size, config.drafter.draft_vocab_size)
+    except ValueError as e:
+      raise ValueError(f"config.drafter.draft_vocab_size: {e}") from None
+  drafter = Drafter(policy.config, feature_layers=config.drafter.feature_layers, draft_vocab=vocab,
+                    rngs=nnx.Rngs(config.seed))
+  d = config.drafter.distill
+  result = drafter_train.distill(policy, drafter, sequences, steps=d.steps, batch_rows=d.batch_rows,
+                                 row_len=d.row_len, lr=d.learning_rate, seed=config.seed)
+  logging.info("drafter warm-up: loss %.3f -> %.3f, top-1 %.2f", result.losses[0], result.losses[-1],
+               result.metrics[-1]["top1"])
+  drafter_checkpoint.save_drafter(drafter, path)
+  distributed.barrier("tiny drafter")
+  return drafter
+
+
+def _prompt_file(config, key: str, tok) -> datasets.Dataset:
+  """The prompt file config.<key> names; a missing or unusable one is an error naming the key."""
+  path = config_lib.config_value(config, key)
+  try:
+    return datasets.from_file(path, tok, max_prompt_len=config.data.max_prompt_len, reward=config.data.reward)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"config.{key}={path!r}: {e}") from None
+
+
+def load_prompts(config, tok) -> datasets.Dataset:
+  """The training prompts: data.path, or data.size procedural problems; at least a step's."""
+  if config.data.path:
+    prompts = _prompt_file(config, "data.path", tok)
+  else:
+    prompts = datasets.from_tasks(config.task.family, tok, size=config.data.size, seed=config.seed + 2,
+                                  difficulty=sft.difficulty(config), max_prompt_len=config.data.max_prompt_len,
+                                  reward=config.data.reward)
+  if len(prompts) < config.rollout.prompts_per_step:
+    raise ValueError(f"{len(prompts)} prompts, fewer than config.rollout.prompts_per_step="
+                     f"{config.rollout.prompts_per_step}")
+  return prompts
+
+
+def load_eval_prompts(config, tok) -> datasets.Dataset:
+  """Held-out prompts: the first eval.size of eval.path, or eval.size procedural problems of a
+  seed the training prompts do not use."""
+  e = config.eval
+  if e.path:
+    data = _prompt_file(config, "eval.path", tok)
+    return datasets.Dataset(data.examples[:e.size], data.skipped)
+  return datasets.from_tasks(config.task.family, tok, size=e.size, seed=config.seed + 1_000_003,
+                             difficulty=sft.difficulty(config), max_prompt_len=config.data.max_prompt_len,
+                             reward=config.data.reward)

@@ -1,0 +1,82 @@
+"""The RL loop's rollouts from a config: which kind, on which devices (one place).
+
+`make(config, policy, drafter, tok, devices)` returns the rollout of the RL steps and the one of the
+held-out evaluations:
+  * with an EAGLE drafter (`rollout.speculative` and an EAGLE strategy): `TLTRollout`, one group
+    engine per `rollout.groups` device group, the drafter trained on the idle groups; evaluations
+    on their own `PlainRollout` over all the devices, which decodes the fixed batch without
+    compaction (one bucket to compile);
+  * else (the baseline, or suffix drafts alone with `rollout.drafter='suffix'`): one `PlainRollout`
+    data-parallel over all the devices, as many rows at once as the TLT groups together; the
+    evaluations use it too (compiled for the rollouts anyway).
+Per-row keys make the samples the same either way. The engines, sampling, bandits and the TLT and
+drafter trainer configs come from `tlt_jax.config`'s builders (each config subtree mirrors its dataclass).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import ml_collections
+
+from tlt_jax import config as config_lib
+from tlt_jax import distributed, sharding
+from tlt_jax.drafter.buffer import BufferConfig, DataBuffer
+from tlt_jax.drafter.model import Drafter
+from tlt_jax.models import CausalLM
+from tlt_jax.rollout.base import BaseRollout
+from tlt_jax.rollout.plain import PlainRollout
+from tlt_jax.rollout.tlt import TLTRollout
+
+
+def uses_drafter(config) -> bool:
+  """Whether the rollout speculates with an EAGLE drafter (else suffix arms alone, or no speculation)."""
+  return config.rollout.speculative and any(not s.suffix for s in config_lib.strategies(config))
+
+
+def check(config) -> None:
+  """What the rollouts of a multi-process run need (ValueError naming the key)."""
+  if distributed.multiprocess() and not uses_drafter(config):
+    raise ValueError("config.rollout.speculative=False or rollout.drafter='suffix': a rollout without an EAGLE "
+                     "drafter runs in one process only; several processes run the TLT group engines "
+                     "(config.rollout.speculative=True, rollout.drafter='eagle')")
+  if distributed.multiprocess() and config.eval.every:
+    raise ValueError("config.eval.every: held-out evaluation (a plain engine over all devices) runs in one "
+                     "process only; set it to 0 for a multi-process run")
+
+
+def make(config: ml_collections.ConfigDict, policy: CausalLM, drafter: Drafter | None, tok,
+         devices: Sequence[jax.Device]) -> tuple[BaseRollout, BaseRollout | None]:
+  """(the RL steps' rollout, the held-out evaluations' or None without `eval.every`) (module docstring).
+
+  Args:
+    config: the run's config.
+    policy: the policy; its current params are the rollouts' until `set_policy_params`.
+    drafter: the EAGLE drafter (None: `uses_drafter(config)` must be False).
+    tok: the tokenizer (its EOS stops the responses).
+    devices: what the rollouts run on (every process's).
+  """
+  check(config)
+  c = config
+  strategies = config_lib.strategies(c) if c.rollout.speculative else ()
+  sampling = config_lib.sampling_params(c, (tok.eos_token_id,))
+  make_bandit = lambda: config_lib.bandit(c, strategies)
+  devices = list(devices)
+  mesh = sharding.make_mesh({"data": len(devices)}, devices) if len(devices) > 1 else None
+  if not uses_drafter(c):
+    largest = c.rollout.engine.batch_buckets[-1] * c.rollout.groups
+    rollout = PlainRollout(policy, config_lib.engine_config(c, strategies, largest_bucket=largest), sampling, mesh,
+                           bandit=make_bandit() if strategies else None)
+    return rollout, rollout if c.eval.every else None
+  if drafter is None:
+    raise ValueError("config.rollout.speculative=True with EAGLE strategies needs a drafter")
+  rollout = TLTRollout(
+      policy, drafter, config_lib.engine_config(c, strategies, capture_hidden=True), sampling, devices,
+      c.rollout.groups, DataBuffer(BufferConfig(**c.drafter.buffer)), config_lib.tlt_config(c),
+      config_lib.drafter_trainer_config(c), make_bandit)
+  if not c.eval.every:
+    return rollout, None
+  rows = c.eval.size * c.eval.num_samples
+  return rollout, PlainRollout(policy, config_lib.engine_config(c, largest_bucket=1 << (rows - 1).bit_length(),
+                                                                compact=False), sampling, mesh)

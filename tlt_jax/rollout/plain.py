@@ -1,0 +1,48 @@
+"""One engine, data-parallel over a mesh: the RL loop's baseline rollout (its tail speculates with
+suffix drafts alone when the engine has suffix strategies) and its held-out evaluations."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+from flax import nnx
+
+from tlt_jax import sharding
+from tlt_jax.models.transformer import CausalLM
+from tlt_jax.rollout.bandit import Bandit
+from tlt_jax.rollout.base import BaseRollout
+from tlt_jax.rollout.engine import Engine
+from tlt_jax.rollout.state import EngineConfig, Sample
+from tlt_jax.rollout.sampling import SamplingParams
+
+
+class PlainRollout(BaseRollout):
+  """One `Engine` over `mesh` (module docstring)."""
+
+  def __init__(self, policy: CausalLM, engine_config: EngineConfig, sampling: SamplingParams,
+               mesh: jax.sharding.Mesh | None = None, bandit: Bandit | None = None):
+    """One engine over `mesh` with the policy's current params.
+
+    Args:
+      policy: the policy (its current params are the engine's until `set_policy_params`).
+      engine_config: the engine's batch buckets, lengths and strategies.
+      sampling: temperature, top-k/p, the response budget, stop tokens and seed.
+      mesh: a "data" mesh the rows are split over; None: one device.
+      bandit: picks the engine's strategy per batch (with strategies).
+    """
+    self.engine = Engine(policy, engine_config, sampling, mesh=mesh, bandit=bandit)
+    self.engines, self.groups = [self.engine], [0]
+    self._shardings = None if mesh is None else sharding.param_shardings(nnx.state(policy), mesh)
+    self.set_policy_params(nnx.state(policy))  # laid out over the mesh
+
+  def _generate(self, prompts: Sequence[Sequence[int]], num_samples: int, max_total_len, prompt_offset: int,
+                history) -> tuple[list[Sample], dict[str, float]]:
+    """See `BaseRollout.generate`; the metrics are the engine's `RolloutMetrics.summary()`."""
+    out = self.engine.generate(prompts, num_samples, max_total_len, prompt_offset=prompt_offset, history=history)
+    samples = [dataclasses.replace(s, prompt_index=s.prompt_index - prompt_offset) for s in out.samples]
+    return samples, out.metrics.summary()
+
+  def set_policy_params(self, params: nnx.State) -> None:
+    self.engine.set_params(params if self._shardings is None else jax.device_put(params, self._shardings))

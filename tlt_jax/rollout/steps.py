@@ -1,0 +1,308 @@
+"""The rollout engine's pure functions over `RowState`, compiled ahead of time for every batch bucket.
+
+`Steps` holds what they close over (the models' graph definitions, the engine config, the
+sampling params); params and state are arguments. `init` makes a batch's state, `prefill` brings
+in a chunk of unique prompts (copied into each of their sample rows: GRPO groups share one
+prefill), `segment` is one play (a `lax.while_loop` of up to `segment_steps` iterations: plain
+decoding steps, or speculative iterations of one strategy), `halve` compacts the rows into the
+next smaller bucket and `reset` empties chosen slots for new rows. A segment ends on the device
+once at most `stop_at` rows are active, the point the host chose (a refill, a smaller bucket,
+the tail).
+
+One verify function serves plain and speculative decoding: a plain step verifies the one-node
+tree (the last token), a speculative iteration drafts an EAGLE-2 tree, verifies it, accepts with
+`speculative.accept`, commits the accepted path's keys/values and feeds the committed (feature,
+token) pairs to the drafter, all inside the loop: the host never drives a speculative step. A
+plain segment feeds the drafter once at its end (one chunked pass), so the drafter cache is
+current whenever the tail switches speculation on.
+
+Suffix strategies draft without a model (`tlt_jax.rollout.suffix`) from the row's prompt's bank
+row; their trees go through the same verify step, and with a drafter its feed goes on, so an
+EAGLE arm can play next. Every drafter feed records whether its outputs stayed finite
+(`RowState.drafter_finite`); a speculative segment stops once one is not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tlt_jax.drafter.model import Drafter
+from tlt_jax.models import transformer
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.transformer import KVCache
+from tlt_jax.rollout import speculative, suffix
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.speculative import Strategy
+from tlt_jax.rollout.state import EngineConfig, Pairs, RowState, SlotRows, Verified
+
+
+@flax.struct.dataclass
+class _Carry:
+  """A segment's loop state: iterations run, the rows, and a plain segment's pairs for the drafter."""
+
+  step: jax.Array
+  state: RowState
+  pairs: Pairs | None = None
+
+
+def _where_rows(mask_B, new, old):
+  return jnp.where(mask_B.reshape(mask_B.shape + (1,) * (new.ndim - 1)), new, old)
+
+
+def record(st: RowState, active_B, acc: speculative.Accepted, hidden_BxMxH) -> RowState:
+  """Writes the accepted tokens (M at most per row; `acc.count` of them), their log-probs and the
+  features that produced them into the row outputs and the bank; counts a pass for `active_B` rows."""
+  b, m = acc.tokens.shape
+  rows = jnp.arange(b)[:, None]
+  j = jnp.arange(m)[None]
+  pos = jnp.where(j < acc.count[:, None], st.num_generated[:, None] + j, st.tokens.shape[1])  # else dropped
+  last = acc.tokens[rows[:, 0], jnp.maximum(acc.count - 1, 0)]
+  hidden = st.hidden
+  if hidden is not None:
+    hidden = hidden.at[rows, pos].set(hidden_BxMxH.astype(hidden.dtype), mode="drop")
+  bank = st.bank
+  if bank is not None:  # the first `bank_room` tokens of the row also go to its region of the bank
+    keep = (j < acc.count[:, None]) & (st.num_generated[:, None] + j < st.bank_room[:, None])
+    at = jnp.where(keep, st.bank_offset[:, None] + st.num_generated[:, None] + j, bank.shape[1])
+    bank = bank.at[st.bank_row[:, None], at].set(acc.tokens, mode="drop")
+  return dataclasses.replace(
+      st, bank=bank, last_token=jnp.where(acc.count > 0, last, st.last_token),
+      num_generated=st.num_generated + acc.count,
+      done=st.done | acc.stop | acc.length, finish=jnp.where(acc.stop, 1, jnp.where(acc.length, 2, st.finish)),
+      tokens=st.tokens.at[rows, pos].set(acc.tokens, mode="drop"),
+      logprobs=st.logprobs.at[rows, pos].set(acc.logprobs, mode="drop"), hidden=hidden,
+      passes=st.passes + active_B)
+
+
+def halve(st: RowState, keep_b) -> RowState:
+  """Compaction: the rows of slots `keep_b` (int32 [B/2], -1: an empty slot) gathered into a state
+  of half the batch, B/2; the bank stays as it is (it is held per prompt)."""
+  src = jnp.maximum(keep_b, 0)
+  out = jax.tree.map(lambda x: x[src], st.per_row())
+  take_cache = lambda c: None if c is None else KVCache(k=c.k[:, src], v=c.v[:, src], lengths=c.lengths[src])
+  empty = keep_b < 0
+  # Rows keep their bank row through the gather.
+  return dataclasses.replace(out, cache=take_cache(st.cache), drafter_cache=take_cache(st.drafter_cache),
+                             bank=st.bank, done=out.done | empty, row_id=jnp.where(empty, -1, out.row_id))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Steps:
+  """The step functions of one engine: for its target (and drafter) architecture, config and sampling.
+
+  Attributes:
+    config: the engine's shapes and strategies.
+    sampling: sampling params, compiled in.
+    model_config: the target's architecture.
+    graphdef: the target's `nnx` graph definition; its params are an argument of every step.
+    drafter_graphdef: the drafter's, or None without a drafter.
+    dtype: the target's parameter dtype (caches and captured features use it).
+  """
+
+  config: EngineConfig
+  sampling: SamplingParams
+  model_config: ModelConfig
+  graphdef: nnx.GraphDef
+  drafter_graphdef: nnx.GraphDef | None
+  dtype: jnp.dtype
+
+  def models(self, params: nnx.State, drafter_params: nnx.State | None) -> tuple[transformer.CausalLM, Drafter | None]:
+    """The target and the drafter (None without one) with these params."""
+    model = nnx.merge(self.graphdef, params)
+    drafter = None if self.drafter_graphdef is None else nnx.merge(self.drafter_graphdef, drafter_params)
+    return model, drafter
+
+  def init(self, slots: SlotRows) -> RowState:
+    """A state of B = len(slots.row_id) slots with these rows in them and nothing generated yet:
+    zero caches, counters and outputs, an empty bank; slots with `row_id < 0` are done."""
+    cfg, mc = self.config, self.model_config
+    b, n = slots.row_id.shape[0], self.sampling.max_new_tokens
+    zeros = jnp.zeros((b,), jnp.int32)
+    drafting = self.drafter_graphdef is not None
+    banking = cfg.banking
+    return RowState(
+        cache=KVCache.zeros(mc, b, cfg.capacity, self.dtype), last_token=zeros, num_generated=zeros,
+        max_new=slots.max_new, done=slots.row_id < 0, finish=zeros, prompt_index=slots.prompt_index,
+        sample_index=slots.sample_index, row_id=slots.row_id, tokens=jnp.zeros((b, n), jnp.int32),
+        logprobs=jnp.zeros((b, n), jnp.float32),
+        hidden=jnp.zeros((b, n, mc.hidden_size), self.dtype) if cfg.capture_hidden else None, passes=zeros,
+        prompt_hidden=jnp.zeros((b, cfg.max_prompt_len, mc.hidden_size), self.dtype) if cfg.capture_hidden else None,
+        drafter_cache=KVCache.zeros(mc, b, cfg.capacity, self.dtype, num_layers=1) if drafting else None,
+        draft_feat=jnp.zeros((b, mc.hidden_size), self.dtype) if drafting else None,
+        drafter_finite=jnp.ones((b,), bool) if drafting else None,
+        bank=jnp.full((cfg.bank_rows, cfg.suffix_bank_len), -1, jnp.int32) if banking else None,
+        bank_row=slots.bank_row if banking else None, bank_offset=slots.bank_offset if banking else None,
+        bank_room=slots.bank_room if banking else None)
+
+  def reset(self, st: RowState, slots: SlotRows, clear_bank) -> RowState:
+    """Empties the slots with `slots.row_id >= 0` for those new rows (identity, budget, bank place;
+    counters and outputs as `init` makes them), ready for `prefill`; other slots are unchanged, and
+    so are the bank rows but those `clear_bank` (bool [bank_rows]) marks, emptied for new prompts.
+    The caches are left as they are: the prefill writes a new row's prompt slots and lengths, and
+    nothing reads past them."""
+    fresh, new_B = self.init(slots), slots.row_id >= 0
+    out = jax.tree.map(lambda new, old: _where_rows(new_B, new, old), fresh.per_row(), st.per_row())
+    bank = None if st.bank is None else jnp.where(clear_bank[:, None], -1, st.bank)
+    return dataclasses.replace(out, cache=st.cache, drafter_cache=st.drafter_cache, bank=bank)
+
+  def _drafter_pass(self, model, drafter, dcache: KVCache, features_BxMxH, tokens_BxM, kv_block):
+    """The drafter over pairs (f_p, x_{p+1}) at positions `dcache.lengths + j`: its outputs [B, M, H]
+    and the cache with their keys/values written (lengths not advanced)."""
+    b, m = tokens_BxM.shape
+    positions = dcache.lengths[:, None] + jnp.arange(m)[None]
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((m, m), bool)), (b, m, m))
+    return drafter(model, features_BxMxH, tokens_BxM, positions, dcache, causal, kv_block=kv_block,
+                   attention=self.config.attention)
+
+  def feed_drafter(self, model, drafter, st: RowState, pairs: Pairs, kv_block: int | None) -> RowState:
+    """Writes the committed pairs (f_p, x_{p+1}) into the drafter cache and advances its lengths;
+    keeps the last output as `draft_feat` and whether it was finite in `drafter_finite`."""
+    out, dcache = self._drafter_pass(model, drafter, st.drafter_cache, pairs.features, pairs.tokens, kv_block)
+    count_B = pairs.count
+    last = out[jnp.arange(count_B.shape[0]), jnp.maximum(count_B - 1, 0)]
+    finite = jnp.isfinite(last).all(-1) | (count_B == 0)
+    return dataclasses.replace(st, drafter_cache=dataclasses.replace(dcache, lengths=dcache.lengths + count_B),
+                               draft_feat=jnp.where((count_B > 0)[:, None], last, st.draft_feat),
+                               drafter_finite=st.drafter_finite & finite)
+
+  def prefill(self, params, drafter_params, st: RowState, tokens_PxT, lengths_P, row_prompt_B,
+              history_PxH) -> RowState:
+    """Prefills P unique prompts (`tokens_PxT` right-padded, `lengths_P` tokens each) and copies each
+    into its rows: slot b gets prompt `row_prompt_B[b]` (-1: the slot is left as it is). Each row's
+    first token is sampled, and with a drafter, the drafter is fed the row's prompt pairs. With a
+    bank, each prompt and its history (`history_PxH`, H = `suffix_history_len`, -1 padded) go to its
+    bank row."""
+    model, drafter = self.models(params, drafter_params)
+    p, t = tokens_PxT.shape
+    layers = drafter.feature_layers if drafter is not None else ()
+    out = transformer.prefill(model, tokens_PxT, lengths_P, KVCache.zeros(self.model_config, p, t, self.dtype),
+                              hidden_layers=layers)
+    sel, src = row_prompt_B >= 0, jnp.maximum(row_prompt_B, 0)
+    copy_rows = lambda new, old: jnp.moveaxis(_where_rows(sel, jnp.moveaxis(new, 1, 0), jnp.moveaxis(old, 1, 0)), 0, 1)
+    cache = KVCache(k=st.cache.k.at[:, :, :t].set(copy_rows(out.cache.k[:, src], st.cache.k[:, :, :t])),
+                    v=st.cache.v.at[:, :, :t].set(copy_rows(out.cache.v[:, src], st.cache.v[:, :, :t])),
+                    lengths=jnp.where(sel, lengths_P[src], st.cache.lengths))
+    rows = jnp.arange(src.shape[0])
+    last = jnp.maximum(lengths_P[src] - 1, 0)
+    if st.bank is not None:  # the prompt, right-aligned to max_prompt_len (every row of it writes the same)
+      j = jnp.arange(t)[None]
+      at = self.config.max_prompt_len - lengths_P[src][:, None] + j
+      at = jnp.where(sel[:, None] & (j < lengths_P[src][:, None]), at, st.bank.shape[1])
+      bank = st.bank.at[st.bank_row[:, None], at].set(tokens_PxT[src], mode="drop")
+      h = history_PxH.shape[1]
+      if h:  # the bank row's last h slots
+        at = jnp.where(sel[:, None], st.bank.shape[1] - h + jnp.arange(h)[None], st.bank.shape[1])
+        bank = bank.at[st.bank_row[:, None], at].set(history_PxH[src], mode="drop")
+      st = dataclasses.replace(st, bank=bank)
+    if st.prompt_hidden is not None:
+      old = st.prompt_hidden[:, :t]
+      st = dataclasses.replace(st, prompt_hidden=st.prompt_hidden.at[:, :t].set(
+          _where_rows(sel, out.hidden[src].astype(old.dtype), old)))
+    acc = speculative.accept(out.logits[src][:, None], speculative.root_only(st.last_token), sel, st.num_generated,
+                             st.max_new, st.prompt_index, st.sample_index, self.sampling, 0)
+    st = record(dataclasses.replace(st, cache=cache), jnp.zeros_like(sel), acc, out.hidden[src][rows, last][:, None])
+    if drafter is None:
+      return st
+    # The drafter's prompt pairs (f_p, x_{p+1}), p < length - 1, are the same for every sample of a
+    # prompt: they run once per unique prompt and are copied into its rows, like the target's cache.
+    # The last pair holds the row's own first token, so it is fed per row.
+    features = drafter.target_features(out.hidden, out.aux_hidden)
+    shifted = jnp.concatenate([tokens_PxT[:, 1:], jnp.zeros((p, 1), jnp.int32)], axis=1)
+    _, shared = self._drafter_pass(model, drafter, drafter.empty_cache(p, t, self.dtype), features, shifted, None)
+    dcache = st.drafter_cache
+    dcache = KVCache(k=dcache.k.at[:, :, :t].set(copy_rows(shared.k[:, src], dcache.k[:, :, :t])),
+                     v=dcache.v.at[:, :, :t].set(copy_rows(shared.v[:, src], dcache.v[:, :, :t])),
+                     lengths=jnp.where(sel, last, dcache.lengths))
+    first = Pairs(features[src][rows, last][:, None], acc.tokens[:, :1], sel.astype(jnp.int32))
+    return self.feed_drafter(model, drafter, dataclasses.replace(st, drafter_cache=dcache), first, None)
+
+  def verify_step(self, model, drafter, st: RowState, tree: speculative.Tree, depth: int) -> Verified:
+    """Verifies `tree` (paths at most `depth` below the root) for every active row and commits the
+    accepted path; with the one-node tree (depth 0) this is a plain step. Returns the state and,
+    with a drafter, the committed pairs for it."""
+    active = ~st.done
+    layers = drafter.feature_layers if drafter is not None else ()
+    out = transformer.verify(model, tree.tokens, st.cache.lengths[:, None] + tree.depths, tree.mask, st.cache,
+                             kv_block=self.config.kv_block, attention=self.config.attention, hidden_layers=layers)
+    acc = speculative.accept(out.logits, tree, active, st.num_generated, st.max_new, st.prompt_index,
+                             st.sample_index, self.sampling, depth)
+    if depth:
+      cache = speculative.commit(out.cache, acc.nodes, acc.count)
+    else:  # a one-node tree: the accepted token's keys/values are already at the row's length
+      cache = dataclasses.replace(out.cache, lengths=out.cache.lengths + acc.count)
+    rows = jnp.arange(acc.nodes.shape[0])[:, None]
+    st = record(dataclasses.replace(st, cache=cache), active, acc, out.hidden[rows, acc.nodes])
+    if drafter is None:
+      return Verified(st, None)
+    return Verified(st, Pairs(drafter.target_features(out.hidden, out.aux_hidden)[rows, acc.nodes], acc.tokens,
+                              acc.count))
+
+  def segment(self, params, drafter_params, st: RowState, stop_at, strategy: Strategy | None) -> RowState:
+    """One play: up to `segment_steps` iterations of plain decoding (`strategy` None) or of
+    draft -> verify -> accept -> commit -> drafter feed, in one `lax.while_loop` on the device.
+
+    The loop runs at least once and ends early once at most `stop_at` (int32 scalar) rows are
+    active (every row done, a smaller batch bucket fits the rest, or the tail begins), or,
+    speculating, once a drafter output is not finite (the host then turns speculation off). A
+    plain segment collects its committed pairs and feeds them to the drafter in ONE call at the
+    end (a chunk of up to `segment_steps` positions, like a prefill), so the drafter cache is
+    current at every play boundary, ready for the bandit to switch speculation on.
+    """
+    model, drafter = self.models(params, drafter_params)
+    n, b = self.config.segment_steps, st.last_token.shape[0]
+    kv_block = self.config.kv_block
+    rows = jnp.arange(b)
+
+    def running(c: _Carry):
+      go = (c.step < n) & ((c.step == 0) | (jnp.sum(~c.state.done) > stop_at))
+      return go if strategy is None or drafter is None else go & jnp.all(c.state.drafter_finite)
+
+    if strategy is not None:
+      if strategy.suffix:
+        def draft(st):
+          bank_BxL = st.bank[st.bank_row]
+          context = suffix.context(bank_BxL, st.tokens, st.num_generated, self.config.max_prompt_len,
+                                   self.config.suffix_ngram)
+          return suffix.draft_tree(bank_BxL, context, st.last_token, strategy), st
+      else:
+        head = drafter.head(model)  # gathered once per play, outside the loop
+
+        def draft_fn(cache, feats, tokens, positions, mask):
+          return drafter(model, feats, tokens, positions, cache, mask, kv_block=kv_block,
+                         attention=self.config.attention)
+
+        def draft(st):
+          tree, dcache = speculative.draft_tree(draft_fn, lambda f: drafter.logits(model, head, f), st.draft_feat,
+                                                st.last_token, st.drafter_cache, strategy, drafter.target_ids)
+          return tree, dataclasses.replace(st, drafter_cache=dcache)
+
+      def speculate(c: _Carry) -> _Carry:
+        tree, st = draft(c.state)
+        verified = self.verify_step(model, drafter, st, tree, strategy.depth)
+        # Suffix drafts too feed a drafter its committed pairs: an EAGLE arm may play next.
+        st = verified.state if drafter is None else self.feed_drafter(model, drafter, verified.state,
+                                                                      verified.pairs, kv_block)
+        return _Carry(c.step + 1, st)
+
+      return jax.lax.while_loop(running, speculate, _Carry(jnp.int32(0), st)).state
+
+    def step(c: _Carry) -> _Carry:
+      verified = self.verify_step(model, drafter, c.state, speculative.root_only(c.state.last_token), 0)
+      pairs, new = c.pairs, verified.pairs
+      if pairs is not None:  # append each row's committed pair (0 or 1 of them) at its own count
+        at = jnp.where(new.count > 0, pairs.count, n)  # n: dropped
+        pairs = Pairs(pairs.features.at[rows, at].set(new.features[:, 0].astype(pairs.features.dtype), mode="drop"),
+                      pairs.tokens.at[rows, at].set(new.tokens[:, 0], mode="drop"), pairs.count + new.count)
+      return _Carry(c.step + 1, verified.state, pairs)
+
+    pairs = None
+    if drafter is not None:
+      pairs = Pairs(jnp.zeros((b, n, st.draft_feat.shape[-1]), self.dtype), jnp.zeros((b, n), jnp.int32),
+                    jnp.zeros((b,), jnp.int32))
+    out = jax.lax.while_loop(running, step, _Carry(jnp.int32(0), st, pairs))
+    return out.state if out.pairs is None else self.feed_drafter(model, drafter, out.state, out.pairs, kv_block)
