@@ -29,18 +29,20 @@ def get_config(variant: str = ""):
   c.data.reward = "math_verify"
   c.data.max_prompt_len = 256
   r = c.rollout
-  r.prompts_per_step, r.num_samples, r.temperature, r.max_new_tokens = 16, 8, 1.0, 1024
-  r.batch_buckets, r.kv_block, r.strategies, r.sd_max_batch = 128, 128, "6_4_16,6_4_8", 16
+  r.prompts_per_step, r.num_samples, r.strategies = 16, 8, ("6_4_16", "6_4_8")
+  r.sampling.temperature, r.sampling.max_new_tokens = 1.0, 1024
+  r.engine.batch_buckets = (1, 2, 4, 8, 16, 32, 64, 128)
+  r.engine.kv_block, r.engine.sd_max_batch = 128, 16
   c.drafter.path = "/content/qwen_0_5b_drafter"
-  c.rl.learning_rate = 1e-6
-  c.rl.micro_batch_rows = 4
+  c.rl.optimizer.learning_rate = 1e-6
+  c.rl.actor.micro_batch_rows = 4
   c.rl.row_len = 256 + 1024
-  c.rl.remat = True
-  c.rl.kl_coef = 0.001
+  c.rl.actor.remat = True
+  c.rl.actor.kl_coef = 0.001
   if variant == "smoke":
     config_lib.smoke(c)
     c.policy.dtype = "float32"
-    c.rl.remat = False
+    c.rl.actor.remat = False
   elif variant:
     raise ValueError(f"configs/qwen2_5_0_5b.py: unknown variant {variant!r} (known: smoke)")
   c.lock()

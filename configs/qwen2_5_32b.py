@@ -24,5 +24,5 @@ def get_config():
   m.num_heads, m.num_kv_heads, m.head_dim = 40, 8, 128
   m.rope_theta, m.max_position_embeddings = 1e6, 131072
   c.rollout.groups = 8
-  c.rl.micro_batch_rows = 32  # one row per GPU
+  c.rl.actor.micro_batch_rows = 32  # one row per GPU
   return c

@@ -43,28 +43,28 @@ def get_config():
   r = c.rollout
   r.prompts_per_step = 64  # x 8 responses = 512 rollouts per step (the paper's batch)
   r.num_samples = 8
-  r.temperature = 0.9
-  r.max_new_tokens = 32768
   r.groups = 8  # one rollout group per GPU; finished groups train the drafter
-  r.batch_buckets = 16  # rows per group at once: each row's 33k-token KV cache takes 1.9 GB
-  r.segment_steps = 32
-  r.kv_block = 512
-  r.strategies = "8_4_48,8_4_32,8_4_16,8_4_8"  # TLT's arms: depth 8, top-k 4, verify 48/32/16/8
-  r.sd_max_batch = 32
-  r.bandit_thresholds = "1,2,5,21"
+  r.strategies = ("8_4_48", "8_4_32", "8_4_16", "8_4_8")  # TLT's arms: depth 8, top-k 4, verify 48/32/16/8
+  r.sampling.temperature = 0.9
+  r.sampling.max_new_tokens = 32768
+  r.engine.batch_buckets = (1, 2, 4, 8, 16)  # rows per group at once: each row's 33k-token KV cache takes 1.9 GB
+  r.engine.segment_steps = 32
+  r.engine.kv_block = 512
+  r.engine.sd_max_batch = 32
+  r.bandit.thresholds = (1, 2, 5, 21)
 
   c.drafter.path = "/data/r1_7b_drafter"
-  c.drafter.warmup_steps = 0
+  c.drafter.distill.steps = 0  # the drafter comes from train_drafter
 
   rl = c.rl
-  rl.learning_rate = 1e-6
+  rl.optimizer.learning_rate = 1e-6
   rl.mini_batches = 4
-  rl.micro_batch_rows = 8  # one 33k-token row per GPU per micro-batch
+  rl.actor.micro_batch_rows = 8  # one 33k-token row per GPU per micro-batch
   rl.row_len = 1024 + 32768
-  rl.remat = True
-  rl.logits_chunk = 1024
-  rl.attention_block = 1024
-  rl.kl_coef = 0.001  # low-variance KL to the initial policy
+  rl.actor.remat = True
+  rl.actor.logits_chunk = 1024
+  rl.actor.attention_block = 1024
+  rl.actor.kl_coef = 0.001  # low-variance KL to the initial policy
   rl.loss_aggregation = "token"
   c.checkpoint.every = 10
   c.lock()

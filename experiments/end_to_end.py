@@ -4,16 +4,16 @@
       --out=runs/end_to_end
 
   # refill vs waves (continuous batching), with a rollout of several waves per group:
-  python experiments/end_to_end.py --config.workdir=runs/tiny --config.rollout.batch_buckets=32 \
+  python experiments/end_to_end.py --config.workdir=runs/tiny --config.rollout.engine.batch_buckets="(1,2,4,8,16,32)" \
       --arms=tlt,tlt_waves,baseline,baseline_waves --reference=baseline_waves --out=runs/end_to_end_refill
 
 Three trainers from the same config, the same SFT policy and the same warmed-up drafter (the
 config's workdir's, else built into <out>/init), step alternately in one process, so all see the
 same machine conditions (the paper's Fig 11 / Fig 7 arms):
   tlt       tail SD + bandit, the drafter spot-trained on idle rollout groups;
-  frozen    the same rollouts with `drafter.online=False` (the warm-up drafter never changes);
+  frozen    the same rollouts with `rollout.tlt.enabled=False` (the warm-up drafter never changes);
   baseline  `rollout.speculative=False`: plain decoding, data-parallel over the same devices;
-and, by `--arms`, `tlt_waves` / `baseline_waves`: the same with `rollout.refill=False` (a group's rows
+and, by `--arms`, `tlt_waves` / `baseline_waves`: the same with `rollout.engine.refill=False` (a group's rows
 beyond its largest batch bucket run in consecutive waves instead of refilling finished rows' slots).
 Writes steps.csv (one row per trainer and step), curves.png (reward and step time per step) and
 summary.json, and prints the summary: step-time ratios (`--reference` / arm, first step excluded:
@@ -44,11 +44,11 @@ _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname
 _STEPS = flags.DEFINE_integer("steps", 6, "RL steps per trainer.")
 _OUT = flags.DEFINE_string("out", "runs/end_to_end", "Output directory.")
 
-ARMS = {"tlt": {"rollout.speculative": True, "drafter.online": True},
-        "frozen": {"rollout.speculative": True, "drafter.online": False},
+ARMS = {"tlt": {"rollout.speculative": True, "rollout.tlt.enabled": True},
+        "frozen": {"rollout.speculative": True, "rollout.tlt.enabled": False},
         "baseline": {"rollout.speculative": False},
-        "tlt_waves": {"rollout.speculative": True, "drafter.online": True, "rollout.refill": False},
-        "baseline_waves": {"rollout.speculative": False, "rollout.refill": False}}
+        "tlt_waves": {"rollout.speculative": True, "rollout.tlt.enabled": True, "rollout.engine.refill": False},
+        "baseline_waves": {"rollout.speculative": False, "rollout.engine.refill": False}}
 _ARMS = flags.DEFINE_list("arms", ["tlt", "frozen", "baseline"], f"Trainers to step side by side, of {list(ARMS)}.")
 _REFERENCE = flags.DEFINE_string("reference", "baseline", "The arm the step-time ratios divide (one of --arms).")
 KEYS = ("reward/mean", "reward/accuracy", "response_length/median", "response_length/max", "time/step_s",

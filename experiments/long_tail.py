@@ -5,8 +5,8 @@
 
 A few RL steps of the config's recipe with plain decoding on TLT's layout (`rollout.groups`
 data-parallel groups; speculation may switch on only for a group's last row,
-`rollout.sd_max_batch=1`, the least the config allows) and no spot training
-(`drafter.online=False`), so devices whose group has finished sit idle until the last group is
+`rollout.engine.sd_max_batch=1`, the least the config allows) and no spot training
+(`rollout.tlt.enabled=False`), so devices whose group has finished sit idle until the last group is
 done. The policy (and drafter, whose engines it feeds) are the config's workdir's, else
 built into <out>/init. Per step it records every response length, the share of decode time spent
 with at most --threshold active rows (from the engines' per-segment records) and the idle
@@ -126,7 +126,7 @@ def main(argv):
   c = _CONFIG.value.copy_and_resolve_references()
   c.policy.path, c.drafter.path = starting_point.policy_and_drafter(c, out)
   c.steps = _STEPS.value
-  c.rollout.speculative, c.rollout.sd_max_batch, c.drafter.online = True, 1, False
+  c.rollout.speculative, c.rollout.engine.sd_max_batch, c.rollout.tlt.enabled = True, 1, False
   c.checkpoint.every, c.eval.every = 10**6, 0  # a measuring run: no periodic checkpoints, no held-out evaluation
   c.workdir = starting_point.fresh_workdir(os.path.join(out, "rl"))
   trainer = Trainer(c, *bootstrap.load(c))

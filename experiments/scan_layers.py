@@ -30,9 +30,8 @@ from tlt_jax import config as config_lib
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
 from tlt_jax.models.transformer import CausalLM
-from tlt_jax.rl import rollouts, sft
+from tlt_jax.rl import sft
 from tlt_jax.rl import tokenizer as tokenizer_lib
-from tlt_jax.rollout.bandit import Bandit
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.state import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
@@ -62,11 +61,10 @@ def compile_time(config, model: CausalLM) -> float:
   """Seconds to compile one rollout group's executable pool, as the trainer's TLT engines need it."""
   strategies = config_lib.strategies(config) if config.rollout.speculative else ()
   drafter = Drafter(model.config, rngs=nnx.Rngs(0)) if strategies else None
-  bandit = Bandit(strategies) if strategies else None  # the trainer's group engines always have one
+  bandit = config_lib.bandit(config, strategies) if strategies else None  # the trainer's group engines have one
   r = config.rollout
-  sampling = SamplingParams(temperature=r.temperature, max_new_tokens=r.max_new_tokens, seed=config.seed)
-  engine = Engine(model, rollouts.engine_config(config, strategies, capture_hidden=bool(strategies)), sampling,
-                  drafter=drafter, bandit=bandit)
+  engine = Engine(model, config_lib.engine_config(config, strategies, capture_hidden=bool(strategies)),
+                  config_lib.sampling_params(config), drafter=drafter, bandit=bandit)
   rows = -(-r.prompts_per_step // r.groups) * r.num_samples
   start = time.perf_counter()
   engine.prepare(rows)

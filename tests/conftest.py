@@ -168,14 +168,14 @@ def tiny_rl_config(workdir, steps: int, cache_dir):
   c.rollout.speculative = False
   c.rollout.prompts_per_step = 2
   c.rollout.num_samples = 4
-  c.rollout.max_new_tokens = 24
-  c.rollout.batch_buckets = 8
-  c.rollout.segment_steps = 8
-  c.rollout.kv_block = 32
+  c.rollout.sampling.max_new_tokens = 24
+  c.rollout.engine.batch_buckets = (1, 2, 4, 8)
+  c.rollout.engine.segment_steps = 8
+  c.rollout.engine.kv_block = 32
   c.rollout.compilation_cache_dir = str(cache_dir)
   c.rl.row_len = 96
-  c.rl.micro_batch_rows = 4
-  c.rl.learning_rate = 1e-2
+  c.rl.actor.micro_batch_rows = 4
+  c.rl.optimizer.learning_rate = 1e-2
   c.rl.dynamic_sampling = False
   # A random policy never answers right; the overlong penalty makes rewards differ within a group.
   c.rl.overlong_buffer = 24

@@ -99,9 +99,17 @@ CASES = [  # (base command, more flags, what the one line must say)
     (MAIN, ["--config=" + REPO + "/configs/tiny.py:bogus"], "unknown variant 'bogus' (known: smoke)"),
     (MAIN, ["--config.rollout.nsamples=2"], "unknown config key 'nsamples' in --config.rollout.nsamples (did you "
      "mean 'num_samples'?); every key"),
-    (MAIN, ["--config.rollout.temperature=nan"], "--config.rollout.temperature=nan: must be a finite number"),
-    (MAIN, ["--config.rl.learning_rate=inf"], "--config.rl.learning_rate=inf: must be a finite number"),
-    (MAIN, ["--config.rollout.top_p=0"], "config.rollout.top_p=0.0: must be in (0, 1]"),
+    (MAIN, ["--config.rollout.sampling.temperature=nan"], "--config.rollout.sampling.temperature=nan: must be a "
+     "finite number"),
+    (MAIN, ["--config.rl.optimizer.learning_rate=inf"], "--config.rl.optimizer.learning_rate=inf: must be a finite "
+     "number"),
+    (MAIN, ["--config.rollout.sampling.top_p=0"], "config.rollout.sampling.top_p=0.0: must be in (0, 1]"),
+    (MAIN, ["--config.rollout.top_p=0.5"], "config.rollout.top_p is now config.rollout.sampling.top_p"),
+    (MAIN, ["--config={I}/old_keys.py"], "config.drafter.warmup_steps is now config.drafter.distill.steps"),
+    (MAIN, ["--config={I}/old_section.py"], "config.kernels.attention is now config.rollout.engine.attention"),
+    (MAIN, ["--config.rollout.engine.batch_buckets=(1,2,8)"], "config.rollout.engine.batch_buckets=(1, 2, 8): must "
+     "be 1, 2, 4, ... (powers of two)"),
+    (MAIN, ["--config.drafter.feature_layers=(1,2)"], "config.drafter.feature_layers=(1, 2): EAGLE-3 needs three"),
     (MAIN, ["--config.workdir={I}/prompts.jsonl"], "config.workdir='{I}/prompts.jsonl': not a directory"),
     (MAIN, ["--config.rollout.compilation_cache_dir={I}/prompts.jsonl/cache"], "config.rollout.compilation_cache_dir="
      "'{I}/prompts.jsonl/cache': {I}/prompts.jsonl is not a directory"),
@@ -148,6 +156,11 @@ def inputs(tmp_path_factory, tiny_policy_dir):
   (root / "bool.jsonl").write_text('{"prompt_ids": [true, false, true]}\n')
   (root / "nonutf8.jsonl").write_bytes(b'\xff\xfe{"prompt": "1 + 2"}\n')
   (root / "broken.parquet").write_text("not parquet")
+  # Old keys: on base() (check() finds it), and in a section that is gone (the file fails to load).
+  (root / "old_keys.py").write_text("from tlt_jax import config\n\ndef get_config():\n  c = config.base()\n"
+                                    "  c.drafter.warmup_steps = 3\n  c.lock()\n  return c\n")
+  (root / "old_section.py").write_text("from configs import tiny\n\ndef get_config():\n  c = tiny.get_config()\n"
+                                       "  c.kernels.attention = 'xla'\n  return c\n")
   write_gguf(root / "llama.gguf", "llama")
   write_gguf(root / "gpt2.gguf", "gpt2")
   return root

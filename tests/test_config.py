@@ -1,7 +1,11 @@
 """config.check and the CLI: random bad values of random keys are rejected with the key named (hypothesis)."""
 
+import inspect
+import json
 import math
 import re
+
+import ml_collections
 
 import pytest
 from hypothesis import Phase, given, settings
@@ -10,6 +14,11 @@ from hypothesis import strategies as st
 from configs import tiny
 from tests.conftest import run_clis
 from tlt_jax import config as config_lib
+from tlt_jax.drafter.buffer import BufferConfig
+from tlt_jax.drafter.trainer import DrafterTrainerConfig
+from tlt_jax.rl import actor as actor_lib
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.tlt import TLTConfig
 from tlt_jax.kernels import tree_attention
 from tlt_jax.rl import grpo
 from tlt_jax.rl import rewards
@@ -18,20 +27,22 @@ COUNTS = (  # must be >= 1
     "mesh.dry_run_devices", "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads",
     "model.head_dim", "model.intermediate_size", "model.max_position_embeddings", "task.min_terms", "data.size",
     "data.max_prompt_len", "sft.num_problems", "sft.batch_rows", "sft.eval_max_new_tokens", "rollout.prompts_per_step",
-    "rollout.num_samples", "rollout.max_new_tokens", "rollout.groups", "rollout.segment_steps", "rollout.kv_block",
-    "rollout.sd_max_batch", "rollout.bandit_window", "rollout.suffix_ngram", "drafter.batch_rows",
-    "drafter.online_rows_per_device",
-    "drafter.buffer_pairs", "rl.mini_batches", "rl.micro_batch_rows", "rl.logits_chunk", "eval.size",
-    "eval.num_samples", "checkpoint.every", "checkpoint.keep")
+    "rollout.num_samples", "rollout.sampling.max_new_tokens", "rollout.groups", "rollout.engine.segment_steps",
+    "rollout.engine.kv_block", "rollout.engine.sd_max_batch", "rollout.engine.suffix_ngram", "rollout.bandit.window",
+    "drafter.distill.batch_rows", "drafter.trainer.rows_per_device", "drafter.buffer.max_pairs", "rl.mini_batches",
+    "rl.actor.micro_batch_rows", "rl.actor.logits_chunk", "eval.size", "eval.num_samples", "checkpoint.every",
+    "checkpoint.keep")
 NON_NEGATIVE_INTS = (
-    "steps", "mesh.cpu_devices", "model.vocab_size", "sft.steps", "sft.warmup_steps", "sft.eval_size", "rollout.top_k",
-    "drafter.warmup_steps", "drafter.online_warmup_steps", "drafter.solo_steps", "rl.warmup_steps",
-    "rl.attention_block", "rl.overlong_buffer", "eval.every")
+    "steps", "mesh.cpu_devices", "model.vocab_size", "sft.steps", "sft.warmup_steps", "sft.eval_size",
+    "rollout.sampling.top_k", "drafter.distill.steps", "drafter.trainer.warmup_steps", "rollout.tlt.solo_steps",
+    "rollout.engine.suffix_history_len", "rl.optimizer.warmup_steps", "rl.actor.attention_block", "rl.overlong_buffer",
+    "eval.every")
 NON_NEGATIVE_FLOATS = (
-    "mesh.device_memory_gb", "sft.learning_rate", "sft.weight_decay", "rollout.temperature", "drafter.learning_rate",
-    "drafter.online_learning_rate", "rl.learning_rate", "rl.weight_decay", "rl.clip_high", "rl.kl_coef")
-POSITIVE_FLOATS = ("model.rope_theta", "task.tail_alpha", "rl.max_grad_norm", "rollout.top_p")
-CHOICES = ("policy.dtype", "data.reward", "kernels.attention", "rl.loss_aggregation", "rollout.drafter")
+    "mesh.device_memory_gb", "sft.learning_rate", "sft.weight_decay", "rollout.sampling.temperature",
+    "drafter.distill.learning_rate", "drafter.trainer.learning_rate", "rl.optimizer.learning_rate",
+    "rl.optimizer.weight_decay", "rl.actor.clip_high", "rl.actor.kl_coef")
+POSITIVE_FLOATS = ("model.rope_theta", "task.tail_alpha", "rl.optimizer.max_grad_norm", "rollout.sampling.top_p")
+CHOICES = ("policy.dtype", "data.reward", "rollout.engine.attention", "rl.loss_aggregation", "rollout.drafter")
 VALID_CHOICES = {"float32", "bfloat16", *rewards.REWARDS, *tree_attention.IMPLEMENTATIONS, *grpo.AGGREGATIONS, "eagle",
                  "suffix"}
 
@@ -46,36 +57,41 @@ bad_strategy_names = st.one_of(
         lambda dk: (st.integers(-1, 1) | st.integers(2 + dk[1] + (dk[0] - 1) * dk[1]**2, 99)).map(
             lambda v: f"{dk[0]}_{dk[1]}_{v}")))
 thresholds = st.lists(st.integers(0, 30), min_size=1, max_size=5).filter(
-    lambda t: t[0] != 1 or any(a >= b for a, b in zip(t, t[1:])))
+    lambda t: t[0] != 1 or any(a >= b for a, b in zip(t, t[1:]))).map(tuple)
+buckets = st.lists(st.integers(-2, 300), max_size=6).filter(
+    lambda b: not b or b[0] != 1 or any(y != 2 * x for x, y in zip(b, b[1:]))).map(tuple)
+not_ints = st.lists(st.integers(0, 9) | word, min_size=1, max_size=3).filter(
+    lambda xs: any(isinstance(x, str) for x in xs)).map(tuple)
 
 
 def bad_settings(config, cli: bool = False):
   """(key set, its bad value, key the message must name) for `config`; `cli`: values a --config override can write."""
   most_terms, heads, row_len = config.task.max_terms, config.model.num_heads, config.rl.row_len
-  needed = config.data.max_prompt_len + config.rollout.max_new_tokens
+  needed = config.data.max_prompt_len + config.rollout.sampling.max_new_tokens
   same = lambda keys, values: st.tuples(st.sampled_from(keys), values).map(lambda kv: (kv[0], kv[1], kv[0]))
   cases = [
       same(COUNTS, st.integers(max_value=0)),
-      same(("sft.row_len", "drafter.row_len", "rollout.suffix_bank_len"), st.integers(max_value=1)),
+      same(("sft.row_len", "drafter.distill.row_len", "drafter.trainer.row_len", "rollout.engine.suffix_bank_len"),
+           st.integers(max_value=1)),
       same(NON_NEGATIVE_INTS, st.integers(max_value=-1)),
       same(NON_NEGATIVE_FLOATS, negative),
       same(POSITIVE_FLOATS, negative | st.just(0.0)),
-      same(("rollout.top_p", "rollout.bandit_epsilon"), st.floats(min_value=1, exclude_min=True)),
-      same(("rollout.bandit_epsilon", "rl.clip_low"), negative),
-      same(("rl.clip_low",), st.floats(min_value=1)),
+      same(("rollout.sampling.top_p", "rollout.bandit.epsilon"), st.floats(min_value=1, exclude_min=True)),
+      same(("rollout.bandit.epsilon", "rl.actor.clip_low"), negative),
+      same(("rl.actor.clip_low",), st.floats(min_value=1)),
       same(CHOICES, word.filter(lambda w: w not in VALID_CHOICES)),
       same(("mesh.data", "mesh.fsdp", "mesh.tensor"), st.integers(max_value=-2) | st.just(0)),
-      same(("rollout.batch_buckets",), st.integers(max_value=4096).filter(lambda b: b < 1 or b & (b - 1))),
-      same(("rollout.strategies",), st.lists(bad_strategy_names, min_size=1, max_size=2).map(",".join)),
-      same(("rollout.bandit_thresholds",), thresholds.map(lambda t: ",".join(map(str, t))) | st.just("1,2,x")),
-      same(("drafter.feature_layers",), word.filter(lambda w: any(c.isalpha() for c in w)) | st.lists(
-          st.integers(-9, 40), min_size=1, max_size=5).filter(lambda f: len(f) != 3 or f != sorted(set(f)) or f[0] < 0)
-           .map(lambda f: ",".join(map(str, f)))),
+      same(("rollout.engine.batch_buckets",), buckets | not_ints),
+      same(("rollout.strategies",), st.lists(bad_strategy_names, min_size=1, max_size=2).map(tuple)
+           | st.lists(st.integers(0, 999), min_size=1, max_size=2).map(tuple)),  # 3_1_4 unquoted reads as 314
+      same(("rollout.bandit.thresholds",), thresholds | not_ints),
+      same(("drafter.feature_layers",), not_ints | st.lists(st.integers(-9, 40), min_size=1, max_size=5).filter(
+          lambda f: len(f) != 3 or f != sorted(set(f)) or f[0] < 0).map(tuple)),
       st.builds(lambda kv: ("model.num_kv_heads", kv, "model.num_heads"),
                 st.integers(2, 64).filter(lambda k: heads % k)),
       st.builds(lambda lo: ("task.min_terms", lo, "task.max_terms"), st.integers(most_terms + 1, 10**6)),
-      same(("rl.row_len",), st.integers(2, needed - 1)),  # below data.max_prompt_len + rollout.max_new_tokens
-      same(("rl.attention_block",), st.integers(1, 4096).filter(lambda a: row_len % a)),
+      same(("rl.row_len",), st.integers(2, needed - 1)),  # below data.max_prompt_len + rollout.sampling.max_new_tokens
+      same(("rl.actor.attention_block",), st.integers(1, 4096).filter(lambda a: row_len % a)),
   ]
   if not cli:  # a config file can also leave a key unset
     cases.append(same([key for key, _ in config_lib.leaves(config)], st.none()))
@@ -105,23 +121,64 @@ def test_fuzz_bad_values_are_rejected_by_name(setting):
 
 
 @pytest.mark.parametrize("changes,message", [
-    (dict(strategies="3_1_4,s4_1_5", suffix_bank_len=129),
-     "rollout.suffix_bank_len=129: must hold data.max_prompt_len + rollout.suffix_history_len + 2"),
-    (dict(strategies="4_1_5,s4_1_5", drafter="suffix"),
-     "rollout.strategies='4_1_5,s4_1_5': must not name a strategy twice"),
-    (dict(strategies="s4_1_5,4_x_5"), "rollout.strategies='s4_1_5,4_x_5': strategy '4_x_5' is not")])
+    ({"strategies": ("3_1_4", "s4_1_5"), "engine.suffix_bank_len": 129},
+     "rollout.engine.suffix_bank_len=129: must be >= max_prompt_len + suffix_history_len + 2 = 130"),
+    ({"strategies": ("4_1_5", "s4_1_5"), "drafter": "suffix"},
+     "rollout.strategies=('4_1_5', 's4_1_5'): must not name a strategy twice"),
+    ({"strategies": ("s4_1_5", "4_x_5")}, "rollout.strategies=('s4_1_5', '4_x_5'): strategy '4_x_5' is not")])
 def test_bad_suffix_settings_are_named(changes, message):
   """With suffix strategies the bank must hold a prompt; with rollout.drafter='suffix' '4_1_5' is 's4_1_5'."""
   config = config_lib.base()
   for key, value in changes.items():
-    config.rollout[key] = value
+    assign(config, f"rollout.{key}", value)
   with pytest.raises(ValueError, match=f"^config.{re.escape(message)}"):
     config_lib.check(config)
-  config.rollout.update(strategies="3_1_4,s4_1_5", suffix_bank_len=130, drafter="eagle")
+  config.rollout.update(strategies=("3_1_4", "s4_1_5"), drafter="eagle")
+  config.rollout.engine.suffix_bank_len = 130
   config_lib.check(config)
   assert [s.name for s in config_lib.strategies(config)] == ["3_1_4", "s4_1_5"]
   config.rollout.drafter = "suffix"
   assert [s.name for s in config_lib.strategies(config)] == ["s3_1_4", "s4_1_5"]
+
+
+@pytest.mark.parametrize("name", ["base", "tiny", "r1_7b", "qwen2_5_0_5b"])
+def test_subtrees_build_the_dataclasses_they_mirror(name):
+  """Each dataclass subtree holds its fields by their names, nothing else (`Dataclass(**subtree)`)."""
+  c = config_lib.base() if name == "base" else __import__(f"configs.{name}", fromlist=["_"]).get_config()
+  assert config_lib.sampling_params(c, (2,)) == SamplingParams(**c.rollout.sampling, stop_token_ids=(2,), seed=c.seed)
+  engine = config_lib.engine_config(c, config_lib.strategies(c))
+  assert engine.batch_buckets == c.rollout.engine.batch_buckets and engine.attention == c.rollout.engine.attention
+  assert engine.max_new_tokens == c.rollout.sampling.max_new_tokens
+  assert config_lib.bandit(c, ()).thresholds == c.rollout.bandit.thresholds
+  assert config_lib.tlt_config(c) == TLTConfig(**c.rollout.tlt)
+  assert config_lib.drafter_trainer_config(c) == DrafterTrainerConfig(**c.drafter.trainer, seed=c.seed)
+  assert BufferConfig(**c.drafter.buffer).max_pairs == c.drafter.buffer.max_pairs
+  assert set(c.rl.optimizer) == set(inspect.signature(actor_lib.make_optimizer).parameters)
+  actor_kwargs = inspect.signature(actor_lib.Actor).parameters
+  assert set(c.rl.actor) == {k for k, p in actor_kwargs.items() if p.kind == p.KEYWORD_ONLY} - {"mesh"}
+
+
+@pytest.mark.parametrize("old", sorted(config_lib.RENAMED))
+def test_old_keys_are_refused_with_their_new_name(old):
+  """A config file built on base() that sets an old key fails `check`, naming the new key; no old key
+  names a key base() has (it would mean something else now)."""
+  config = config_lib.base()
+  assert old not in dict(config_lib.leaves(config))
+  section, name = old.split(".")
+  if section not in config:
+    config[section] = ml_collections.ConfigDict()
+  config[section][name] = 1
+  new = config_lib.RENAMED[old].split(" and ")
+  assert all(key in dict(config_lib.leaves(config)) for key in new)
+  with pytest.raises(ValueError, match=f"^config.{re.escape(old)} is now config.{re.escape(new[0])}"):
+    config_lib.check(config)
+
+
+def test_unknown_keys_are_refused():
+  config = config_lib.base()
+  config.rollout.engine.nonsense = 3
+  with pytest.raises(ValueError, match=r"^config.rollout.engine.nonsense: unknown key"):
+    config_lib.check(config)
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
@@ -141,6 +198,8 @@ def test_fuzz_ill_typed_values_are_rejected_by_name(key, value):
   config = config_lib.base()
   if isinstance(config_lib.config_value(config, key), str) and isinstance(value, str):
     value = [value]  # a str key takes any word
+  if isinstance(config_lib.config_value(config, key), tuple) and isinstance(value, list):
+    value = value[0] if value else 1.5  # a tuple key takes a list (as a tuple; check() checks the elements)
   with pytest.raises(TypeError, match=f"field '{re.escape(key.split('.')[-1])}'"):
     assign(config, key, value)
 
@@ -201,3 +260,30 @@ def test_setup_devices_sets_the_compilation_cache(tmp_path):
     jax.config.update("jax_compilation_cache_dir", before[0])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
     compilation_cache.reset_cache()
+
+
+# The config main would run with: printed, then exit 3 before any work.
+_SHOW_CONFIG = """
+import json
+import sys
+import tlt_jax.config
+def show(config):
+  r = config.rollout
+  print(json.dumps([r.strategies, r.engine.batch_buckets, r.bandit.thresholds, config.drafter.feature_layers]))
+  sys.exit(3)
+tlt_jax.config.setup_devices = show
+"""
+
+
+@pytest.mark.parametrize("flags,parsed", [
+    (["--config.rollout.strategies=('3_1_4','s4_2_6')", "--config.rollout.engine.batch_buckets=(1,2,4)",
+      "--config.rollout.bandit.thresholds=(1,3)", "--config.drafter.feature_layers=(0,2,4)"],
+     [["3_1_4", "s4_2_6"], [1, 2, 4], [1, 3], [0, 2, 4]]),
+    (["--config.rollout.strategies=('5_2_8',)", "--config.drafter.feature_layers=()"],
+     [["5_2_8"], [1, 2, 4, 8, 16, 32, 64, 128], [1, 2, 5, 21], []])])
+def test_tuple_overrides_parse_on_the_command_line(tmp_path, flags, parsed):
+  """The syntax the README shows: a Python literal per tuple key, strings quoted."""
+  [(code, out, err)] = run_clis([("tlt_jax.main", flags, tmp_path)], tmp_path, prelude=_SHOW_CONFIG, timeout=300)
+  assert code == 3, err[-2000:]
+  assert json.loads(out.strip().splitlines()[-1]) == parsed
+

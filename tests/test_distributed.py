@@ -76,13 +76,13 @@ def _tlt_config(workdir, policy_dir, cache_dir, drafter_path):
   c = tiny_rl_config(workdir, 2, cache_dir)
   c.rollout.speculative = True
   c.rollout.groups = 2
-  c.rollout.strategies = "2_1_3"
-  c.rollout.sd_max_batch = 4
-  c.drafter.path = str(drafter_path)  # absent at first: warmed up on the tiny task
-  c.drafter.warmup_steps = 4
-  c.drafter.row_len = 64
-  c.drafter.online_rows_per_device = 1
-  c.drafter.online_warmup_steps = 1
+  c.rollout.strategies = ("2_1_3",)
+  c.rollout.engine.sd_max_batch = 4
+  c.drafter.path = str(drafter_path)  # absent at first: distilled on the tiny task
+  c.drafter.distill.steps = 4
+  c.drafter.distill.row_len = c.drafter.trainer.row_len = 64
+  c.drafter.trainer.rows_per_device = 1
+  c.drafter.trainer.warmup_steps = 1
   c.checkpoint.every = 1
   c.eval.every = 0  # held-out evaluation is single-process only
   c.seed = 1  # a random policy ends some responses early in both steps: rewards differ, gradients flow
@@ -93,7 +93,7 @@ def _tlt_config(workdir, policy_dir, cache_dir, drafter_path):
   c.data.max_prompt_len = 24
   c.rl.row_len = 48
   c.rl.mini_batches = 1
-  c.rl.micro_batch_rows = 8
+  c.rl.actor.micro_batch_rows = 8
   # The drafter warm-up needs the tiny world's tokenizer: the policy goes where the trainer looks
   # for the tiny one (policy.path stays empty).
   os.makedirs(workdir, exist_ok=True)

@@ -12,14 +12,14 @@ def _config(limit_gb):
   c.mesh.data, c.mesh.fsdp = 2, 4  # the trainer over the 8 simulated devices
   c.mesh.device_memory_gb = limit_gb
   c.rollout.groups = 4  # a rollout group = 2 devices
-  c.rollout.batch_buckets = 8
-  c.rollout.sd_max_batch = 2
-  c.rollout.strategies = "3_1_4"
-  c.rollout.max_new_tokens = 64
+  c.rollout.engine.batch_buckets = (1, 2, 4, 8)
+  c.rollout.engine.sd_max_batch = 2
+  c.rollout.strategies = ("3_1_4",)
+  c.rollout.sampling.max_new_tokens = 64
   c.data.max_prompt_len = 64
   c.rl.row_len = 128
-  c.rl.attention_block = 64
-  c.rl.remat = True
+  c.rl.actor.attention_block = 64
+  c.rl.actor.remat = True
   return c
 
 

@@ -30,9 +30,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BAD_CONFIGS = [
     (["--config.rl.bogus=1"], "unknown config key 'bogus' in --config.rl.bogus"),
     (["--config=configs/tiny.py", "--config.rollout.nope=2"], "unknown config key 'nope' in --config.rollout.nope"),
-    (["--config.rl.learning_rate=fast"], "--config.rl.learning_rate=fast"),
+    (["--config.rl.optimizer.learning_rate=fast"], "--config.rl.optimizer.learning_rate=fast"),
     (["--config.rl.loss_aggregation=mean"], "config.rl.loss_aggregation='mean'"),
-    (["--config.rollout.strategies=4_x_5"], "config.rollout.strategies='4_x_5'"),
+    (["--config.rollout.strategies=('4_x_5',)"], "config.rollout.strategies=('4_x_5',)"),
+    (["--config.rollout.strategies=4_1_5,5_2_8"],  # unquoted, 4_1_5 is the number 415
+     "config.rollout.strategies=(415, 528): must be a tuple of strategy names in quotes, e.g. "
+     "--config.rollout.strategies=\"('3_1_4','4_2_6')\""),
+    (["--config.drafter.warmup_steps=3"], "config.drafter.warmup_steps is now config.drafter.distill.steps"),
+    (["--config.kernels.attention=xla"], "config.kernels.attention is now config.rollout.engine.attention"),
 ]
 
 
@@ -101,13 +106,13 @@ def _fault_config(workdir, steps, policy_dir, drafter_dir, cache_dir):
   c.checkpoint.every = 1
   c.mesh.cpu_devices = 0  # the 8 devices XLA_FLAGS gives this process and its subprocesses: one compilation cache
   c.rollout.speculative = True
-  c.rollout.strategies = "2_1_3"
-  c.rollout.sd_max_batch = 4
+  c.rollout.strategies = ("2_1_3",)
+  c.rollout.engine.sd_max_batch = 4
   c.drafter.path = drafter_dir
-  c.drafter.row_len = 64
-  c.drafter.online_rows_per_device = 1
-  c.drafter.online_warmup_steps = 1
-  c.drafter.solo_steps = 2
+  c.drafter.distill.row_len = c.drafter.trainer.row_len = 64
+  c.drafter.trainer.rows_per_device = 1
+  c.drafter.trainer.warmup_steps = 1
+  c.rollout.tlt.solo_steps = 2
   return c
 
 

@@ -15,6 +15,7 @@ import math
 import os
 import re
 import sys
+import traceback
 from typing import Callable, Iterator, NoReturn
 
 import ml_collections
@@ -64,9 +65,13 @@ def parse_flags(argv: list[str]) -> list[str]:
   except OSError as e:  # an override of a --config=FILE that did not load
     _config_not_loaded(e)
   except flags.Error as e:
-    # A config file that raises comes with its traceback in the message: its last line says why.
+    # A config file that raises comes with its traceback in the message: its last line says why,
+    # unless the file sets an old key (the traceback quotes the line).
     head, _, tail = str(e).partition("Traceback (most recent call last):")
-    fail(head.split("\n")[0].rstrip(":") + ": " + tail.strip().split("\n")[-1] if tail else str(e))
+    if tail:
+      fail(head.split("\n")[0].rstrip(":") + ": " + (_renamed(_dotted(tail))
+                                                     or tail.strip().split("\n")[-1]))
+    fail(str(e))
   for name in flags.FLAGS:
     value = flags.FLAGS[name].value
     if isinstance(value, float) and not math.isfinite(value):
@@ -116,16 +121,32 @@ def _config_not_loaded(e: OSError) -> NoReturn:
 
 def _unknown_key(e: Exception, argv: list[str]) -> str:
   """ml_collections reports an unknown --config.* key as a bare KeyError (inside an AttributeError,
-  with a suggestion on a second line): name the key once, the flag, and the suggestion."""
+  with a suggestion on a second line): name the key once, the flag, and the suggestion. An old key
+  (in a flag, or in the config file's line that raised) is named with its new name."""
+  source = "\n".join(frame.line or "" for frame in traceback.extract_tb(e.__traceback__))
   while isinstance(e.args[0] if e.args else None, Exception):
     e = e.args[0]
   first, *rest = str(e.args[0] if e.args else e).split("\n")
   key = first.strip("'\"")
   bad = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.") and key in a.split("=")[0].split(".")]
+  renamed = _renamed([flag.removeprefix("--config.") for flag in bad] + _dotted(source))
+  if renamed:
+    return renamed
   suggestion = re.search(r'Did you mean "([^"]+)"', " ".join(rest))
   return (f"unknown config key {key!r} in {', '.join(bad) or 'the --config overrides'}"
           + (f" (did you mean {suggestion.group(1)!r}?)" if suggestion else "")
           + "; every key and its default is listed in tlt_jax/config.py")
+
+
+def _dotted(source: str) -> list[str]:
+  """Every `section.key` in `source` (Python code that sets config keys, e.g. `c.drafter.warmup_steps = 4`)."""
+  return re.findall(r"(?=\.(\w+\.\w+)\b)", source)
+
+
+def _renamed(keys: list[str]) -> str | None:
+  """The error for the first of `keys` (dotted, below `config.`) that is an old config key, if any."""
+  from tlt_jax import config as config_lib  # pylint: disable=import-outside-toplevel  (slow to import; --config CLIs only)
+  return next(filter(None, map(config_lib.renamed, keys)), None)
 
 
 def check_sampling_flags(**holders: flags.FlagHolder) -> None:

@@ -4,8 +4,18 @@ This file is also the CLIs' default config file: its `get_config()` is the tiny 
 found inside the installed package.
 
 A config file is `get_config()` returning `base()` with its values set. The returned ConfigDict is
-locked, so a mistyped key in a config file or in a `--config.key=value` override is an error that
-names the key, and `check` rejects values that would fail later (naming the key).
+locked, so a mistyped key in a `--config.key=value` override is an error that names the key, and
+`check` rejects keys base() does not have (an old key: naming its new name, `RENAMED`) and values
+that would fail later (naming the key).
+
+A subtree that builds a dataclass mirrors it: `SamplingParams(**rollout.sampling, ...)`,
+`EngineConfig(**rollout.engine, ...)`, `Bandit(strategies, **rollout.bandit)`, `TLTConfig(**rollout.tlt)`,
+`DrafterTrainerConfig(**drafter.trainer, ...)`, `BufferConfig(**drafter.buffer)`,
+`actor.make_optimizer(**rl.optimizer)`, `actor.Actor(policy, optimizer, **rl.actor)` (the builders below;
+tlt_jax.rl.rollouts uses them); the dataclasses check their own fields' ranges (`check` re-raises their
+errors naming the key) and `check` the rest. Tuples are tuples; on the command line they are Python
+literals, strings quoted: `--config.rollout.strategies="('3_1_4','4_2_6')"`,
+`--config.rollout.engine.batch_buckets="(1,2,4,8)"`, `--config.drafter.feature_layers="(1,3,5)"`.
 """
 
 from __future__ import annotations
@@ -18,12 +28,17 @@ import ml_collections
 from absl import logging
 from jax.experimental.compilation_cache import compilation_cache
 
-from tlt_jax.kernels import tree_attention
+from tlt_jax import fields
+from tlt_jax.drafter.buffer import BufferConfig
+from tlt_jax.drafter.trainer import DrafterTrainerConfig
 from tlt_jax.rl import grpo
 from tlt_jax.rl import rewards
 from tlt_jax.rl import tasks
-from tlt_jax.rollout import sampling
+from tlt_jax.rollout.bandit import Bandit
+from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
+from tlt_jax.rollout.state import EngineConfig
+from tlt_jax.rollout.tlt import TLTConfig
 
 
 def base() -> ml_collections.ConfigDict:
@@ -99,70 +114,79 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.speculative = True  # False: the plain-rollout baseline, everything else equal
   c.rollout.prompts_per_step = 16
   c.rollout.num_samples = 8  # responses per prompt (the GRPO group)
-  c.rollout.temperature = 1.0
-  c.rollout.top_p = 1.0
-  c.rollout.top_k = 0
-  c.rollout.max_new_tokens = 384
   c.rollout.groups = 1  # data-parallel rollout groups (each its devices' share of the prompts)
-  c.rollout.batch_buckets = 128  # largest batch bucket per rollout group (powers of two below it)
-  c.rollout.refill = True  # more rows than that bucket: refill finished rows' slots (False: consecutive waves)
-  c.rollout.segment_steps = 16
-  c.rollout.kv_block = 64
-  c.rollout.strategies = "3_1_4,4_2_6"  # draft depth_topk_verify, comma-separated (bandit arms beside SD off)
-  # "eagle": the EAGLE drafter (warmed up, trained online); 's'-strategies (e.g. "s4_1_5") are suffix
-  # arms beside its own. "suffix": no drafter model, the strategies' shapes draft suffix matches in
-  # each prompt's token bank (its prompt and its samples' tokens): no forward pass per draft.
+  # Draft strategies depth_topk_verify (bandit arms beside SD off). With drafter "eagle" (the EAGLE
+  # drafter, warmed up, trained online), 's'-strategies (e.g. "s4_1_5") are suffix arms beside its
+  # own; with "suffix" (no drafter model) the strategies' shapes draft suffix matches in each
+  # prompt's token bank (its prompt and its samples' tokens): no forward pass per draft.
+  c.rollout.strategies = ("3_1_4", "4_2_6")
   c.rollout.drafter = "eagle"
-  c.rollout.suffix_bank_len = 4096  # tokens banked per prompt in flight at most
-  c.rollout.suffix_ngram = 4  # the longest suffix of a row's tokens matched in its bank
-  # Tokens of each prompt's responses in earlier steps (epochs) banked with it for suffix drafts, the
-  # newest first (0: off); host memory: 4 bytes x this x prompts seen, checkpointed.
-  c.rollout.suffix_history_len = 0
-  c.rollout.sd_max_batch = 32  # speculate only while at most this many rows are active
-  c.rollout.bandit_thresholds = "1,2,5,21"
-  c.rollout.bandit_epsilon = 0.1
-  c.rollout.bandit_window = 300
   c.rollout.compilation_cache_dir = ""  # persistent XLA cache, set at start-up: later runs skip compiling
-
-  c.kernels = ml_collections.ConfigDict()
-  c.kernels.attention = "auto"  # tree attention of rollouts: auto (by backend) | xla | pallas | pallas_tpu | pallas_gpu
+  c.rollout.sampling = ml_collections.ConfigDict()  # SamplingParams (stop tokens: the tokenizer's EOS)
+  c.rollout.sampling.temperature = 1.0
+  c.rollout.sampling.top_p = 1.0
+  c.rollout.sampling.top_k = 0
+  c.rollout.sampling.max_new_tokens = 384
+  c.rollout.engine = ml_collections.ConfigDict()  # EngineConfig of each rollout group
+  c.rollout.engine.batch_buckets = (1, 2, 4, 8, 16, 32, 64, 128)  # rows at once: 1, 2, 4, ... up to the largest
+  c.rollout.engine.refill = True  # more rows than the largest bucket: refill finished rows' slots (False: waves)
+  c.rollout.engine.segment_steps = 16
+  c.rollout.engine.kv_block = 64
+  c.rollout.engine.sd_max_batch = 32  # speculate only while at most this many rows are active
+  c.rollout.engine.suffix_bank_len = 4096  # tokens banked per prompt in flight at most
+  c.rollout.engine.suffix_ngram = 4  # the longest suffix of a row's tokens matched in its bank
+  # Tokens of each prompt's earlier-epoch responses banked for suffix drafts (0: off); host memory:
+  # 4 bytes x this x prompts seen, checkpointed.
+  c.rollout.engine.suffix_history_len = 0
+  c.rollout.engine.attention = "auto"  # tree attention: auto (by backend) | xla | pallas | pallas_tpu | pallas_gpu
+  c.rollout.bandit = ml_collections.ConfigDict()  # Bandit over the strategies and SD off
+  c.rollout.bandit.thresholds = (1, 2, 5, 21)  # active-row buckets: 1, 2-4, 5-20, 21+
+  c.rollout.bandit.epsilon = 0.1
+  c.rollout.bandit.window = 300
+  c.rollout.tlt = ml_collections.ConfigDict()  # TLTConfig: the TLT rollout's schedule of rollout groups
+  c.rollout.tlt.enabled = True  # idle groups train the drafter (False: it stays frozen)
+  c.rollout.tlt.solo_steps = 8  # one rollout group: drafter steps in the gap after each rollout
 
   c.drafter = ml_collections.ConfigDict()
-  c.drafter.path = ""  # a drafter checkpoint (tlt_jax.train_drafter); "" = <workdir>/drafter, warmed up if absent
-  c.drafter.feature_layers = ""  # EAGLE-3: comma-separated target layers; "" = EAGLE (final hidden state)
-  c.drafter.draft_vocab_size = 0  # a warmed-up drafter's reduced head: the N most frequent tokens; 0 = full vocabulary
-  c.drafter.warmup_steps = 200  # offline distillation on the SFT data when no drafter exists
-  c.drafter.learning_rate = 3e-3
-  c.drafter.batch_rows = 16
-  c.drafter.row_len = 256  # packed row length of warm-up and online training
-  c.drafter.online = True  # spot training on idle rollout groups (False: the drafter stays frozen)
-  c.drafter.online_learning_rate = 1e-3
-  c.drafter.online_warmup_steps = 20
-  c.drafter.online_rows_per_device = 2
-  c.drafter.solo_steps = 8  # one rollout group: drafter steps in the gap after each rollout
-  c.drafter.buffer_pairs = 1 << 18  # bound of the online data buffer
+  c.drafter.path = ""  # a drafter checkpoint (tlt_jax.train_drafter); "" = <workdir>/drafter, distilled if absent
+  c.drafter.feature_layers = ()  # EAGLE-3: three target layers (low, mid, high); () = EAGLE (final hidden state)
+  c.drafter.draft_vocab_size = 0  # a distilled drafter's reduced head: the N most frequent tokens; 0 = full vocabulary
+  c.drafter.distill = ml_collections.ConfigDict()  # offline distillation on the SFT data when no drafter exists
+  c.drafter.distill.steps = 200
+  c.drafter.distill.learning_rate = 3e-3
+  c.drafter.distill.batch_rows = 16
+  c.drafter.distill.row_len = 256  # packed row length
+  c.drafter.trainer = ml_collections.ConfigDict()  # DrafterTrainerConfig: online training on idle rollout groups
+  c.drafter.trainer.learning_rate = 1e-3
+  c.drafter.trainer.warmup_steps = 20  # learning-rate warm-up
+  c.drafter.trainer.rows_per_device = 2
+  c.drafter.trainer.row_len = 256  # packed row length
+  c.drafter.buffer = ml_collections.ConfigDict()  # BufferConfig of the online data
+  c.drafter.buffer.max_pairs = 1 << 18
 
   c.rl = ml_collections.ConfigDict()
-  c.rl.learning_rate = 1e-4
-  c.rl.warmup_steps = 0
-  c.rl.weight_decay = 0.0
-  c.rl.max_grad_norm = 1.0
   c.rl.mini_batches = 2  # optimizer updates per step (later ones are off-policy: the ratio clips)
-  c.rl.micro_batch_rows = 8  # packed rows per forward/backward (gradient accumulation)
   c.rl.row_len = 512  # packed row length; must hold the longest prompt + response
-  c.rl.remat = False  # recompute each layer in the backward pass (long rows)
-  c.rl.logits_chunk = 1024  # LM-head positions at a time in the loss (bounds the [T, vocab] logits)
-  c.rl.attention_block = 0  # > 0: attention over this many queries at a time (bounds [T, T] scores)
-  c.rl.clip_low = 0.2
-  c.rl.clip_high = 0.28  # DAPO clip-higher
   c.rl.loss_aggregation = "token"  # grpo.AGGREGATIONS
   c.rl.normalize_std = True
-  c.rl.kl_coef = 0.0  # > 0: low-variance KL to the frozen initial policy
   c.rl.dynamic_sampling = True  # drop groups whose rewards are all equal
   c.rl.overlong_filter = False  # truncated responses do not enter the loss
   c.rl.overlong_buffer = 0  # DAPO soft overlong penalty over the last this-many tokens (0: off)
   # Updates with a non-finite loss or gradient are skipped; this many in a row stop the run (diverged).
   c.rl.max_skipped_updates = 3
+  c.rl.optimizer = ml_collections.ConfigDict()  # actor.make_optimizer: AdamW after global-norm clipping
+  c.rl.optimizer.learning_rate = 1e-4
+  c.rl.optimizer.warmup_steps = 0  # learning-rate warm-up
+  c.rl.optimizer.weight_decay = 0.0
+  c.rl.optimizer.max_grad_norm = 1.0
+  c.rl.actor = ml_collections.ConfigDict()  # actor.Actor
+  c.rl.actor.micro_batch_rows = 8  # packed rows per forward/backward (gradient accumulation)
+  c.rl.actor.clip_low = 0.2
+  c.rl.actor.clip_high = 0.28  # DAPO clip-higher
+  c.rl.actor.kl_coef = 0.0  # > 0: low-variance KL to the frozen initial policy
+  c.rl.actor.remat = False  # recompute each layer in the backward pass (long rows)
+  c.rl.actor.logits_chunk = 1024  # LM-head positions at a time in the loss (bounds the [T, vocab] logits)
+  c.rl.actor.attention_block = 0  # > 0: attention over this many queries at a time (bounds [T, T] scores)
 
   # Held-out evaluation: the same prompts and sampling keys every time, so evaluations compare.
   c.eval = ml_collections.ConfigDict()
@@ -188,12 +212,12 @@ def smoke(c: ml_collections.ConfigDict) -> None:
   c.data.max_prompt_len = 64
   c.sft.num_problems, c.sft.steps, c.sft.batch_rows, c.sft.row_len, c.sft.warmup_steps = 256, 10, 4, 128, 2
   r = c.rollout
-  r.groups, r.prompts_per_step, r.num_samples, r.max_new_tokens = 1, 1, 2, 24  # batch buckets 1 and 2
-  r.batch_buckets, r.segment_steps, r.kv_block, r.strategies, r.sd_max_batch = 2, 8, 32, "2_1_3", 2
-  d = c.drafter
-  d.warmup_steps, d.batch_rows, d.row_len, d.online_rows_per_device, d.online_warmup_steps, d.solo_steps = \
-      4, 4, 64, 1, 1, 2
-  c.rl.row_len, c.rl.micro_batch_rows, c.rl.mini_batches, c.rl.warmup_steps = 96, 4, 1, 0
+  r.groups, r.prompts_per_step, r.num_samples, r.sampling.max_new_tokens, r.strategies = 1, 1, 2, 24, ("2_1_3",)
+  r.engine.batch_buckets, r.engine.segment_steps, r.engine.kv_block, r.engine.sd_max_batch = (1, 2), 8, 32, 2
+  c.drafter.distill.steps, c.drafter.distill.batch_rows, c.drafter.distill.row_len = 4, 4, 64
+  r.tlt.solo_steps = 2
+  c.drafter.trainer.rows_per_device, c.drafter.trainer.warmup_steps, c.drafter.trainer.row_len = 1, 1, 64
+  c.rl.row_len, c.rl.actor.micro_batch_rows, c.rl.mini_batches, c.rl.optimizer.warmup_steps = 96, 4, 1, 0
   c.eval.every = 0
 
 
@@ -221,16 +245,16 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.mesh.cpu_devices = 2
   c.rollout.groups = 2
   c.rollout.prompts_per_step = 32  # x 8 samples = 256 rollouts per step, 128 per group
-  c.rollout.batch_buckets = 128
-  c.rollout.max_new_tokens = 256
-  c.rollout.strategies = "5_2_8"  # the bandit plays it against SD off per batch-size bucket
-  c.rollout.sd_max_batch = 16
+  c.rollout.engine.batch_buckets = (1, 2, 4, 8, 16, 32, 64, 128)
+  c.rollout.sampling.max_new_tokens = 256
+  c.rollout.strategies = ("5_2_8",)  # the bandit plays it against SD off per batch-size bucket
+  c.rollout.engine.sd_max_batch = 16
   c.rollout.compilation_cache_dir = "runs/xla_cache"  # later runs skip compiling
   c.sft.unanswered = 0.3
-  c.drafter.warmup_steps = 200
+  c.drafter.distill.steps = 200
   c.rl.row_len = 384
-  c.rl.learning_rate = 1e-4
-  c.rl.warmup_steps = 10
+  c.rl.optimizer.learning_rate = 1e-4
+  c.rl.optimizer.warmup_steps = 10
   c.rl.mini_batches = 4
   c.eval.every = 10  # held-out reward before the first step, at step 10 and at the end
   c.eval.size = 64
@@ -242,17 +266,72 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   return c
 
 
-def ints(text: str) -> tuple[int, ...]:
-  return tuple(int(x) for x in text.split(",") if x.strip())
-
-
 def strategies(config) -> tuple[Strategy, ...]:
+  """The strategies `rollout.strategies` names ('4_1_5' is 's4_1_5' with `rollout.drafter='suffix'`)."""
   suffix_only = config.rollout.drafter == "suffix"
-  return tuple(Strategy.parse(s.strip(), suffix_only) for s in config.rollout.strategies.split(",") if s.strip())
+  return tuple(Strategy.parse(name, suffix_only) for name in config.rollout.strategies)
 
 
-# Smallest valid value of each numeric key ('>' where a key must be strictly above it); every float
-# must also be finite.
+def sampling_params(config, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+  return SamplingParams(**config.rollout.sampling, stop_token_ids=tuple(stop_token_ids), seed=config.seed)
+
+
+def engine_config(config, strategies: tuple[Strategy, ...] = (), largest_bucket: int | None = None,
+                  **engine_fields) -> EngineConfig:
+  """`EngineConfig(**rollout.engine)` with the fields other keys set; `largest_bucket`: the buckets 1, 2, 4,
+  ... up to it instead of `rollout.engine.batch_buckets` (a power of two); `engine_fields`: the rest."""
+  engine = config.rollout.engine.to_dict()
+  if largest_bucket is not None:
+    engine["batch_buckets"] = tuple(2**i for i in range(largest_bucket.bit_length()))
+  return EngineConfig(**engine, max_prompt_len=config.data.max_prompt_len,
+                      max_new_tokens=config.rollout.sampling.max_new_tokens, strategies=tuple(strategies),
+                      **engine_fields)
+
+
+def bandit(config, strategies: tuple[Strategy, ...]) -> Bandit:
+  return Bandit(strategies, **config.rollout.bandit, seed=config.seed)
+
+
+def tlt_config(config) -> TLTConfig:
+  return TLTConfig(**config.rollout.tlt)
+
+
+def drafter_trainer_config(config) -> DrafterTrainerConfig:
+  return DrafterTrainerConfig(**config.drafter.trainer, seed=config.seed)
+
+
+# Keys that were renamed or moved into the subtree of the dataclass they build: a config file or a
+# --config override that sets one is an error naming the new key.
+RENAMED = {
+    **{f"rollout.{k}": f"rollout.sampling.{k}" for k in ("temperature", "top_p", "top_k", "max_new_tokens")},
+    **{f"rollout.{k}": f"rollout.engine.{k}" for k in ("batch_buckets", "refill", "segment_steps", "kv_block",
+                                                        "sd_max_batch", "suffix_bank_len", "suffix_ngram",
+                                                        "suffix_history_len")},
+    "kernels.attention": "rollout.engine.attention",
+    **{f"rollout.bandit_{k}": f"rollout.bandit.{k}" for k in ("thresholds", "epsilon", "window")},
+    "drafter.warmup_steps": "drafter.distill.steps",
+    "drafter.learning_rate": "drafter.distill.learning_rate",
+    "drafter.batch_rows": "drafter.distill.batch_rows",
+    "drafter.row_len": "drafter.distill.row_len and drafter.trainer.row_len",
+    "drafter.online": "rollout.tlt.enabled",
+    **{f"drafter.online_{k}": f"drafter.trainer.{k}" for k in ("learning_rate", "warmup_steps", "rows_per_device")},
+    "drafter.solo_steps": "rollout.tlt.solo_steps",
+    "drafter.buffer_pairs": "drafter.buffer.max_pairs",
+    **{f"rl.{k}": f"rl.optimizer.{k}" for k in ("learning_rate", "warmup_steps", "weight_decay", "max_grad_norm")},
+    **{f"rl.{k}": f"rl.actor.{k}" for k in ("micro_batch_rows", "clip_low", "clip_high", "kl_coef", "remat",
+                                            "logits_chunk", "attention_block")},
+}
+
+
+def renamed(key: str) -> str | None:
+  """The error for an old key `key` (dotted, below `config.`), or None when it is not one."""
+  if key in RENAMED:
+    return f"config.{key} is now config.{RENAMED[key].replace(' and ', ' and config.')} (tlt_jax/config.py)"
+  return None
+
+
+# Smallest valid value of each numeric key of the sections no dataclass is built from ('>' where a key
+# must be strictly above it); the others are checked by their dataclasses. Every float must be finite.
 _AT_LEAST = {
     "steps": 0, "mesh.cpu_devices": 0, "mesh.device_memory_gb": 0, "mesh.dry_run_devices": 1,
     "model.vocab_size": 0, "model.hidden_size": 1, "model.num_layers": 1, "model.num_heads": 1,
@@ -260,53 +339,53 @@ _AT_LEAST = {
     "task.min_terms": 1, "data.size": 1, "data.max_prompt_len": 1,
     "sft.num_problems": 1, "sft.steps": 0, "sft.batch_rows": 1, "sft.row_len": 2, "sft.learning_rate": 0,
     "sft.warmup_steps": 0, "sft.weight_decay": 0, "sft.unanswered": 0, "sft.eval_size": 0, "sft.eval_max_new_tokens": 1,
-    "rollout.prompts_per_step": 1, "rollout.num_samples": 1, "rollout.groups": 1, "rollout.segment_steps": 1,
-    "rollout.kv_block": 1,
-    "rollout.sd_max_batch": 1, "rollout.bandit_epsilon": 0, "rollout.bandit_window": 1, "rollout.suffix_ngram": 1,
-    "rollout.suffix_bank_len": 2, "rollout.suffix_history_len": 0,
-    "drafter.draft_vocab_size": 0, "drafter.warmup_steps": 0, "drafter.learning_rate": 0, "drafter.batch_rows": 1,
-    "drafter.row_len": 2,
-    "drafter.online_learning_rate": 0, "drafter.online_warmup_steps": 0, "drafter.online_rows_per_device": 1,
-    "drafter.solo_steps": 0, "drafter.buffer_pairs": 1,
-    "rl.learning_rate": 0, "rl.warmup_steps": 0, "rl.weight_decay": 0, "rl.mini_batches": 1,
-    "rl.max_skipped_updates": 1,
-    "rl.micro_batch_rows": 1, "rl.row_len": 2, "rl.logits_chunk": 1, "rl.attention_block": 0, "rl.clip_low": 0,
-    "rl.clip_high": 0, "rl.kl_coef": 0, "rl.overlong_buffer": 0, "eval.every": 0, "eval.size": 1, "eval.num_samples": 1,
-    "checkpoint.every": 1, "checkpoint.keep": 1,
+    "rollout.prompts_per_step": 1, "rollout.num_samples": 1, "rollout.groups": 1,
+    "drafter.draft_vocab_size": 0, "drafter.distill.steps": 0, "drafter.distill.learning_rate": 0,
+    "drafter.distill.batch_rows": 1, "drafter.distill.row_len": 2,
+    "rl.mini_batches": 1, "rl.max_skipped_updates": 1, "rl.row_len": 2, "rl.overlong_buffer": 0,
+    "rl.optimizer.learning_rate": 0, "rl.optimizer.warmup_steps": 0, "rl.optimizer.weight_decay": 0,
+    "rl.actor.micro_batch_rows": 1, "rl.actor.logits_chunk": 1, "rl.actor.attention_block": 0,
+    "rl.actor.clip_low": 0, "rl.actor.clip_high": 0, "rl.actor.kl_coef": 0,
+    "eval.every": 0, "eval.size": 1, "eval.num_samples": 1, "checkpoint.every": 1, "checkpoint.keep": 1,
 }
-_ABOVE = {"model.rope_theta": 0, "task.tail_alpha": 0, "rl.max_grad_norm": 0}
-_AT_MOST = {"sft.unanswered": 1, "rollout.bandit_epsilon": 1}
-# rollout.* keys checked by SamplingParams' own bounds.
-_SAMPLING = ("temperature", "top_k", "top_p", "max_new_tokens")
+_ABOVE = {"model.rope_theta": 0, "task.tail_alpha": 0, "rl.optimizer.max_grad_norm": 0}
+_AT_MOST = {"sft.unanswered": 1}
 _CHOICES = {
     "policy.dtype": ("float32", "bfloat16"),
     "task.family": tuple(sorted(tasks.FAMILIES)),
     "data.reward": tuple(sorted(rewards.REWARDS)),
-    "kernels.attention": tree_attention.IMPLEMENTATIONS,
     "rl.loss_aggregation": grpo.AGGREGATIONS,
     "rollout.drafter": ("eagle", "suffix"),
 }
+# Tuple keys and what they hold (a --config override writes a tuple as a Python literal).
+_TUPLES = {"rollout.strategies": ("strategy names", str), "rollout.engine.batch_buckets": ("integers", int),
+           "rollout.bandit.thresholds": ("integers", int), "drafter.feature_layers": ("integers", int)}
 
 
 def check(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the first bad key."""
+  """Raises ValueError naming the first bad key: an old or unknown key, an unset, ill-typed or out-of-range
+  value (the dataclasses built from their subtrees check theirs), or sections that do not fit together."""
   def need(ok: bool, key: str, why: str):
     if not ok:
       raise ValueError(f"config.{key}={config_value(config, key)!r}: {why}")
+  known = dict(leaves(base()))
   for key, value in leaves(config):
+    if key not in known:
+      raise ValueError(renamed(key) or f"config.{key}: unknown key; every key and its default is listed in "
+                       "tlt_jax/config.py")
     need(value is not None, key, "must be set")
     need(not isinstance(value, float) or math.isfinite(value), key, "must be a finite number")
-  for field in _SAMPLING:
-    try:
-      sampling.check_field(field, config.rollout[field])
-    except ValueError as e:
-      need(False, f"rollout.{field}", str(e))
+  for key, (what, kind) in _TUPLES.items():
+    need(all(isinstance(x, kind) and not isinstance(x, bool) for x in config_value(config, key)), key,
+         f"must be a tuple of {what}" + (" in quotes, e.g. --config.rollout.strategies=\"('3_1_4','4_2_6')\""
+                                         if kind is str else ""))
   for key, low in _AT_LEAST.items():
     need(config_value(config, key) >= low, key, f"must be >= {low}")
   for key, low in _ABOVE.items():
     need(config_value(config, key) > low, key, f"must be > {low}")
   for key, high in _AT_MOST.items():
     need(config_value(config, key) <= high, key, f"must be <= {high}")
+  need(config.rl.actor.clip_low < 1, "rl.actor.clip_low", "must be < 1")
   for key, choices in _CHOICES.items():
     need(config_value(config, key) in choices, key, f"must be one of {choices}")
   for key in ("mesh.data", "mesh.fsdp", "mesh.tensor"):
@@ -314,35 +393,33 @@ def check(config: ml_collections.ConfigDict) -> None:
   need(config.model.num_heads % config.model.num_kv_heads == 0, "model.num_heads",
        "must be a multiple of model.num_kv_heads")
   need(config.task.max_terms >= config.task.min_terms, "task.max_terms", "must be >= task.min_terms")
-  b = config.rollout.batch_buckets
-  need(b >= 1 and b & (b - 1) == 0, "rollout.batch_buckets", "must be a power of two")
   try:
     named = strategies(config)
   except ValueError as e:
-    raise ValueError(f"config.rollout.strategies={config.rollout.strategies!r}: {e}") from None
+    need(False, "rollout.strategies", str(e))
   need(named or not config.rollout.speculative, "rollout.strategies",
        "must name at least one strategy when rollout.speculative (False: the plain baseline)")
   need(len({s.name for s in named}) == len(named), "rollout.strategies", "must not name a strategy twice")
-  need(not any(s.suffix for s in named)
-       or config.rollout.suffix_bank_len >= config.data.max_prompt_len + config.rollout.suffix_history_len + 2,
-       "rollout.suffix_bank_len", "must hold data.max_prompt_len + rollout.suffix_history_len + 2 (the prompt, its "
-       "history and a token)")
-  for key in ("rollout.bandit_thresholds", "drafter.feature_layers"):
-    try:
-      ints(config_value(config, key))
-    except ValueError:
-      raise ValueError(f"config.{key}={config_value(config, key)!r}: must be comma-separated integers") from None
-  layers = list(ints(config.drafter.feature_layers))
+  layers = list(config.drafter.feature_layers)
   need(not layers or (len(layers) == 3 and layers == sorted(set(layers)) and layers[0] >= 0), "drafter.feature_layers",
-       "EAGLE-3 needs three increasing target layers (low,mid,high), or none")
-  thresholds = ints(config.rollout.bandit_thresholds)
-  need(thresholds[:1] == (1,) and all(a < b for a, b in zip(thresholds, thresholds[1:])), "rollout.bandit_thresholds",
-       "must increase from 1")
-  need(config.rl.row_len >= config.data.max_prompt_len + config.rollout.max_new_tokens, "rl.row_len",
-       "must hold data.max_prompt_len + rollout.max_new_tokens")
-  need(config.rl.clip_low < 1, "rl.clip_low", "must be < 1")
-  need(not config.rl.attention_block or config.rl.row_len % config.rl.attention_block == 0, "rl.attention_block",
-       "must divide rl.row_len")
+       "EAGLE-3 needs three increasing target layers (low, mid, high), or none")
+  # Each dataclass checks its own fields; a bad one is named by the key that set it.
+  for prefix, build, keys in (
+      ("rollout.sampling", lambda: sampling_params(config), {}),
+      ("rollout.engine", lambda: engine_config(config, named),
+       {"max_prompt_len": "data.max_prompt_len", "max_new_tokens": "rollout.sampling.max_new_tokens"}),
+      ("rollout.bandit", lambda: bandit(config, named), {}),
+      ("rollout.tlt", lambda: tlt_config(config), {}),
+      ("drafter.trainer", lambda: drafter_trainer_config(config), {}),
+      ("drafter.buffer", lambda: BufferConfig(**config.drafter.buffer), {})):
+    try:
+      build()
+    except fields.FieldError as e:
+      need(False, keys.get(e.field, f"{prefix}.{e.field}"), e.why)
+  need(config.rl.row_len >= config.data.max_prompt_len + config.rollout.sampling.max_new_tokens, "rl.row_len",
+       "must hold data.max_prompt_len + rollout.sampling.max_new_tokens")
+  need(not config.rl.actor.attention_block or config.rl.row_len % config.rl.actor.attention_block == 0,
+       "rl.actor.attention_block", "must divide rl.row_len")
   need(not config.eval.every or config.eval.path or not config.data.path, "eval.path",
        "needs a held-out prompt file when data.path is set and eval.every > 0")
 

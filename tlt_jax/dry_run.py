@@ -8,10 +8,10 @@ executables (largest batch bucket, and the speculative tail's bucket with every 
 rollout group and the trainer's micro-batch gradient and optimizer update, and reports per-device
 memory (XLA's memory analysis of each executable) and FLOPs. `rollout_batches` states the rows a
 step gives each rollout group, the rows in flight at once (its largest bucket) and the tails a step
-pays: one per wave in waves, one with refill (`rollout.refill`). It fails, naming the executable and
+pays: one per wave in waves, one with refill (`rollout.engine.refill`). It fails, naming the executable and
 the config keys to change, when one needs more than `mesh.device_memory_gb`. With TLT it also
 bounds what the drafter's online data buffer adds to each process's checkpoint
-(`drafter_buffer_checkpoint_gb`: captured features and tokens, at most `drafter.buffer_pairs` pairs).
+(`drafter_buffer_checkpoint_gb`: captured features and tokens, at most `drafter.buffer.max_pairs` pairs).
 """
 
 from __future__ import annotations
@@ -32,10 +32,7 @@ from tlt_jax.drafter.buffer import BufferConfig
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, ModelConfig
 from tlt_jax.rl import actor as actor_lib
-from tlt_jax.rl import rollouts
-from tlt_jax.rollout.bandit import Bandit
 from tlt_jax.rollout.engine import Engine
-from tlt_jax.rollout.sampling import SamplingParams
 
 GB = 1 << 30
 
@@ -101,13 +98,10 @@ def run(config) -> dict:
   report["trainer_mesh"] = dict(mesh.shape)
   r = config.rl
   with jax.set_mesh(mesh):
-    actor = actor_lib.Actor(policy, actor_lib.make_optimizer(r.learning_rate, r.warmup_steps, r.weight_decay,
-                                                             r.max_grad_norm),
-                            micro_batch_rows=r.micro_batch_rows, clip_low=r.clip_low, clip_high=r.clip_high,
-                            kl_coef=r.kl_coef, remat=r.remat, logits_chunk=r.logits_chunk,
-                            attention_block=r.attention_block or None)
-    batch_sharding = sharding.array_sharding((r.micro_batch_rows, r.row_len), ("batch", None), mesh)
-    logging.info("dry run: compiling the train step (%d rows x %d tokens)", r.micro_batch_rows, r.row_len)
+    actor = actor_lib.Actor(policy, actor_lib.make_optimizer(**r.optimizer), **r.actor)
+    rows = r.actor.micro_batch_rows
+    batch_sharding = sharding.array_sharding((rows, r.row_len), ("batch", None), mesh)
+    logging.info("dry run: compiling the train step (%d rows x %d tokens)", rows, r.row_len)
     for name, exe in actor.compile_update(r.row_len, batch_sharding).items():
       executables[f"train/{name}"] = _sizes(exe)
 
@@ -122,18 +116,17 @@ def run(config) -> dict:
   eagle = any(not s.suffix for s in strategies)  # an EAGLE drafter (else suffix arms alone, or none)
   # A reduced head's ids come from the warm-up data; any N ids size the executables alike.
   vocab = range(min(config.drafter.draft_vocab_size, cfg.vocab_size))
-  build_drafter = lambda: Drafter(cfg, feature_layers=config_lib.ints(config.drafter.feature_layers),
-                                  draft_vocab=vocab, dtype=dtype, rngs=nnx.Rngs(0))
+  build_drafter = lambda: Drafter(cfg, feature_layers=config.drafter.feature_layers, draft_vocab=vocab, dtype=dtype,
+                                  rngs=nnx.Rngs(0))
   drafter = _abstract(build_drafter, group_mesh) if eagle else None
-  sampling = SamplingParams(temperature=config.rollout.temperature, top_k=config.rollout.top_k,
-                            top_p=config.rollout.top_p, max_new_tokens=config.rollout.max_new_tokens, seed=config.seed)
-  base = rollouts.engine_config(config, strategies)
+  sampling = config_lib.sampling_params(config)
+  base = config_lib.engine_config(config, strategies)
   report["rollout_batches"] = batches(config, base.batch_buckets[-1])
   rows = report["rollout_batches"]["rows_per_group"]
   sd_bucket = base.bucket(min(base.sd_max_batch, base.batch_buckets[-1]))
   for label, largest in (("rollout", base.batch_buckets[-1]), ("rollout_tail", sd_bucket)):
-    engine_cfg = rollouts.engine_config(config, strategies, largest_bucket=largest, compact=False)
-    bandit = Bandit(strategies) if strategies else None
+    engine_cfg = config_lib.engine_config(config, strategies, largest_bucket=largest, compact=False)
+    bandit = config_lib.bandit(config, strategies) if strategies else None
     engine = Engine(group_policy, engine_cfg, sampling, mesh=group_mesh, drafter=drafter, bandit=bandit)
     logging.info("dry run: compiling %s executables (bucket %d)", label, largest)
     with jax.set_mesh(group_mesh):
@@ -147,8 +140,8 @@ def run(config) -> dict:
   report["policy_gb"] = round(_bytes(nnx.state(policy)) / GB, 6)
   if eagle:  # the rollout's captured features: this many bytes per process in each checkpoint at most
     r = config.rollout
-    buffer = BufferConfig(max_pairs=config.drafter.buffer_pairs).state_bytes(
-        r.prompts_per_step * r.num_samples, config.data.max_prompt_len + r.max_new_tokens, cfg.hidden_size,
+    buffer = BufferConfig(**config.drafter.buffer).state_bytes(
+        r.prompts_per_step * r.num_samples, config.data.max_prompt_len + r.sampling.max_new_tokens, cfg.hidden_size,
         dtype.itemsize)
     report["drafter_buffer_checkpoint_gb"] = round(buffer / GB, 6)
   report.update(check_fit(executables, config.mesh.device_memory_gb, on_cpu=devices[0].platform == "cpu"))
@@ -162,7 +155,7 @@ def batches(config, largest: int) -> dict:
   one batch kept full while rows wait (one tail)."""
   r = config.rollout
   rows = -(-r.prompts_per_step // r.groups) * r.num_samples
-  return {"rows_per_group": rows, "rows_in_flight": min(rows, largest), "refill": bool(r.refill),
+  return {"rows_per_group": rows, "rows_in_flight": min(rows, largest), "refill": bool(r.engine.refill),
           "tails_with_waves": -(-rows // largest), "tails_with_refill": 1}
 
 
@@ -180,6 +173,7 @@ def check_fit(executables: dict[str, dict[str, float]], limit_gb: float, on_cpu:
   if limit_gb and out["max_per_device_gb"] > limit_gb:
     raise ValueError(
         f"{worst} needs {out['max_per_device_gb']} GB per device > config.mesh.device_memory_gb={limit_gb}: "
-        "lower config.rollout.batch_buckets or config.rl.micro_batch_rows, set config.rl.remat=True and "
-        "config.rl.attention_block, or use more devices (config.mesh.*, config.rollout.groups)")
+        "lower config.rollout.engine.batch_buckets or config.rl.actor.micro_batch_rows, set "
+        "config.rl.actor.remat=True and config.rl.actor.attention_block, or use more devices (config.mesh.*, "
+        "config.rollout.groups)")
   return {**out, "fits": True}

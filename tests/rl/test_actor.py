@@ -39,7 +39,7 @@ def test_packed_logprobs_match_transformers_per_sample(hf_dirs):
 def _actor(model, micro_batch_rows, long_rows=False):
   """`long_rows`: the memory savers of long-sequence training (remat, attention by query blocks)."""
   return actor_lib.Actor(model, optax.sgd(0.1), micro_batch_rows=micro_batch_rows, clip_low=0.2, clip_high=0.28,
-                         remat=long_rows, logits_chunk=4, attention_block=4 if long_rows else None)
+                         remat=long_rows, logits_chunk=4, attention_block=4 if long_rows else 0)
 
 
 def test_micro_batching_remat_and_query_blocks_do_not_change_the_update(hf_dirs):

@@ -69,13 +69,13 @@ def test_tlt_step_trains_the_drafter_on_idle_groups_and_checkpoints_it(tmp_path,
   c.policy.path = policy_dir
   c.rollout.speculative = True
   c.rollout.groups = 2
-  c.rollout.strategies = "2_1_3"
-  c.rollout.sd_max_batch = 4
-  c.drafter.path = str(tmp_path / "drafter")  # absent: warmed up on the tiny task, then saved there
-  c.drafter.warmup_steps = 4
-  c.drafter.row_len = 64
-  c.drafter.online_rows_per_device = 1
-  c.drafter.online_warmup_steps = 1
+  c.rollout.strategies = ("2_1_3",)
+  c.rollout.engine.sd_max_batch = 4
+  c.drafter.path = str(tmp_path / "drafter")  # absent: distilled on the tiny task, then saved there
+  c.drafter.distill.steps = 4
+  c.drafter.distill.row_len = c.drafter.trainer.row_len = 64
+  c.drafter.trainer.rows_per_device = 1
+  c.drafter.trainer.warmup_steps = 1
   c.checkpoint.every = 1
   # A random policy's drafter warm-up needs the tiny world's tokenizer; policy.path holds it.
   c.policy.path = ""
@@ -112,9 +112,9 @@ def test_suffix_drafts_need_no_drafter_and_their_bandit_resumes(tmp_path, tiny_p
   c.policy.path = tiny_policy_dir
   c.rollout.speculative = True
   c.rollout.drafter = "suffix"
-  c.rollout.strategies = "2_1_3,s3_2_5"  # the first reads as s2_1_3
-  c.rollout.sd_max_batch = 8  # every row: the random policy's rows all run to the budget, no tail
-  c.rollout.suffix_bank_len = 256
+  c.rollout.strategies = ("2_1_3", "s3_2_5")  # the first reads as s2_1_3
+  c.rollout.engine.sd_max_batch = 8  # every row: the random policy's rows all run to the budget, no tail
+  c.rollout.engine.suffix_bank_len = 256
   c.checkpoint.every = 1
   c.eval.every = 0
   trainer = Trainer(c, *bootstrap.load(c), devices=jax.devices()[:2])

@@ -527,7 +527,7 @@ def refill_engine(models):
 
 def test_refilled_shards_sample_what_one_engine_samples(refill_engine):
   """Data-parallel rollout groups each run a shard of the prompts at its `prompt_offset` (as
-  tlt_jax.drafter.spot does); refilled shards sample what one refilled rollout does, compiling nothing."""
+  tlt_jax.rollout.tlt does); refilled shards sample what one refilled rollout does, compiling nothing."""
   ps = prompts(6, seed=41)
   compiles = count_compiles()
   whole = refill_engine.generate(ps, num_samples=3)

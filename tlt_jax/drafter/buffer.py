@@ -33,6 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
+from tlt_jax import fields
 from tlt_jax.drafter.train import Pairs
 from tlt_jax.packing import pack
 
@@ -43,17 +44,16 @@ _TABLE = np.dtype(np.int32)
 
 @dataclasses.dataclass(frozen=True)
 class BufferConfig:
+  """The online drafter data buffer's bounds. Config: `drafter.buffer`."""
+
   max_pairs: int = 1 << 18  # bound on stored pairs (each: H features + a token)
   long_fraction: float = 0.25  # the longest part of the previous step kept for the offset rule
   eval_every: int = 16  # every n-th sample added is held out (0: none)
 
   def __post_init__(self):
-    if self.max_pairs < 1:
-      raise ValueError(f"buffer max_pairs must be positive, got {self.max_pairs}")
-    if not 0 <= self.long_fraction <= 1:
-      raise ValueError(f"buffer long_fraction must be in [0, 1], got {self.long_fraction}")
-    if self.eval_every < 0:
-      raise ValueError(f"buffer eval_every must be >= 0, got {self.eval_every}")
+    fields.at_least(self, 1, "max_pairs")
+    fields.require(0 <= self.long_fraction <= 1, "long_fraction", self.long_fraction, "must be in [0, 1]")
+    fields.at_least(self, 0, "eval_every")
 
   def state_bytes(self, samples_per_step: int, max_len: int, hidden_size: int, itemsize: int) -> int:
     """Upper bound of the bytes of `DataBuffer.state_dict()` when every RL step adds

@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tlt_jax import checkpoint as rl_checkpoint
-from tlt_jax import distributed, sharding
+from tlt_jax import distributed, fields, sharding
 from tlt_jax.drafter import checkpoint, train
 from tlt_jax.drafter.buffer import DataBuffer
 from tlt_jax.drafter.model import Drafter
@@ -43,6 +43,9 @@ from tlt_jax.models.transformer import CausalLM
 
 @dataclasses.dataclass(frozen=True)
 class DrafterTrainerConfig:
+  """The online drafter's updates. Config: `drafter.trainer` (seed: `seed`; `eval_rows` and
+  `checkpoint_dir` keep their defaults in a run)."""
+
   learning_rate: float = 1e-3
   warmup_steps: int = 20  # linear warmup: a fresh Adam's first steps would jolt a pre-trained drafter
   rows_per_device: int = 2  # packed rows per device in a gradient step
@@ -52,11 +55,9 @@ class DrafterTrainerConfig:
   checkpoint_dir: str | None = None  # async selective checkpoints (params + optimizer) of each new version
 
   def __post_init__(self):
-    for key in ("rows_per_device", "row_len", "eval_rows"):
-      if getattr(self, key) < 1:
-        raise ValueError(f"drafter trainer config {key} must be positive, got {getattr(self, key)}")
-    if self.warmup_steps < 0:
-      raise ValueError(f"drafter trainer config warmup_steps must be >= 0, got {self.warmup_steps}")
+    fields.at_least(self, 1, "rows_per_device", "eval_rows")
+    fields.at_least(self, 2, "row_len")  # a pair needs a token and the next
+    fields.at_least(self, 0, "learning_rate", "warmup_steps")
 
 
 @dataclasses.dataclass

@@ -69,8 +69,10 @@ class Actor:
 
   def __init__(self, model: CausalLM, optimizer: optax.GradientTransformation, *, micro_batch_rows: int,
                clip_low: float, clip_high: float, kl_coef: float = 0.0, remat: bool = False, logits_chunk: int = 1024,
-               attention_block: int | None = None, mesh: jax.sharding.Mesh | None = None):
-    """`mesh`: micro-batches are split over its batch axes (model already placed on it); None: as given."""
+               attention_block: int = 0, mesh: jax.sharding.Mesh | None = None):
+    """`mesh`: micro-batches are split over its batch axes (model already placed on it); None: as given.
+    `attention_block` > 0: attention over this many queries at a time. Config: `rl.actor` gives the
+    keyword arguments but `mesh`, and `rl.optimizer` those of `make_optimizer`."""
     self.graphdef, self.params = nnx.split(model)
     self.optimizer = optimizer
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(self.params)):  # a dry run's model
@@ -85,7 +87,7 @@ class Actor:
     self.micro_batch_rows = micro_batch_rows
     self._loss_args = dict(clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef)
     self.uses_ref = kl_coef > 0
-    self._forward = dict(remat=remat, chunk=logits_chunk, query_block=attention_block)
+    self._forward = dict(remat=remat, chunk=logits_chunk, query_block=attention_block or None)
     self.mesh = mesh
     # Log-probs come back to the host: replicated, so that every process can read them.
     self._logprobs = jax.jit(self._logprobs_fn, out_shardings=None if mesh is None else NamedSharding(mesh, P()))

@@ -100,7 +100,6 @@ def load_drafter(config, policy: CausalLM, tok) -> Drafter:
   if not distributed.primary():
     distributed.barrier("tiny drafter")
     return drafter_checkpoint.load_drafter(path, policy.config)
-  layers = config_lib.ints(config.drafter.feature_layers)
   examples = datasets.from_tasks(config.task.family, tok, size=2048, seed=config.seed + 3,
                                  difficulty=sft.difficulty(config))
   sequences = sft.sequences(examples, tok)
@@ -110,10 +109,11 @@ def load_drafter(config, policy: CausalLM, tok) -> Drafter:
       vocab = drafter_train.frequent_tokens(sequences, policy.config.vocab_size, config.drafter.draft_vocab_size)
     except ValueError as e:
       raise ValueError(f"config.drafter.draft_vocab_size: {e}") from None
-  drafter = Drafter(policy.config, feature_layers=layers, draft_vocab=vocab, rngs=nnx.Rngs(config.seed))
-  result = drafter_train.distill(policy, drafter, sequences, steps=config.drafter.warmup_steps,
-                                 batch_rows=config.drafter.batch_rows, row_len=config.drafter.row_len,
-                                 lr=config.drafter.learning_rate, seed=config.seed)
+  drafter = Drafter(policy.config, feature_layers=config.drafter.feature_layers, draft_vocab=vocab,
+                    rngs=nnx.Rngs(config.seed))
+  d = config.drafter.distill
+  result = drafter_train.distill(policy, drafter, sequences, steps=d.steps, batch_rows=d.batch_rows,
+                                 row_len=d.row_len, lr=d.learning_rate, seed=config.seed)
   logging.info("drafter warm-up: loss %.3f -> %.3f, top-1 %.2f", result.losses[0], result.losses[-1],
                result.metrics[-1]["top1"])
   drafter_checkpoint.save_drafter(drafter, path)

@@ -89,12 +89,7 @@ class Trainer:
       mesh = sharding.make_mesh({k: c.mesh[k] for k in sharding.MESH_AXES})
       state = nnx.state(self.policy)
       nnx.update(self.policy, jax.device_put(jax.tree.map(np.asarray, state), sharding.param_shardings(state, mesh)))
-    optimizer = actor_lib.make_optimizer(c.rl.learning_rate, c.rl.warmup_steps, c.rl.weight_decay,
-                                         c.rl.max_grad_norm)
-    self.actor = actor_lib.Actor(self.policy, optimizer, micro_batch_rows=c.rl.micro_batch_rows,
-                                 clip_low=c.rl.clip_low, clip_high=c.rl.clip_high, kl_coef=c.rl.kl_coef,
-                                 remat=c.rl.remat, logits_chunk=c.rl.logits_chunk,
-                                 attention_block=c.rl.attention_block or None,
+    self.actor = actor_lib.Actor(self.policy, actor_lib.make_optimizer(**c.rl.optimizer), **c.rl.actor,
                                  mesh=mesh if distributed.multiprocess() else None)
     self.ref_params = jax.tree.map(jnp.copy, self.actor.params) if self.actor.uses_ref else None
     self._push_policy()
@@ -198,7 +193,7 @@ class Trainer:
         examples[0].reward, texts, [examples[s.prompt_index].ground_truth for s in samples],
         [examples[s.prompt_index].metadata for s in samples])
     lengths = np.asarray([len(s.tokens) for s in samples])
-    shaped = scores + grpo.overlong_penalty(lengths, c.rollout.max_new_tokens, c.rl.overlong_buffer)
+    shaped = scores + grpo.overlong_penalty(lengths, c.rollout.sampling.max_new_tokens, c.rl.overlong_buffer)
     adv = grpo.advantages(shaped.reshape(-1, g), normalize_std=c.rl.normalize_std).reshape(-1)
     truncated = np.asarray([s.finish_reason == "length" for s in samples]).reshape(-1, g)
     keep = grpo.trained_samples(shaped.reshape(-1, g), truncated, c.rl.dynamic_sampling, c.rl.overlong_filter)
@@ -252,8 +247,8 @@ class Trainer:
           raise NonFiniteUpdates(
               f"step {self.step + 1}: {self.skipped_in_a_row} policy updates in a row had a non-finite loss or "
               f"gradient (config.rl.max_skipped_updates={c.rl.max_skipped_updates}); stopping. The last checkpoint "
-              f"(step {self.saved_step}) holds the params from before them: lower rl.learning_rate, check the data "
-              "and rewards, then resume")
+              f"(step {self.saved_step}) holds the params from before them: lower rl.optimizer.learning_rate, check "
+              "the data and rewards, then resume")
         continue
       self.skipped_in_a_row = 0
       for k, v in stats.items():

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tlt_jax import fields
 from tlt_jax.rollout.speculative import Strategy
 
 Arm = Strategy | None  # None: plain decoding ("SD off")
@@ -29,12 +30,11 @@ class Bandit:
 
   def __init__(self, strategies: Sequence[Strategy], thresholds: Sequence[int] = (1, 2, 5, 21),
                epsilon: float = 0.1, window: int = 300, seed: int = 0):
-    if list(thresholds) != sorted(set(thresholds)) or not thresholds or thresholds[0] != 1:
-      raise ValueError(f"bucket thresholds must increase from 1, got {list(thresholds)}")
-    if not 0 <= epsilon <= 1:
-      raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
-    if window < 1:
-      raise ValueError(f"window must be >= 1, got {window}")
+    """Config: `rollout.bandit` gives `thresholds` (of active rows), `epsilon` and `window`."""
+    fields.require(list(thresholds)[:1] == [1] and all(a < b for a, b in zip(thresholds, thresholds[1:])),
+                   "thresholds", tuple(thresholds), "must increase from 1")
+    fields.require(0 <= epsilon <= 1, "epsilon", epsilon, "must be in [0, 1]")
+    fields.require(window >= 1, "window", window, "must be >= 1")
     self.arms: tuple[Arm, ...] = (None, *strategies)
     self.thresholds = tuple(thresholds)
     self.epsilon, self.window = epsilon, window

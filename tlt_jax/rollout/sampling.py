@@ -16,6 +16,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from tlt_jax import fields
+
 
 # The valid values of each sampling knob: SamplingParams checks them, and the CLI flags and config
 # keys that set a knob check it with `check_field` (one place for the bounds).
@@ -36,7 +38,8 @@ def check_field(field: str, value) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """Static (compiled into the rollout executables). temperature 0 = greedy."""
+  """Static (compiled into the rollout executables). temperature 0 = greedy. Config: `rollout.sampling`
+  (all but `stop_token_ids` and `seed`)."""
 
   temperature: float = 1.0
   top_k: int = 0  # 0 = no top-k
@@ -50,7 +53,7 @@ class SamplingParams:
       try:
         check_field(field, getattr(self, field))
       except ValueError as e:
-        raise ValueError(f"{field} {e}, got {getattr(self, field)}") from None
+        raise fields.FieldError(field, getattr(self, field), str(e)) from None
 
   @property
   def greedy(self) -> bool:

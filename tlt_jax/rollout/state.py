@@ -25,6 +25,7 @@ import flax.struct
 import jax
 import numpy as np
 
+from tlt_jax import fields
 from tlt_jax.kernels import tree_attention
 from tlt_jax.models.transformer import KVCache
 from tlt_jax.rollout.speculative import Strategy
@@ -34,7 +35,9 @@ FINISH_REASONS = ("running", "stop", "length")  # `RowState.finish` indexes it
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-  """What an `Engine` compiles for: its shapes, buckets and draft strategies (each field says what it sets)."""
+  """What an `Engine` compiles for: its shapes, buckets and draft strategies (each field says what it sets).
+  Config: `rollout.engine` (max_prompt_len from `data`, max_new_tokens from `rollout.sampling`,
+  strategies from `rollout.strategies`)."""
 
   batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # powers of two
   max_prompt_len: int = 256
@@ -61,20 +64,20 @@ class EngineConfig:
 
   def __post_init__(self):
     b = self.batch_buckets
-    if not b or b[0] != 1 or any(y != 2 * x for x, y in zip(b, b[1:])):
-      raise ValueError(f"batch_buckets must be 1, 2, 4, ... (powers of two), got {b}")
-    if self.attention not in tree_attention.IMPLEMENTATIONS:
-      raise ValueError(f"attention must be one of {tree_attention.IMPLEMENTATIONS}, got {self.attention!r}")
-    if not 0 <= self.refill_rows <= b[-1]:
-      raise ValueError(f"refill_rows must be in [0, {b[-1]}] (the largest bucket), got {self.refill_rows}")
-    if self.banking and self.suffix_bank_len < self.max_prompt_len + self.suffix_history_len + 2:
-      raise ValueError(f"suffix_bank_len must be >= max_prompt_len + suffix_history_len + 2 = "
-                       f"{self.max_prompt_len + self.suffix_history_len + 2} (the prompt, its history and a token), "
-                       f"got {self.suffix_bank_len}")
-    if self.suffix_history_len < 0:
-      raise ValueError(f"suffix_history_len must be >= 0, got {self.suffix_history_len}")
-    if self.suffix_ngram < 1:
-      raise ValueError(f"suffix_ngram must be >= 1, got {self.suffix_ngram}")
+    fields.require(b and b[0] == 1 and all(y == 2 * x for x, y in zip(b, b[1:])), "batch_buckets", b,
+                   "must be 1, 2, 4, ... (powers of two)")
+    fields.require(self.attention in tree_attention.IMPLEMENTATIONS, "attention", self.attention,
+                   f"must be one of {tree_attention.IMPLEMENTATIONS}")
+    fields.at_least(self, 1, "max_prompt_len", "max_new_tokens", "segment_steps", "kv_block", "prefill_batch",
+                    "sd_max_batch", "suffix_ngram")
+    fields.at_least(self, 2, "suffix_bank_len")  # a prompt token and a generated one
+    fields.at_least(self, 0, "suffix_history_len")
+    fields.require(0 <= self.refill_rows <= b[-1], "refill_rows", self.refill_rows,
+                   f"must be in [0, {b[-1]}] (the largest bucket)")
+    least = self.max_prompt_len + self.suffix_history_len + 2
+    fields.require(not self.banking or self.suffix_bank_len >= least, "suffix_bank_len", self.suffix_bank_len,
+                   f"must be >= max_prompt_len + suffix_history_len + 2 = {least} (the prompt, its history and a "
+                   "token)")
 
   @property
   def banking(self) -> bool:

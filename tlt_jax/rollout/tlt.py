@@ -46,7 +46,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from tlt_jax import distributed, sharding
+from tlt_jax import distributed, fields, sharding
 from tlt_jax.drafter.buffer import DataBuffer
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.drafter.trainer import DrafterTrainer, DrafterTrainerConfig, Round
@@ -62,14 +62,15 @@ BUSY, IDLE, TRAINING = "busy", "idle", "training"
 
 @dataclasses.dataclass(frozen=True)
 class TLTConfig:
+  """The schedule of the rollout groups. Config: `rollout.tlt` (the timeouts keep their defaults in a run)."""
+
   enabled: bool = True  # False: the same sharded rollout, no drafter training (baselines, ablations)
   solo_steps: int = 8  # with one group: drafter steps in the gap after each rollout
   timeout_s: float = 3600.0  # a rollout group that has not finished by then is an error, not a hang
   poll_s: float = 0.05  # several processes: how often a process with only busy groups joins a round
 
   def __post_init__(self):
-    if self.solo_steps < 0:
-      raise ValueError(f"TLT config solo_steps must be >= 0, got {self.solo_steps}")
+    fields.at_least(self, 0, "solo_steps")
 
 
 class TLTRollout(BaseRollout):
