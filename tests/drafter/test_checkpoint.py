@@ -43,6 +43,17 @@ def test_mismatched_target_is_named(tmp_path):
   with pytest.raises(checkpoint.DrafterCheckpointError, match=r"eos_token_id=\[1, 2\], but this target has "
                      r"eos_token_id=1"):
     checkpoint.load_drafter(out, dataclasses.replace(CFG, eos_token_id=1))
+  # The target's layer form is not its architecture: a drafter serves the scanned and the unrolled form,
+  # also one saved before the form was recorded.
+  unrolled = dataclasses.replace(CFG, scan_layers=not CFG.scan_layers)
+  assert checkpoint.load_drafter(out, unrolled).config == unrolled
+  config_file = os.path.join(out, checkpoint.CONFIG_FILE)
+  with open(config_file) as f:
+    saved = json.load(f)
+  saved["target"].pop("scan_layers", None)
+  with open(config_file, "w") as f:
+    json.dump(saved, f)
+  checkpoint.load_drafter(out, CFG)
 
 
 def test_missing_and_broken_checkpoints(tmp_path):

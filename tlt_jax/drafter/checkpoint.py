@@ -38,8 +38,11 @@ class DrafterCheckpointError(ValueError):
 
 
 def _target_fields(cfg: ModelConfig) -> dict[str, Any]:
-  # Through JSON so tuples compare equal to the lists read back.
-  return json.loads(json.dumps(dataclasses.asdict(cfg)))
+  """The target's architecture; not `scan_layers` (how our decoder runs the same layers), so a
+  drafter serves either form. Through JSON so tuples compare equal to the lists read back."""
+  fields = dataclasses.asdict(cfg)
+  del fields["scan_layers"]
+  return json.loads(json.dumps(fields))
 
 
 def _this_process() -> ocp.options.MultiprocessingOptions:
