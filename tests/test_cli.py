@@ -159,7 +159,7 @@ def inputs(tmp_path_factory, tiny_policy_dir):
   # Old keys: on base() (check() finds it), and in a section that is gone (the file fails to load).
   (root / "old_keys.py").write_text("from tlt_jax import config\n\ndef get_config():\n  c = config.base()\n"
                                     "  c.drafter.warmup_steps = 3\n  c.lock()\n  return c\n")
-  (root / "old_section.py").write_text("from configs import tiny\n\ndef get_config():\n  c = tiny.get_config()\n"
+  (root / "old_section.py").write_text("from tlt_jax import config\n\ndef get_config():\n  c = config.get_config()\n"
                                        "  c.kernels.attention = 'xla'\n  return c\n")
   write_gguf(root / "llama.gguf", "llama")
   write_gguf(root / "gpt2.gguf", "gpt2")

@@ -85,3 +85,23 @@ def test_an_installed_copy_finds_its_default_config(tmp_path):
                        capture_output=True, text=True, timeout=300)
   assert run.returncode == 1 and run.stderr.strip().endswith("error: config.workdir='a_file': not a directory"), \
       run.stderr[-3000:]
+
+
+def test_readme_python_example_runs(tiny_policy_dir, tmp_path, monkeypatch):
+  """The README's "In Python" example, run as written on a tiny policy and a random drafter laid out
+  where it reads them (runs/tiny/...): its imports and calls stay those of the package."""
+  from flax import nnx
+
+  from tlt_jax.drafter import checkpoint
+  from tlt_jax.drafter.model import Drafter
+  from tlt_jax.models import hf
+  with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+    section = f.read().split("\n## In Python", 1)[1]
+  code = re.search(r"```python\n(.*?)\n```", section, re.S).group(1)
+  shutil.copytree(tiny_policy_dir, tmp_path / "runs" / "tiny" / "policy")
+  checkpoint.save_drafter(Drafter(hf.read_config(tiny_policy_dir)[0], rngs=nnx.Rngs(0)),
+                          str(tmp_path / "runs" / "tiny" / "drafter"))
+  monkeypatch.chdir(tmp_path)
+  scope = {}
+  exec(compile(code.replace("max_new_tokens=256", "max_new_tokens=8"), "README.md", "exec"), scope)  # noqa: S102
+  assert len(scope["rollout"].samples) == 8

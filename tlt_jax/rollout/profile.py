@@ -49,7 +49,7 @@ def prefilled_state(engine: Engine, prompts: Sequence[Sequence[int]]):
   slots = np.asarray(list(range(n)) + [-1] * (b - n), np.int32)
   st = engine.pool[("init", b)](engine._slot_rows(rows, slots, [engine.sampling.max_new_tokens] * n, 0,
                                                   engine._bank_rows(rows)))
-  return engine._prefill_slots(st, prompts, rows, slots)
+  return engine._prefill_slots(st, prompts, rows, slots, None)
 
 
 def phase_times(engine: Engine, prompts: Sequence[Sequence[int]], strategy: Strategy,
