@@ -14,7 +14,10 @@ same machine conditions (the paper's Fig 11 / Fig 7 arms):
   frozen    the same rollouts with `rollout.tlt.enabled=False` (the warm-up drafter never changes);
   baseline  `rollout.speculative=False`: plain decoding, data-parallel over the same devices;
 and, by `--arms`, `tlt_waves` / `baseline_waves`: the same with `rollout.engine.refill=False` (a group's rows
-beyond its largest batch bucket run in consecutive waves instead of refilling finished rows' slots).
+beyond its largest batch bucket run in consecutive waves instead of refilling finished rows' slots),
+`suffix`: tail SD with suffix drafts alone (`rollout.drafter=suffix`, no drafter model), and
+`suffix_history`: the same with each prompt's responses of earlier steps in its bank (with a small
+`--config.data.size` prompts come back every few steps: epochs).
 Writes steps.csv (one row per trainer and step), curves.png (reward and step time per step) and
 summary.json, and prints the summary: step-time ratios (`--reference` / arm, first step excluded:
 it compiles) and the mean reward of each over the run.
@@ -44,11 +47,15 @@ _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname
 _STEPS = flags.DEFINE_integer("steps", 6, "RL steps per trainer.")
 _OUT = flags.DEFINE_string("out", "runs/end_to_end", "Output directory.")
 
+SUFFIX = ("s4_1_5", "s6_3_10")  # the suffix arms' strategies (no drafter model)
 ARMS = {"tlt": {"rollout.speculative": True, "rollout.tlt.enabled": True},
         "frozen": {"rollout.speculative": True, "rollout.tlt.enabled": False},
         "baseline": {"rollout.speculative": False},
         "tlt_waves": {"rollout.speculative": True, "rollout.tlt.enabled": True, "rollout.engine.refill": False},
-        "baseline_waves": {"rollout.speculative": False, "rollout.engine.refill": False}}
+        "baseline_waves": {"rollout.speculative": False, "rollout.engine.refill": False},
+        "suffix": {"rollout.speculative": True, "rollout.drafter": "suffix", "rollout.strategies": SUFFIX},
+        "suffix_history": {"rollout.speculative": True, "rollout.drafter": "suffix", "rollout.strategies": SUFFIX,
+                           "rollout.engine.suffix_history_len": 1024}}
 _ARMS = flags.DEFINE_list("arms", ["tlt", "frozen", "baseline"], f"Trainers to step side by side, of {list(ARMS)}.")
 _REFERENCE = flags.DEFINE_string("reference", "baseline", "The arm the step-time ratios divide (one of --arms).")
 KEYS = ("reward/mean", "reward/accuracy", "response_length/median", "response_length/max", "time/step_s",
