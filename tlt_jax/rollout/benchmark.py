@@ -144,16 +144,17 @@ def run_grid(model, drafter: Drafter | None, prompts, batch_sizes, strategies, t
       batch = prompts[:-(-b // num_samples)]
       baseline, _ = _rollout_speed(Engine(model, sized(base), params), batch, num_samples=num_samples)
       bar.update()
+      banked = None
+      if history_len and any(s.suffix for s in strategies):  # the earlier rollout, once per batch
+        earlier = Engine(model, sized(base), dataclasses.replace(params, seed=seed + 1)).generate(batch, num_samples)
+        bank = suffix.History(history_len, base.suffix_ngram)
+        for i, prompt in enumerate(batch):
+          bank.add(prompt, [s.tokens for s in earlier.samples if s.prompt_index == i])
+        banked = [bank.get(p) for p in batch]
       for strategy, history in arms:
         config = sized(EngineConfig(**{**base.__dict__, "strategies": (strategy,), "sd_max_batch": top,
                                        "suffix_history_len": history}))
-        kwargs = {"num_samples": num_samples}
-        if history:
-          earlier = Engine(model, sized(base), dataclasses.replace(params, seed=seed + 1))
-          bank = suffix.History(history, config.suffix_ngram)
-          for prompt in batch:
-            bank.add(prompt, [s.tokens for s in earlier.generate([prompt], num_samples).samples])
-          kwargs["history"] = [bank.get(p) for p in batch]
+        kwargs = {"num_samples": num_samples, **({"history": banked} if history else {})}
         speed, accept_len = _rollout_speed(Engine(model, config, params, drafter=drafter), batch, **kwargs)
         records.append({"batch_size": b, "rows": len(batch) * num_samples,
                         "strategy": strategy.name + ("+history" if history else ""), "tokens_per_s": round(speed, 2),
