@@ -88,6 +88,45 @@ def test_implementations_match_the_reference(impl, case):
   np.testing.assert_allclose(got, want, atol=1e-5 if case[-1] == "float32" else 2e-2, rtol=0)
 
 
+def paged(k, v, lengths, w, page, seed=0):
+  """The same rows in a shuffled pool of `page`-slot pages (plus spare pages), and their tables; a
+  row's pages past its filled length + window are not held (entry N)."""
+  rng = np.random.RandomState(seed)
+  layers, b, cap, kv, d = k.shape
+  m = cap // page
+  n = b * m + 3
+  order = rng.permutation(n)[:b * m].reshape(b, m)
+  pool = lambda x: jnp.zeros((layers, n, page, kv, d), x.dtype).at[:, order.reshape(-1)].set(
+      x.reshape(layers, b * m, page, kv, d))
+  held = np.arange(m)[None] * page < (np.asarray(lengths) + w)[:, None]
+  return pool(k), pool(v), jnp.asarray(np.where(held, order, n), jnp.int32)
+
+
+PAGE = 16
+
+
+@pytest.mark.parametrize("impl,block", [("xla", None), ("xla", BLOCK), ("xla", 8), ("pallas_tpu", BLOCK),
+                                        ("pallas_gpu", BLOCK)])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2]], ids=lambda c: "g{}_d{}_v{}_e{}_{}".format(*c))
+def test_a_paged_cache_gives_the_contiguous_answer(impl, block, case):
+  """Rows scattered over a shuffled pool through their page tables attend exactly as in a contiguous cache."""
+  q, k, v, lengths, mask = case_inputs(*case)
+  kp, vp, pages = paged(k, v, lengths, mask.shape[2], PAGE)
+  run = jax.jit(lambda q, k, v, lengths, mask, pages: tree_attention.attention(q, k, v, 1, lengths, mask, impl=impl,
+                                                                                block=block, pages_BxM=pages))
+  got = np.asarray(run(q, kp, vp, lengths, mask, pages), np.float32)
+  f32 = lambda x: np.asarray(x, np.float32)
+  want = brute_force(f32(q), f32(k[1]), f32(v[1]), lengths, mask)
+  np.testing.assert_allclose(got, want, atol=1e-5 if case[-1] == "float32" else 2e-2, rtol=0)
+
+
+def test_the_page_size_must_be_a_multiple_of_the_block():
+  q, k, v, lengths, mask = case_inputs(1, 64, 1, 0, "float32")
+  kp, vp, pages = paged(k, v, lengths, 1, 8)
+  with pytest.raises(ValueError, match="page size 8 is not a multiple of the attention block 16"):
+    tree_attention.attention(q, kp, vp, 0, lengths, mask, impl="xla", block=BLOCK, pages_BxM=pages)
+
+
 @pytest.mark.parametrize("impl", ["xla", "pallas_tpu", "pallas_gpu"])
 def test_the_layer_is_a_run_time_value(impl):
   """A scanned decoder's layer index is traced: one executable reads whichever layer it is given."""
@@ -121,24 +160,28 @@ def test_bad_implementation_and_shapes_are_named():
 
 
 # ---- lowering for the hardware we do not have ----
-def export(impl, platform, dtype, t, w):
+def export(impl, platform, dtype, t, w, paged=False):
   """jax.export of the kernel at Qwen2.5-7B's attention shape (28 heads over 4 KV heads, head dim 128),
-  with the layer index traced as a scanned decoder gives it."""
+  with the layer index traced as a scanned decoder gives it; `paged`: over a pool of 256-slot pages."""
   kernel = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}[impl].tree_attention
-  f = jax.jit(lambda layer, q, k, v, lengths, mask: kernel(q, k, v, layer, lengths, mask, block=128, scale=0.1))
+  f = jax.jit(lambda layer, q, k, v, lengths, mask, pages=None: kernel(q, k, v, layer, lengths, mask, block=128,
+                                                                       scale=0.1, pages_BxM=pages))
   b, s = 8, 1024
-  kv = ((4, b, s, 4, 128), dtype)
+  kv = ((4, 20, 256, 4, 128) if paged else (4, b, s, 4, 128), dtype)
   shapes = [jax.ShapeDtypeStruct(x, y) for x, y in [((), jnp.int32), ((b, t, 28, 128), dtype), kv, kv,
                                                      ((b,), jnp.int32), ((b, t, w), jnp.bool_)]]
+  if paged:
+    shapes.append(jax.ShapeDtypeStruct((b, s // 256), jnp.int32))
   # The Triton custom call carries no cross-version stability guarantee; we only check it lowers.
   checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
   return jax.export.export(f, platforms=[platform], disabled_checks=checks)(*shapes)
 
 
-@pytest.mark.parametrize("dtype,t,w", [("float32", 16, 24), ("bfloat16", 1, 1)])  # drafter level; decode
+@pytest.mark.parametrize("dtype,t,w,paged", [("float32", 16, 24, False), ("bfloat16", 1, 1, False),
+                                              ("bfloat16", 16, 16, True)])  # drafter level; decode; paged verify
 @pytest.mark.parametrize("impl,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
-def test_kernels_lower_for_their_hardware(impl, platform, dtype, t, w):
-  exported = export(impl, platform, jnp.dtype(dtype), t, w)
+def test_kernels_lower_for_their_hardware(impl, platform, dtype, t, w, paged):
+  exported = export(impl, platform, jnp.dtype(dtype), t, w, paged)
   assert exported.platforms == (platform,)
   target = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}[platform]
   assert target in exported.mlir_module()
@@ -168,7 +211,8 @@ def test_kernels_lower_for_their_hardware_under_a_mesh(impl, platform):
       ((2, b, s, 4, 128), jnp.bfloat16, spec(None, "data", None, "tensor")),
       ((b,), jnp.int32, spec("data")), ((b, t, w), jnp.bool_, spec("data"))]]
   kernel = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}[impl].tree_attention
-  run = lambda q, k, v, lengths, mask: kernel(q, k, v, 1, lengths, mask, block=128, scale=0.1)
+  run = lambda q, k, v, lengths, mask, pages=None: kernel(q, k, v, 1, lengths, mask, block=128, scale=0.1,
+                                                           pages_BxM=pages)
   checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
   with jax.set_mesh(mesh):
     exported = jax.export.export(jax.jit(lambda *a: tree_attention.per_device(run, *a)), platforms=[platform],

@@ -12,7 +12,9 @@ from flax import nnx
 
 from tests.conftest import VOCAB, jit_decode, jit_prefill, jit_verify
 from tlt_jax.models import KVCache, ModelConfig, hf
+from tlt_jax.kernels import layout
 from tlt_jax.models import transformer
+from tlt_jax.rollout import speculative
 
 TOL = 1e-4
 
@@ -199,3 +201,33 @@ def test_scanned_and_unrolled_layers_agree_under_remat(hf_dirs):
     for (path_, a), (_, b) in zip(nnx.to_flat_state(g_scan.model.layers), nnx.to_flat_state(g_unrolled.model.layers[i]),
                                   strict=True):
       np.testing.assert_allclose(a.get_value()[i], b.get_value(), atol=1e-5, rtol=1e-4, err_msg=str(path_))
+
+
+@pytest.mark.parametrize("kv_block", [None, 4])
+def test_a_paged_cache_decodes_as_a_contiguous_one(loaded, kv_block):
+  """Prefill, decode, verify and commit with rows scattered over a shuffled pool of 4-slot pages
+  (two rows sharing their first page, as samples of one prompt do) give the contiguous cache's
+  logits and cache contents."""
+  graphdef, state, _, cfg = loaded("qwen3")
+  model = nnx.merge(graphdef, state)
+  rng = np.random.RandomState(7)
+  tokens = rng.randint(2, VOCAB, (3, 6))
+  tokens[1, :4] = tokens[0, :4]  # rows 0 and 1 share a full first page
+  lengths = np.asarray([6, 5, 3], np.int32)
+  table = np.asarray([[9, 2, 5, 11], [9, 7, 0, 3], [4, 10, 1, 8]], np.int32)
+  caches = {"contiguous": KVCache.zeros(cfg, 3, 16), "paged": KVCache.paged(cfg, table, 13, 4)}
+  mask, depth = tree_arrays(PARENTS)
+  tree = rng.randint(2, VOCAB, (3, len(PARENTS)))
+  outs = {}
+  for name, cache in caches.items():
+    pre = transformer.prefill(model, jnp.asarray(tokens), jnp.asarray(lengths), cache, kv_block=kv_block)
+    dec = transformer.decode(model, jnp.asarray([7, 9, 11]), pre.cache, kv_block=kv_block)
+    ver = transformer.verify(model, jnp.asarray(tree), dec.cache.lengths[:, None] + depth,
+                             jnp.broadcast_to(mask, (3, *mask.shape)), dec.cache, kv_block=kv_block)
+    committed = speculative.commit(ver.cache, jnp.asarray([[0, 1, 3], [0, 2, 5], [0, 1, 3]]), jnp.asarray([3, 1, 2]))
+    again = transformer.decode(model, jnp.asarray([5, 6, 7]), committed, kv_block=kv_block)
+    rows = layout.rows(again.cache.k, 0, again.cache.pages)
+    outs[name] = (pre.logits, dec.logits, ver.logits, again.logits, rows[:, :12])
+  for name, contiguous, paged in zip(("prefill", "decode", "verify", "after commit", "cache"), outs["contiguous"],
+                                     outs["paged"]):
+    np.testing.assert_allclose(paged, contiguous, atol=1e-5, rtol=0, err_msg=name)

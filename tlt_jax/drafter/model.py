@@ -19,6 +19,8 @@ output, as in EAGLE-3.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Sequence
 
 import jax
@@ -114,8 +116,9 @@ class Drafter(nnx.Module):
     embed = target.model.embed_tokens(tokens_BxT)
     x = self.fc(jnp.concatenate([embed, features_BxTxH.astype(embed.dtype)], axis=-1))
     cos, sin = rope_tables(self.config, positions_BxT, x.dtype)
-    x, k, v = self.layer(x, cos, sin, 0, cache.k, cache.v, cache.lengths, mask_BxTxW, kv_block, attention)
-    return x, KVCache(k=k, v=v, lengths=cache.lengths)
+    x, k, v = self.layer(x, cos, sin, 0, cache.k, cache.v, cache.lengths, mask_BxTxW, kv_block, attention,
+                         pages=cache.pages)
+    return x, dataclasses.replace(cache, k=k, v=v)
 
   def empty_cache(self, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
     return KVCache.zeros(self.config, batch, capacity, dtype, num_layers=1)

@@ -1,4 +1,10 @@
-"""What the fused tree-attention kernels share: their input layout and the online-softmax step.
+"""What the tree-attention implementations share: the cache's layout, the kernels' input layout
+and the online-softmax step.
+
+A cache holds [L, N, P, K, D] keys (and values): N pages of P slots. Contiguous (no page table),
+page b is row b's whole cache (N = B rows, P = capacity). Paged, row b's slot s lives in page
+`pages_BxM[b, s // P]` at offset `s % P`; a row's M pages cover its capacity M x P, and an entry
+of N (one past the pool) marks a page the row does not hold: writes there are dropped.
 
 The kernels split each row's keys into the prefix (slots `< lengths[b]`, visible to every query:
 only a length test, walked block by block) and the window of W slots after it (gathered here,
@@ -27,11 +33,46 @@ def ungroup(out_BxKxRxD, t: int):
   return out_BxKxRxD.reshape(b, k, r // t, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, k * (r // t), d)
 
 
-def window(cache_LxBxSxKxD, layer, lengths_B, w: int):
+def address(pages_BxM, slots_BxT, page_size: int, num_pages: int):
+  """(page, offset) [B, T] of each row's slots: the row itself and the slot without a page table;
+  slots past a row's table get page `num_pages` (out of the pool: writes there are dropped)."""
+  if pages_BxM is None:
+    return jnp.broadcast_to(jnp.arange(slots_BxT.shape[0])[:, None], slots_BxT.shape), slots_BxT
+  page = jnp.take_along_axis(pages_BxM, slots_BxT // page_size, axis=1, mode="fill", fill_value=num_pages)
+  return page, slots_BxT % page_size
+
+
+def capacity(cache_LxNxPxKxD, pages_BxM) -> int:
+  """Slots per row: the page (contiguous) or the pages of a row's table."""
+  return cache_LxNxPxKxD.shape[2] * (1 if pages_BxM is None else pages_BxM.shape[1])
+
+
+def block(cache_LxNxPxKxD, layer, pages_BxM, start, size: int, rows: int):
+  """[B, size, K, D]: slots start .. start + size - 1 of every row (`size` divides the page size;
+  `start` a multiple of it, may be traced), without copying the layer's cache."""
+  _, _, p, k, d = cache_LxNxPxKxD.shape
+  if pages_BxM is None:
+    return jax.lax.dynamic_slice(cache_LxNxPxKxD, (layer, 0, start, 0, 0), (1, rows, size, k, d))[0]
+  page_B = jax.lax.dynamic_index_in_dim(pages_BxM, start // p, axis=1, keepdims=False)
+  page_B = jnp.minimum(page_B, cache_LxNxPxKxD.shape[1] - 1)  # a page not held: garbage past the length
+  one = lambda page: jax.lax.dynamic_slice(cache_LxNxPxKxD, (layer, page, start % p, 0, 0), (1, 1, size, k, d))[0, 0]
+  return jax.vmap(one)(page_B)
+
+
+def rows(cache_LxNxPxKxD, layer, pages_BxM):
+  """[B, capacity, K, D]: every row's whole cache of layer `layer` (the dense path)."""
+  if pages_BxM is None:
+    return cache_LxNxPxKxD[layer]
+  b, m = pages_BxM.shape
+  out = jnp.take(cache_LxNxPxKxD[layer], pages_BxM, axis=0, mode="clip")  # [B, M, P, K, D]
+  return out.reshape(b, m * out.shape[2], *out.shape[3:])
+
+
+def window(cache_LxNxPxKxD, layer, lengths_B, w: int, pages_BxM=None):
   """[B, K, W, D]: each row's W window slots, gathered without copying the layer's cache."""
-  b = lengths_B.shape[0]
   slots_BxW = lengths_B[:, None] + jnp.arange(w)[None, :]
-  return cache_LxBxSxKxD[layer, jnp.arange(b)[:, None], slots_BxW].transpose(0, 2, 1, 3)
+  page, offset = address(pages_BxM, slots_BxW, cache_LxNxPxKxD.shape[2], cache_LxNxPxKxD.shape[1])
+  return cache_LxNxPxKxD.at[layer, page, offset].get(mode="clip").transpose(0, 2, 1, 3)
 
 
 def group_mask(mask_BxTxW, groups: int):

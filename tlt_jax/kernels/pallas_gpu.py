@@ -10,7 +10,9 @@ Grid (row, KV head, split). A program keeps its G x T grouped queries in registe
 over its share of the row's filled cache blocks only (a dynamic trip count); the last split
 also folds in the window with the tree mask. Splitting the cache (flash-decoding) keeps the GPU
 busy in the long tail, where a few rows with long caches would otherwise make a few programs;
-the splits' softmax states are merged outside the kernel. Triton needs power-of-two shapes of
+the splits' softmax states are merged outside the kernel. A program sees its KV head of the whole
+cache ([L, N, P] pages) and reads block i of its row from page `pages[row, i * block // P]`; a
+contiguous cache is the table with one page per row. Triton needs power-of-two shapes of
 at least 16 for its matmuls: the grouped queries and the window are zero-padded to one (padded
 query rows see the padded window, so no NaN), and the block and head dim must be powers of two
 >= 16.
@@ -28,18 +30,19 @@ from jax.experimental.pallas import triton as pltriton
 from tlt_jax.kernels import layout
 
 
-def _kernel(lengths_ref, layer_ref, q_ref, k_ref, v_ref, kw_ref, vw_ref, mask_ref, m_ref, l_ref, acc_ref, *, block,
-            scale):
+def _kernel(lengths_ref, layer_ref, pages_ref, q_ref, k_ref, v_ref, kw_ref, vw_ref, mask_ref, m_ref, l_ref, acc_ref, *,
+            block, scale, page_size):
   split, splits = pl.program_id(2), pl.num_programs(2)
   length, layer = lengths_ref[0], layer_ref[0]
   q_RxD = q_ref[...]
   r, d = q_RxD.shape
 
   def prefix_block(i, carry):
-    start = pl.multiple_of(i * block, block)
-    s = layout.scores(q_RxD, k_ref[layer, pl.ds(start, block), :], scale)
+    start = i * block
+    page, at = pages_ref[jax.lax.div(start, page_size)], pl.ds(pl.multiple_of(jax.lax.rem(start, page_size), block), block)
+    s = layout.scores(q_RxD, k_ref[layer, page, at, :], scale)
     s = jnp.where((start + jnp.arange(block))[None, :] < length, s, -jnp.inf)
-    return layout.online_step(*carry, s, v_ref[layer, pl.ds(start, block), :])
+    return layout.online_step(*carry, s, v_ref[layer, page, at, :])
 
   n_blocks = pl.cdiv(length, block)
   per_split = pl.cdiv(n_blocks, splits)
@@ -59,12 +62,15 @@ def _pow2(n: int) -> int:
   return max(16, 1 << (n - 1).bit_length())
 
 
-def tree_attention(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW, *, block: int,
-                   scale: float, interpret: bool = False):
+def tree_attention(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_BxTxW, *, block: int,
+                   scale: float, interpret: bool = False, pages_BxM=None):
   """`tree_attention.reference` semantics on GPU; `interpret=True` runs it in the Pallas interpreter.
   `layer` may be traced (a scanned decoder's layer index)."""
   b, t, h, d = q_BxTxHxD.shape
-  kv_heads, w = k_LxBxSxKxD.shape[3], mask_BxTxW.shape[2]
+  n_layers, n_pages, page_size, kv_heads, _ = k_LxNxPxKxD.shape
+  w = mask_BxTxW.shape[2]
+  table = jnp.arange(b, dtype=jnp.int32)[:, None] if pages_BxM is None else pages_BxM.astype(jnp.int32)
+  row_pages = table.shape[1]
   for name, n in (("attention block", block), ("head dim", d)):
     if n < 16 or n & (n - 1):
       raise ValueError(f"pallas_gpu needs a power-of-two {name} >= 16, got {n}")
@@ -72,30 +78,30 @@ def tree_attention(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_B
   r, r_pad, w_pad = groups * t, _pow2(groups * t), _pow2(w)
   pad = lambda x, axis, n: jnp.pad(x, [(0, n - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
   q = pad(layout.group_queries(q_BxTxHxD, kv_heads), 2, r_pad)
-  kw = pad(layout.window(k_LxBxSxKxD, layer, lengths_B, w), 2, w_pad)
-  vw = pad(layout.window(v_LxBxSxKxD, layer, lengths_B, w), 2, w_pad)
+  kw = pad(layout.window(k_LxNxPxKxD, layer, lengths_B, w, pages_BxM), 2, w_pad)
+  vw = pad(layout.window(v_LxNxPxKxD, layer, lengths_B, w, pages_BxM), 2, w_pad)
   mask = jnp.pad(layout.group_mask(mask_BxTxW, groups), ((0, 0), (0, r_pad - r), (0, 0)), constant_values=1)
   mask = pad(mask, 2, w_pad)
 
-  splits = max(1, min(k_LxBxSxKxD.shape[2] // block, _PROGRAMS // (b * kv_heads)))
+  splits = max(1, min(page_size * row_pages // block, _PROGRAMS // (b * kv_heads)))
   rows = lambda n: pl.BlockSpec((None, None, n, d), lambda row, kh, split: (row, kh, 0, 0))
-  # Every layer of the row's KV head: the kernel indexes the layer it reads (Triton has no scalar prefetch).
-  cache = pl.BlockSpec((k_LxBxSxKxD.shape[0], None, k_LxBxSxKxD.shape[2], None, d),
-                       lambda row, kh, split: (0, row, 0, kh, 0))
+  # Every layer and page of the KV head: the kernel indexes the layer and pages it reads (Triton has
+  # no scalar prefetch).
+  cache = pl.BlockSpec((n_layers, n_pages, page_size, None, d), lambda row, kh, split: (0, 0, 0, kh, 0))
   part = lambda n: pl.BlockSpec((None, None, None, r_pad, n), lambda row, kh, split: (row, kh, split, 0, 0))
   part_shape = lambda n: jax.ShapeDtypeStruct((b, kv_heads, splits, r_pad, n), jnp.float32)
   m, l, acc = pl.pallas_call(
-      functools.partial(_kernel, block=block, scale=scale),
+      functools.partial(_kernel, block=block, scale=scale, page_size=page_size),
       grid=(b, kv_heads, splits),
       in_specs=[pl.BlockSpec((1,), lambda row, kh, split: (row,)), pl.BlockSpec((1,), lambda row, kh, split: (0,)),
-                rows(r_pad), cache, cache, rows(w_pad),
+                pl.BlockSpec((row_pages,), lambda row, kh, split: (row,)), rows(r_pad), cache, cache, rows(w_pad),
                 rows(w_pad), pl.BlockSpec((None, r_pad, w_pad), lambda row, kh, split: (row, 0, 0))],
       out_specs=[part(1), part(1), part(d)],
       out_shape=[part_shape(1), part_shape(1), part_shape(d)],
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret,
-  )(lengths_B.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), q, k_LxBxSxKxD, v_LxBxSxKxD, kw, vw,
-    mask)
+  )(lengths_B.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), table.reshape(-1), q, k_LxNxPxKxD,
+    v_LxNxPxKxD, kw, vw, mask)
   # Merge the splits' softmax states (flash-decoding); empty splits carry m = NEG and weigh 0.
   weight = jnp.exp(m - m.max(axis=2, keepdims=True))
   out = (acc * weight).sum(axis=2) / (l * weight).sum(axis=2)

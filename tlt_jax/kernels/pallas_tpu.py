@@ -8,7 +8,9 @@ layer of a scanned decoder). Nothing past the filled length is copied or visited
 tracks the filled length, not the cache capacity, whatever the block size. The running softmax
 state lives in VMEM scratch; the window (W slots with the tree mask) is folded in last. The
 cache is read as [L, B, S, K*D] (a free reshape), so a block is one contiguous (block, K*D)
-copy and each KV head a lane-aligned column range of it.
+copy and each KV head a lane-aligned column range of it. A paged cache ([L, N, P, K*D] pages)
+takes its page table as a third prefetched scalar operand: block i of row b is copied from page
+`pages[b, i * block // P]`; a contiguous cache is the table with one page per row.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from jax.experimental.pallas import tpu as pltpu
 from tlt_jax.kernels import layout
 
 
-def _kernel(lengths_ref, layer_ref, q_ref, k_hbm, v_hbm, kw_ref, vw_ref, mask_ref, o_ref, k_buf, v_buf, sems, m_ref,
-            l_ref, acc_ref, *, block, kv_heads, head_dim, scale):
+def _kernel(lengths_ref, layer_ref, pages_ref, q_ref, k_hbm, v_hbm, kw_ref, vw_ref, mask_ref, o_ref, k_buf, v_buf, sems, m_ref,
+            l_ref, acc_ref, *, block, kv_heads, head_dim, scale, page_size, row_pages):
   b, layer = pl.program_id(0), layer_ref[0]
   length = lengths_ref[b]
   n_blocks = pl.cdiv(length, block)
@@ -33,9 +35,11 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_hbm, v_hbm, kw_ref, vw_ref, mask_re
   acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
   def copies(i, slot):
-    at = pl.ds(pl.multiple_of(i * block, block), block)
-    return (pltpu.make_async_copy(k_hbm.at[layer, b, at], k_buf.at[slot], sems.at[0, slot]),
-            pltpu.make_async_copy(v_hbm.at[layer, b, at], v_buf.at[slot], sems.at[1, slot]))
+    start = i * block
+    page = pages_ref[b * row_pages + jax.lax.div(start, page_size)]  # non-negative: lax.div/rem, not //, %
+    at = pl.ds(pl.multiple_of(jax.lax.rem(start, page_size), block), block)
+    return (pltpu.make_async_copy(k_hbm.at[layer, page, at], k_buf.at[slot], sems.at[0, slot]),
+            pltpu.make_async_copy(v_hbm.at[layer, page, at], v_buf.at[slot], sems.at[1, slot]))
 
   def fold(h, s_RxC, v_CxD):
     m, l, acc = layout.online_step(m_ref[h], l_ref[h], acc_ref[h], s_RxC, v_CxD)
@@ -71,35 +75,37 @@ def _kernel(lengths_ref, layer_ref, q_ref, k_hbm, v_hbm, kw_ref, vw_ref, mask_re
     o_ref[h] = (acc_ref[h] / l_ref[h]).astype(o_ref.dtype)
 
 
-def tree_attention(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW, *, block: int,
-                   scale: float, interpret: bool = False):
+def tree_attention(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_BxTxW, *, block: int,
+                   scale: float, interpret: bool = False, pages_BxM=None):
   """`tree_attention.reference` semantics on TPU; `interpret=True` runs the TPU interpreter (CPU).
   `layer` may be traced (a scanned decoder's layer index)."""
   b, t, h, d = q_BxTxHxD.shape
-  n_layers, _, s_cap, kv_heads, _ = k_LxBxSxKxD.shape
+  n_layers, n_pages, page_size, kv_heads, _ = k_LxNxPxKxD.shape
   w, groups = mask_BxTxW.shape[2], h // kv_heads
-  r, dtype = groups * t, k_LxBxSxKxD.dtype
+  r, dtype = groups * t, k_LxNxPxKxD.dtype
+  table = jnp.arange(b, dtype=jnp.int32)[:, None] if pages_BxM is None else pages_BxM.astype(jnp.int32)
   tile = 32 // dtype.itemsize  # rows of a (sublane) tile: 8 for float32, 16 for bfloat16
   if block % tile:
     raise ValueError(f"pallas_tpu needs an attention block that is a multiple of {tile} for {dtype}, got {block}")
-  flat = lambda c: c.reshape(n_layers, b, s_cap, kv_heads * d)
-  per_row = lambda shape: pl.BlockSpec((None, *shape), lambda row, lengths, layer: (row,) + (0,) * len(shape))
+  flat = lambda c: c.reshape(n_layers, n_pages, page_size, kv_heads * d)
+  per_row = lambda shape: pl.BlockSpec((None, *shape), lambda row, *prefetched: (row,) + (0,) * len(shape))
   hbm = pl.BlockSpec(memory_space=pl.ANY)  # the caches stay in HBM; the kernel copies what it reads
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=2, grid=(b,),
+      num_scalar_prefetch=3, grid=(b,),
       in_specs=[per_row((kv_heads, r, d)), hbm, hbm, per_row((kv_heads, w, d)), per_row((kv_heads, w, d)),
                 per_row((r, w))],
       out_specs=per_row((kv_heads, r, d)),
       scratch_shapes=[pltpu.VMEM((2, block, kv_heads * d), dtype), pltpu.VMEM((2, block, kv_heads * d), dtype),
                       pltpu.SemaphoreType.DMA((2, 2)), pltpu.VMEM((kv_heads, r, 1), jnp.float32),
                       pltpu.VMEM((kv_heads, r, 1), jnp.float32), pltpu.VMEM((kv_heads, r, d), jnp.float32)])
-  kernel = functools.partial(_kernel, block=block, kv_heads=kv_heads, head_dim=d, scale=scale)
+  kernel = functools.partial(_kernel, block=block, kv_heads=kv_heads, head_dim=d, scale=scale, page_size=page_size,
+                             row_pages=table.shape[1])
   out = pl.pallas_call(
       kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((b, kv_heads, r, d), q_BxTxHxD.dtype),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
       interpret=pltpu.InterpretParams() if interpret else False,
-  )(lengths_B.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), layout.group_queries(q_BxTxHxD, kv_heads),
-    flat(k_LxBxSxKxD), flat(v_LxBxSxKxD),
-    layout.window(k_LxBxSxKxD, layer, lengths_B, w), layout.window(v_LxBxSxKxD, layer, lengths_B, w),
+  )(lengths_B.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), table.reshape(-1),
+    layout.group_queries(q_BxTxHxD, kv_heads), flat(k_LxNxPxKxD), flat(v_LxNxPxKxD),
+    layout.window(k_LxNxPxKxD, layer, lengths_B, w, pages_BxM), layout.window(v_LxNxPxKxD, layer, lengths_B, w, pages_BxM),
     layout.group_mask(mask_BxTxW, groups))
   return layout.ungroup(out, t)

@@ -36,9 +36,11 @@ _KERNELS = {"pallas_tpu": pallas_tpu.tree_attention, "pallas_gpu": pallas_gpu.tr
 
 
 
-def _check_block(capacity: int, block: int):
-  if capacity % block:
-    raise ValueError(f"cache capacity {capacity} is not a multiple of the attention block {block}")
+def _check_block(cache_LxNxPxKxD, pages_BxM, block: int):
+  page = cache_LxNxPxKxD.shape[2]
+  if page % block:
+    what = "cache capacity" if pages_BxM is None else "page size"
+    raise ValueError(f"{what} {page} is not a multiple of the attention block {block}")
 
 
 def _visible(lengths_B, mask_BxTxW, start, size):
@@ -55,33 +57,33 @@ def _scores(q_BxTxKxGxD, k_BxCxKxD, visible_BxTxC, scale):
   return jnp.where(visible_BxTxC[:, None, None], s, -jnp.inf)
 
 
-def reference(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW, *, block: int | None = None,
-              scale: float | None = None):
+def reference(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_BxTxW, *, block: int | None = None,
+              scale: float | None = None, pages_BxM=None):
   """[B, T, H, D] attention outputs over layer `layer` of the caches (GQA: H = K x groups).
 
   The caches hold every layer so that the blockwise path slices blocks straight out of them:
   slicing the layer first would copy the whole layer cache at every step. `layer` is a Python
   int (unrolled decoder) or a traced index (scanned decoder): every implementation takes both.
+  `pages_BxM`: the rows' page tables of a paged cache (`layout`), None for a contiguous one.
   """
   b, t, h, d = q_BxTxHxD.shape
-  s_cap, kv_heads = k_LxBxSxKxD.shape[2], k_LxBxSxKxD.shape[3]
+  s_cap, kv_heads = layout.capacity(k_LxNxPxKxD, pages_BxM), k_LxNxPxKxD.shape[3]
   scale = d**-0.5 if scale is None else scale
   q = q_BxTxHxD.reshape(b, t, kv_heads, h // kv_heads, d)
   if block is None:
-    s = _scores(q, k_LxBxSxKxD[layer], _visible(lengths_B, mask_BxTxW, 0, s_cap), scale)
-    p = jax.nn.softmax(s, axis=-1).astype(v_LxBxSxKxD.dtype)
-    out = jnp.einsum("bkgtc,bckd->btkgd", p, v_LxBxSxKxD[layer])
+    s = _scores(q, layout.rows(k_LxNxPxKxD, layer, pages_BxM), _visible(lengths_B, mask_BxTxW, 0, s_cap), scale)
+    p = jax.nn.softmax(s, axis=-1).astype(v_LxNxPxKxD.dtype)
+    out = jnp.einsum("bkgtc,bckd->btkgd", p, layout.rows(v_LxNxPxKxD, layer, pages_BxM))
     return out.reshape(b, t, h, d)
 
-  _check_block(s_cap, block)
+  _check_block(k_LxNxPxKxD, pages_BxM, block)
   n_blocks = jnp.minimum((jnp.max(lengths_B) + mask_BxTxW.shape[2] + block - 1) // block, s_cap // block)
 
   def body(i, carry):
     m, l, acc = carry
     start = i * block
-    at, size = (layer, 0, start, 0, 0), (1, b, block, kv_heads, d)
-    k = jax.lax.dynamic_slice(k_LxBxSxKxD, at, size)[0]
-    v = jax.lax.dynamic_slice(v_LxBxSxKxD, at, size)[0]
+    k = layout.block(k_LxNxPxKxD, layer, pages_BxM, start, block, b)
+    v = layout.block(v_LxNxPxKxD, layer, pages_BxM, start, block, b)
     s = _scores(q, k, _visible(lengths_B, mask_BxTxW, start, block), scale)
     m_new = jnp.maximum(m, s.max(axis=-1))
     p = jnp.exp(s - m_new[..., None])
@@ -95,7 +97,7 @@ def reference(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW,
   init = (jnp.full((b, kv_heads, g, t), layout.NEG, jnp.float32), jnp.zeros((b, kv_heads, g, t), jnp.float32),
           jnp.zeros((b, kv_heads, g, t, d), jnp.float32))
   _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
-  out = (acc / l[..., None]).astype(v_LxBxSxKxD.dtype)  # [B, K, G, T, D]
+  out = (acc / l[..., None]).astype(v_LxNxPxKxD.dtype)  # [B, K, G, T, D]
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
@@ -115,9 +117,10 @@ def select(impl: str, backend: str) -> tuple[str, bool]:
   return impl, _NATIVE.get(backend) != impl
 
 
-def attention(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW, *, impl: str = "auto",
-              block: int | None = None, scale: float | None = None):
-  """[B, T, H, D] tree attention by implementation `impl` (see `select`) for the default backend.
+def attention(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_BxTxW, *, impl: str = "auto",
+              block: int | None = None, scale: float | None = None, pages_BxM=None):
+  """[B, T, H, D] tree attention by implementation `impl` (see `select`) for the default backend,
+  over a contiguous cache or, with `pages_BxM`, a paged one (`layout`).
 
   `block=None` always takes the dense, differentiable reference: the kernels have no gradient.
   Under a multi-device mesh the kernels need it set while tracing (`jax.set_mesh`); see
@@ -125,27 +128,33 @@ def attention(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW,
   """
   kernel, interpret = select(impl, jax.default_backend())
   if block is None or kernel == "xla":
-    return reference(q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_BxTxW, block=block, scale=scale)
-  _check_block(k_LxBxSxKxD.shape[2], block)
+    return reference(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_BxTxW, block=block, scale=scale,
+                     pages_BxM=pages_BxM)
+  _check_block(k_LxNxPxKxD, pages_BxM, block)
   scale = q_BxTxHxD.shape[-1]**-0.5 if scale is None else scale
-  run = lambda q, k, v, lengths, mask: _KERNELS[kernel](q, k, v, layer, lengths, mask, block=block, scale=scale,
-                                                        interpret=interpret)
-  return per_device(run, q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, lengths_B, mask_BxTxW)
+  run = lambda q, k, v, lengths, mask, pages: _KERNELS[kernel](q, k, v, layer, lengths, mask, block=block,
+                                                               scale=scale, interpret=interpret, pages_BxM=pages)
+  return per_device(run, q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, lengths_B, mask_BxTxW, pages_BxM)
 
 
-def per_device(kernel, q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, lengths_B, mask_BxTxW):
-  """`kernel(q, k, v, lengths, mask)`, run by each device on its own rows and KV heads under the
-  mesh set while tracing (`jax.set_mesh`), if it has several devices.
+def per_device(kernel, q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, lengths_B, mask_BxTxW, pages_BxM=None):
+  """`kernel(q, k, v, lengths, mask, pages)`, run by each device on its own rows and KV heads under
+  the mesh set while tracing (`jax.set_mesh`), if it has several devices.
 
   XLA cannot partition a Pallas call (Mosaic refuses to lower one over sharded operands); the
   op is independent per row and per KV head, so the split follows the cache's (`CACHE_AXES`).
+  A paged cache's pages are not split with its rows: under a mesh the kernels take contiguous
+  caches only.
   """
-  args = (q_BxTxHxD, k_LxBxSxKxD, v_LxBxSxKxD, lengths_B, mask_BxTxW)
+  args = (q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, lengths_B, mask_BxTxW)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
-    return kernel(*args)
-  cache = sharding.logical_spec(k_LxBxSxKxD.shape, (None, *sharding.CACHE_AXES), dict(mesh.shape))
+    return kernel(*args, pages_BxM)
+  if pages_BxM is not None:
+    raise ValueError("the attention kernels take a paged cache on one device only (under a mesh use "
+                     "attention='xla', or a contiguous cache)")
+  cache = sharding.logical_spec(k_LxNxPxKxD.shape, (None, *sharding.CACHE_AXES), dict(mesh.shape))
   rows, heads = cache[1], cache[3]
   q = jax.P(rows, None, heads, None)
   specs = (q, cache, cache, jax.P(rows), jax.P(rows, None, None))
-  return jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=q, check_vma=False)(*args)
+  return jax.shard_map(lambda *a: kernel(*a, None), mesh=mesh, in_specs=specs, out_specs=q, check_vma=False)(*args)

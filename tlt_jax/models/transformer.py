@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tlt_jax.kernels import tree_attention
+from tlt_jax.kernels import layout, tree_attention
 from tlt_jax import sharding
 from tlt_jax.models.config import ModelConfig
 
@@ -60,21 +60,39 @@ def _norm(size, eps, dtype, rngs, name="norm"):
 
 @flax.struct.dataclass
 class KVCache:
-  """Per-layer keys and values with static shapes, and each row's filled length."""
+  """Per-layer keys and values with static shapes, and each row's filled length.
 
-  k: jax.Array  # [L, B, S, Hkv, D]
-  v: jax.Array  # [L, B, S, Hkv, D]
+  Contiguous (`pages` None), row b owns k[:, b] whole: N = B, P = its capacity. Paged, the rows
+  share a pool of N pages of P slots and row b's slot s is in page `pages[b, s // P]`
+  (`tlt_jax.kernels.layout`): rows hold pages as they grow and several rows may hold the same
+  (a prompt's), so the rows in flight are bounded by the tokens they hold, not their capacity.
+  """
+
+  k: jax.Array  # [L, N, P, Hkv, D]
+  v: jax.Array  # [L, N, P, Hkv, D]
   lengths: jax.Array  # [B] int32: slots [0, lengths[b]) hold row b's prefix
+  pages: jax.Array | None = None  # [B, M] int32 page table; N: no page (writes dropped); None: contiguous
 
   @classmethod
   def zeros(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32,
             num_layers: int | None = None) -> "KVCache":
+    """A contiguous cache of `capacity` slots per row."""
     shape = (cfg.num_layers if num_layers is None else num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
+  @classmethod
+  def paged(cls, cfg: ModelConfig, pages_BxM, num_pages: int, page_size: int, dtype=jnp.float32,
+            num_layers: int | None = None) -> "KVCache":
+    """A pool of `num_pages` pages of `page_size` slots, rows holding the pages of `pages_BxM`."""
+    shape = (cfg.num_layers if num_layers is None else num_layers, num_pages, page_size, cfg.num_kv_heads,
+             cfg.head_dim)
+    pages_BxM = jnp.asarray(pages_BxM, jnp.int32)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros(pages_BxM.shape[:1], jnp.int32), pages_BxM)
+
   @property
   def capacity(self) -> int:
-    return self.k.shape[2]
+    """Slots per row."""
+    return layout.capacity(self.k, self.pages)
 
 
 @flax.struct.dataclass
@@ -93,15 +111,16 @@ def _rope(x_BxTxNxD, cos_BxTxD, sin_BxTxD):
   return (x_BxTxNxD * cos + rotated * sin).astype(x_BxTxNxD.dtype)
 
 
-def _write(cache_LxBxSxKxD, layer, new_BxTxKxD, start_B):
-  """Writes layer `layer`'s new entries of each row from the row's own offset `start_B`.
+def _write(cache_LxNxPxKxD, layer, new_BxTxKxD, start_B, pages_BxM):
+  """Writes layer `layer`'s new entries of each row from the row's own offset `start_B` (through
+  its page table when paged; slots past the row's capacity or pages are dropped).
 
   Only the new entries move: the (possibly 32k-slot) cache is updated in place, never copied.
   """
-  b, t = new_BxTxKxD.shape[:2]
-  rows = jnp.arange(b)[:, None]
+  t = new_BxTxKxD.shape[1]
   slots = start_B[:, None] + jnp.arange(t)[None, :]
-  return cache_LxBxSxKxD.at[layer, rows, slots].set(new_BxTxKxD.astype(cache_LxBxSxKxD.dtype), mode="drop")
+  page, offset = layout.address(pages_BxM, slots, cache_LxNxPxKxD.shape[2], cache_LxNxPxKxD.shape[1])
+  return cache_LxNxPxKxD.at[layer, page, offset].set(new_BxTxKxD.astype(cache_LxNxPxKxD.dtype), mode="drop")
 
 
 def _by_query_blocks(attend, q_BxTxHxD, mask_BxTxW, size):
@@ -128,8 +147,8 @@ class Attention(nnx.Module):
       self.q_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim")
       self.k_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim")
 
-  def __call__(self, x_BxTxH, cos, sin, layer, k_LxBxSxKxD, v_LxBxSxKxD, lengths_B, mask_BxTxW, kv_block, attention,
-               query_block=None):
+  def __call__(self, x_BxTxH, cos, sin, layer, k_LxNxPxKxD, v_LxNxPxKxD, lengths_B, mask_BxTxW, kv_block, attention,
+               query_block=None, pages_BxM=None):
     cfg = self.cfg
     b, t, _ = x_BxTxH.shape
     q = self.q_proj(x_BxTxH).reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -139,12 +158,12 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     start = lengths_B + mask_BxTxW.shape[2] - t
-    k_LxBxSxKxD = sharding.constrain(_write(k_LxBxSxKxD, layer, k, start), (None, *sharding.CACHE_AXES))
-    v_LxBxSxKxD = sharding.constrain(_write(v_LxBxSxKxD, layer, v, start), (None, *sharding.CACHE_AXES))
-    attend = lambda q_, mask_: tree_attention.attention(q_, k_LxBxSxKxD, v_LxBxSxKxD, layer, lengths_B, mask_,
-                                                         impl=attention, block=kv_block)
+    k_LxNxPxKxD = sharding.constrain(_write(k_LxNxPxKxD, layer, k, start, pages_BxM), (None, *sharding.CACHE_AXES))
+    v_LxNxPxKxD = sharding.constrain(_write(v_LxNxPxKxD, layer, v, start, pages_BxM), (None, *sharding.CACHE_AXES))
+    attend = lambda q_, mask_: tree_attention.attention(q_, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_,
+                                                         impl=attention, block=kv_block, pages_BxM=pages_BxM)
     out = attend(q, mask_BxTxW) if query_block is None else _by_query_blocks(attend, q, mask_BxTxW, query_block)
-    return self.o_proj(out.reshape(b, t, cfg.num_heads * cfg.head_dim)), k_LxBxSxKxD, v_LxBxSxKxD
+    return self.o_proj(out.reshape(b, t, cfg.num_heads * cfg.head_dim)), k_LxNxPxKxD, v_LxNxPxKxD
 
 
 class MLP(nnx.Module):
@@ -175,9 +194,9 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = _norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
     self.mlp = MLP(cfg, dtype, rngs)
 
-  def __call__(self, x, cos, sin, layer, k, v, lengths, mask, kv_block, attention, query_block=None):
+  def __call__(self, x, cos, sin, layer, k, v, lengths, mask, kv_block, attention, query_block=None, pages=None):
     h = x if self.input_layernorm is None else self.input_layernorm(x)
-    attn, k, v = self.self_attn(h, cos, sin, layer, k, v, lengths, mask, kv_block, attention, query_block)
+    attn, k, v = self.self_attn(h, cos, sin, layer, k, v, lengths, mask, kv_block, attention, query_block, pages)
     x = x + attn
     x = x + self.mlp(self.post_attention_layernorm(x))
     return sharding.constrain(x, sharding.ACTIVATION_AXES), k, v
@@ -245,7 +264,7 @@ class CausalLM(nnx.Module):
 
     def run(state, x, k, v, i):
       return nnx.merge(layer_def, state)(x, cos, sin, i, k, v, cache.lengths, mask_BxTxW, kv_block, attention,
-                                         query_block)
+                                         query_block, cache.pages)
 
     if remat:  # unrolled, the layer index stays a Python int: each copy indexes the cache at a constant
       run = jax.checkpoint(run, static_argnums=() if cfg.scan_layers else (4,))

@@ -23,6 +23,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.kernels import layout
 from tlt_jax.models.transformer import KVCache
 from tlt_jax.rollout import sampling
 from tlt_jax.rollout.sampling import SamplingParams
@@ -215,11 +216,12 @@ def accept(logits_BxVxN, tree: Tree, active_B, num_generated_B, max_new_B, promp
 def commit(cache: KVCache, nodes_BxM, count_B) -> KVCache:
   """Moves the accepted path's keys/values from tree slots `lengths + nodes[j]` to `lengths + j`
   and advances the lengths by `count`; the other tree slots become garbage past the new length."""
-  b, m = nodes_BxM.shape
+  m = nodes_BxM.shape[1]
   j = jnp.arange(m)[None]
-  rows = jnp.arange(b)[:, None]
   src = cache.lengths[:, None] + jnp.where(j < count_B[:, None], nodes_BxM, j)
   dst = cache.lengths[:, None] + j
+  at = lambda slots: layout.address(cache.pages, slots, cache.k.shape[2], cache.k.shape[1])
+  (src_page, src_offset), (dst_page, dst_offset) = at(src), at(dst)
   # Gather the path, scatter it back: only these m slots move, never the whole cache.
-  move = lambda kv: kv.at[:, rows, dst].set(kv[:, rows, src], mode="drop")
-  return KVCache(k=move(cache.k), v=move(cache.v), lengths=cache.lengths + count_B)
+  move = lambda kv: kv.at[:, dst_page, dst_offset].set(kv.at[:, src_page, src_offset].get(mode="clip"), mode="drop")
+  return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v), lengths=cache.lengths + count_B)
