@@ -39,7 +39,8 @@ def _kernel(lengths_ref, layer_ref, pages_ref, q_ref, k_ref, v_ref, kw_ref, vw_r
 
   def prefix_block(i, carry):
     start = i * block
-    page, at = pages_ref[jax.lax.div(start, page_size)], pl.ds(pl.multiple_of(jax.lax.rem(start, page_size), block), block)
+    page = pages_ref[jax.lax.div(start, page_size)]  # non-negative: lax.div/rem, not //, %
+    at = pl.ds(pl.multiple_of(jax.lax.rem(start, page_size), block), block)
     s = layout.scores(q_RxD, k_ref[layer, page, at, :], scale)
     s = jnp.where((start + jnp.arange(block))[None, :] < length, s, -jnp.inf)
     return layout.online_step(*carry, s, v_ref[layer, page, at, :])

@@ -25,8 +25,8 @@ from jax.experimental.pallas import tpu as pltpu
 from tlt_jax.kernels import layout
 
 
-def _kernel(lengths_ref, layer_ref, pages_ref, q_ref, k_hbm, v_hbm, kw_ref, vw_ref, mask_ref, o_ref, k_buf, v_buf, sems, m_ref,
-            l_ref, acc_ref, *, block, kv_heads, head_dim, scale, page_size, row_pages):
+def _kernel(lengths_ref, layer_ref, pages_ref, q_ref, k_hbm, v_hbm, kw_ref, vw_ref, mask_ref, o_ref, k_buf, v_buf, sems,
+            m_ref, l_ref, acc_ref, *, block, kv_heads, head_dim, scale, page_size, row_pages):
   b, layer = pl.program_id(0), layer_ref[0]
   length = lengths_ref[b]
   n_blocks = pl.cdiv(length, block)
@@ -106,6 +106,7 @@ def tree_attention(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_B
       interpret=pltpu.InterpretParams() if interpret else False,
   )(lengths_B.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), table.reshape(-1),
     layout.group_queries(q_BxTxHxD, kv_heads), flat(k_LxNxPxKxD), flat(v_LxNxPxKxD),
-    layout.window(k_LxNxPxKxD, layer, lengths_B, w, pages_BxM), layout.window(v_LxNxPxKxD, layer, lengths_B, w, pages_BxM),
+    layout.window(k_LxNxPxKxD, layer, lengths_B, w, pages_BxM),
+    layout.window(v_LxNxPxKxD, layer, lengths_B, w, pages_BxM),
     layout.group_mask(mask_BxTxW, groups))
   return layout.ungroup(out, t)
