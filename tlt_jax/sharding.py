@@ -104,9 +104,11 @@ def array_sharding(shape: Sequence[int], names: Sequence[str | None], mesh: jax.
 
 
 def cache_shardings(cache, mesh: jax.sharding.Mesh, rules=RULES):
-  """Shardings for a KVCache: k/v [L, B, S, Hkv, D] and lengths [B]."""
+  """Shardings for a KVCache: k/v [L, B, S, Hkv, D] (paged: [L, N, P, Hkv, D], pages split like
+  rows), lengths [B] and page tables [B, M]."""
   kv = array_sharding(cache.k.shape, (None, *CACHE_AXES), mesh, rules)
-  return type(cache)(k=kv, v=kv, lengths=array_sharding(cache.lengths.shape, ("batch",), mesh, rules))
+  pages = None if cache.pages is None else array_sharding(cache.pages.shape, ("batch", None), mesh, rules)
+  return type(cache)(k=kv, v=kv, lengths=array_sharding(cache.lengths.shape, ("batch",), mesh, rules), pages=pages)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None], rules=RULES) -> jax.Array:

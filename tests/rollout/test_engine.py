@@ -278,10 +278,10 @@ def test_the_bank_follows_prompts_through_compaction(models):
   engine.prepare(4, [len(p) for p in ps])
   bank = engine._bank_rows(rows)
   slots = np.arange(4, dtype=np.int32)
-  st = engine.pool[("init", 4)](engine._slot_rows(rows, slots, [6, 40], 0, bank))
-  st = engine._prefill_slots(st, ps, rows, slots, None)
+  st = engine.pool[("init", 4)](engine._slot_rows(rows, slots, [6, 40], 0, bank), None)
+  st = engine._prefill_slots(st, ps, rows, slots, None, np.zeros((4,), np.int32), None)
   params = engine.params, engine.drafter_params
-  st = engine.pool[("plain", 4)](*params, st, np.int32(0))
+  st = engine.pool[("plain", 4)](*params, st, np.int32(0), None)
 
   def check(st, expected):
     host = jax.device_get(st)
@@ -302,7 +302,7 @@ def test_the_bank_follows_prompts_through_compaction(models):
   assert host.done[:2].all() and not host.done[2:].any()  # prompt 0's budget of 6 is used up
   check(st, tokens)
   st = engine.pool[("halve", 2, 4)](st, np.asarray([3, 2], np.int32))  # prompt 1's rows, in reverse order
-  st = engine.pool[("speculate", 2, "s3_2_5")](*params, st, np.int32(0))
+  st = engine.pool[("speculate", 2, "s3_2_5")](*params, st, np.int32(0), None)
   host = jax.device_get(st)
   assert host.sample_index.tolist() == [1, 0] and (host.num_generated > 12).all()
   tokens.update({rows[3 - r]: host.tokens[r, :host.num_generated[r]] for r in range(2)})
@@ -421,11 +421,11 @@ def test_pallas_kernels_give_the_greedy_tokens_of_transformers(models, hf_dirs):
       out = hf_dirs["qwen3"][1].generate(torch.tensor([p]), max_new_tokens=limit - len(p), do_sample=False,
                                          eos_token_id=STOP, pad_token_id=0)
     expected.append(out[0, len(p):].tolist())
-  for attention in ("pallas_tpu", "pallas_gpu"):
-    engine = Engine(model, EngineConfig(**{**config.__dict__, "attention": attention}), params, drafter=drafter)
+  for attention, page_size in (("pallas_tpu", 0), ("pallas_gpu", 0), ("pallas_tpu", 16), ("pallas_gpu", 16)):
+    engine = Engine(model, configured(config, attention=attention, page_size=page_size), params, drafter=drafter)
     rollout = engine.generate(ps, max_total_len=limits)
     assert {s.strategy for s in rollout.metrics.segments} == {None, "2_2_4"}, attention
-    assert [s.tokens.tolist() for s in rollout.samples] == expected, attention
+    assert [s.tokens.tolist() for s in rollout.samples] == expected, (attention, page_size)
 
 
 def test_nan_drafter_turns_speculation_off_losslessly(models, caplog):
@@ -550,3 +550,61 @@ def test_longest_expected_first_changes_the_order_not_the_tokens(refill_engine):
   assert sample_set(longest) == sample_set(in_order)
   with pytest.raises(ValueError, match="expected_lengths has 5 entries for 6 prompts"):
     refill_engine.generate(ps, expected_lengths=expected[:5])
+
+
+# ---- paged KV caches ----
+def long_prompts(n, seed):
+  """Prompts of 17-24 tokens: with 16-slot pages, each has a full page its samples share."""
+  rng = np.random.RandomState(seed)
+  return [rng.randint(2, VOCAB, rng.randint(17, 25)).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("sampling,strategy", [(dict(temperature=1.0, top_p=0.9), None), (dict(temperature=0), "3_2_6"),
+                                               (dict(temperature=1.0), "s3_2_5")])
+def test_a_paged_cache_gives_the_contiguous_tokens(models, sampling, strategy):
+  """18 rows (6 prompts x 3 samples sharing their prompt's first page) through a bucket of 8 with
+  16-slot pages: a pool as large as the contiguous cache, and one of 14 pages (two rows' worth and
+  a bit) that forces rows to wait for pages and preempts some, give every row the contiguous
+  cache's tokens, compiling nothing in the rollout; the small pool still has more rows in flight
+  than the two its bytes hold as contiguous rows."""
+  model = models["qwen3"]
+  params = SamplingParams(max_new_tokens=40, stop_token_ids=(STOP, 2, 3), seed=9, **sampling)
+  drafter = Drafter(model.config, rngs=nnx.Rngs(3)) if strategy and not strategy.startswith("s") else None
+  config = with_sd(CONFIG, strategy, sd_max_batch=4) if strategy else CONFIG
+  ps = long_prompts(6, seed=80)
+  limits = [len(p) + 6 + 7 * i for i, p in enumerate(ps)]
+  expected = sample_set(Engine(model, config, params, drafter=drafter).generate(ps, num_samples=3,
+                                                                                max_total_len=limits))
+  compiles = count_compiles()
+  for num_pages in (0, 14):
+    engine = Engine(model, configured(config, page_size=16, num_pages=num_pages), params, drafter=drafter)
+    engine.prepare(18, [len(p) for p in ps])
+    compiled = len(compiles)
+    rollout = engine.generate(ps, num_samples=3, max_total_len=limits)
+    assert len(compiles) == compiled, "the paged rollout compiled something"
+    assert sample_set(rollout) == expected, num_pages
+    m = rollout.metrics
+    assert m.tokens == sum(len(s.tokens) for s in rollout.samples)
+    assert m.peak_pages <= engine.config.pool_pages
+    if num_pages:
+      assert m.preemptions > 0 and m.peak_rows > num_pages // engine.config.pages_per_row, m
+    else:
+      assert m.preemptions == 0 and m.peak_rows == 8
+    if strategy:
+      assert m.verify_passes > 0
+
+
+def test_a_paged_cache_on_a_mesh(models):
+  """Rows over two devices with a pool split like them (page tables of global page indices): the
+  single-device contiguous cache's tokens."""
+  from tlt_jax import sharding
+  model = models["qwen2_tied"]
+  params = SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=(STOP,), seed=2)
+  config = configured(with_sd(CONFIG, "s3_2_5"), batch_buckets=(1, 2, 4), page_size=16, num_pages=16)
+  mesh = sharding.make_mesh({"data": 2}, jax.devices()[:2])
+  engine = Engine(model, config, params, mesh=mesh)
+  engine.set_params(jax.device_put(engine.params, sharding.param_shardings(engine.params, mesh)))
+  ps = long_prompts(3, seed=81)
+  rollout = engine.generate(ps, num_samples=2)
+  contiguous = Engine(model, configured(config, page_size=0, num_pages=0), params).generate(ps, num_samples=2)
+  assert sample_set(rollout) == sample_set(contiguous)

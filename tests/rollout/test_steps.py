@@ -41,7 +41,7 @@ def test_prefill_feeds_the_drafter_each_rows_prompt_pairs(models):
   ids = np.arange(8, dtype=np.int32)
   st = jax.jit(engine.steps.init)(slot_rows(ids, np.full((8,), 64, np.int32)))
   st = jax.jit(engine.steps.prefill)(engine.params, engine.drafter_params, st, tokens, lengths, row_prompt,
-                                     np.zeros((3, 0), np.int32))
+                                     np.zeros((3, 0), np.int32), np.zeros((8,), np.int32))
 
   out = transformer.prefill(model, tokens, lengths, KVCache.zeros(model.config, 3, t))
   src = np.maximum(row_prompt, 0)
@@ -75,7 +75,8 @@ def test_plain_segments_keep_the_drafter_cache_current(models):
   steps = engine.steps
   st = jax.jit(steps.init)(slot_rows(ids, budgets))
   st = jax.jit(steps.prefill)(engine.params, engine.drafter_params, st, tokens,
-                              np.asarray([len(p) for p in ps], np.int32), ids, np.zeros((4, 0), np.int32))
+                              np.asarray([len(p) for p in ps], np.int32), ids, np.zeros((4, 0), np.int32),
+                              np.zeros((4,), np.int32))
   chunked = jax.jit(functools.partial(steps.segment, strategy=None))(engine.params, engine.drafter_params, st, 0)
 
   @jax.jit

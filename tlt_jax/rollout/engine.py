@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import time
 from typing import Callable, Sequence
 
@@ -40,6 +41,7 @@ from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import transformer
 from tlt_jax.rollout import steps, suffix
 from tlt_jax.rollout.bandit import Bandit
+from tlt_jax.rollout.pages import Pages
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
@@ -125,7 +127,8 @@ class Engine:
 
   def _abstract_state(self, b: int) -> RowState:
     """The state of bucket `b`, shaped and (on a mesh) sharded as `init` makes it."""
-    state = jax.eval_shape(self.steps.init, self._abstract_slots(b))
+    pages = jax.ShapeDtypeStruct((b, self.config.pages_per_row), jnp.int32) if self.config.paged else None
+    state = jax.eval_shape(self.steps.init, self._abstract_slots(b), pages)
     if self.mesh is None:
       return state
     # On a mesh the executables take the state with the shardings `init` gives it.
@@ -161,31 +164,36 @@ class Engine:
 
   def prepare(self, rows: int, prompt_lens: Sequence[int] = ()) -> None:
     """Compiles everything a rollout of `rows` rows needs (no-op for what the pool holds): with more
-    rows than the largest bucket, the slot reset of refill, or the smaller last wave's executables."""
+    rows than the largest bucket, or a paged cache (rows may wait for pages), the slot reset of
+    refill (paged, also preemption's slot drop); or the smaller last wave's executables."""
     cfg = self.config
     largest = cfg.batch_buckets[-1]
     if rows > largest and not cfg.refill and rows % largest:
       self.prepare(rows % largest, prompt_lens)
     b0 = cfg.bucket(min(rows, largest))
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    table = lambda b: i32(b, cfg.pages_per_row) if cfg.paged else None
     params = (self.params, self.drafter_params)
     state = self._abstract_state
-    self._compile(("init", b0), self.steps.init, [self._abstract_slots(b0)], state(b0))
-    if rows > largest and cfg.refill:
+    self._compile(("init", b0), self.steps.init, [self._abstract_slots(b0), table(b0)], state(b0))
+    if rows > largest and cfg.refill or cfg.paged:
       self._compile(("reset", b0), self.steps.reset,
                     [state(b0), self._abstract_slots(b0), jax.ShapeDtypeStruct((cfg.bank_rows,), jnp.bool_)],
                     state(b0), donate=(0,))
+    if cfg.paged:
+      self._compile(("drop", b0), steps.drop, [state(b0), jax.ShapeDtypeStruct((b0,), jnp.bool_)], state(b0),
+                    donate=(0,))
     for p in self._prefill_sizes(b0):
       for t in sorted({cfg.prompt_bucket(n) for n in prompt_lens} or set(cfg.prompt_buckets)):
         self._compile(("prefill", b0, p, t), self.steps.prefill,
-                      [*params, state(b0), i32(p, t), i32(p), i32(b0), i32(p, self._history_len)], state(b0),
-                      donate=(2,))
+                      [*params, state(b0), i32(p, t), i32(p), i32(b0), i32(p, self._history_len), i32(b0),
+                       table(b0)], state(b0), donate=(2,))
     for b in cfg.batch_buckets:
       if b > b0 or (b < b0 and not cfg.compact):  # without compaction only b0 runs
         continue
       for s in (None, *(cfg.strategies if self._uses_sd(b) else ())):
         self._compile(self._segment_key(b, s), functools.partial(self.steps.segment, strategy=s),
-                      [*params, state(b), i32()], state(b), donate=(2,))
+                      [*params, state(b), i32(), table(b)], state(b), donate=(2,))
       if b > 1 and cfg.compact:
         self._compile(("halve", b // 2, b), steps.halve, [state(b), i32(b // 2)], state(b // 2))
 
@@ -292,10 +300,12 @@ class Engine:
                     max_new=pick(lambda r: budgets[rows[r][0]], 1), bank_row=bank_row, bank_offset=bank_offset,
                     bank_room=bank_room)
 
-  def _prefill_slots(self, st: RowState, prompts, rows, slot_row: np.ndarray, history) -> RowState:
+  def _prefill_slots(self, st: RowState, prompts, rows, slot_row: np.ndarray, history, write_from: np.ndarray,
+                     table: np.ndarray | None) -> RowState:
     """Prefills the rows of the slots `slot_row >= 0`: each unique prompt once per call of up to
-    `prefill_batch` prompts (the smallest compiled size that holds them), copied into its rows' slots;
-    `history` (per prompt, or None) goes to their bank rows."""
+    `prefill_batch` prompts (the smallest compiled size that holds them), written into its rows'
+    caches from `write_from` on (`table`: a paged cache's page tables); `history` (per prompt, or
+    None) goes to their bank rows."""
     b = slot_row.shape[0]
     sizes = self._prefill_sizes(b)
     unique = sorted({rows[r][0] for r in slot_row if r >= 0})
@@ -316,38 +326,75 @@ class Engine:
           banked[k, :len(h)] = h
       slot = {i: k for k, i in enumerate(chunk)}
       row_prompt = np.asarray([slot.get(rows[r][0], -1) if r >= 0 else -1 for r in slot_row], np.int32)
-      st = self.pool[("prefill", b, p, t)](self.params, self.drafter_params, st, tokens, lengths, row_prompt, banked)
+      st = self.pool[("prefill", b, p, t)](self.params, self.drafter_params, st, tokens, lengths, row_prompt, banked,
+                                           write_from, table)
     return st
 
   def _run(self, prompts, rows, budgets, metrics, on_progress, prompt_offset, history) -> list[Sample]:
     """Decodes (prompt index, sample index) `rows`, in this order of entry, until every one is done.
 
-    The batch takes the first rows that fit the largest bucket. While rows wait, it stays at that
-    bucket: once `refill_chunk` of its slots are free (or every waiting row fits) the play ends on
-    the device, the finished rows are harvested and waiting rows are prefilled into their slots.
-    Each refill pays one sync and a fixed-shape prefill whatever the rows it brings, so waiting
-    for a chunk amortises it while keeping the batch at least 3/4 full (default chunk: a quarter).
-    Once nothing waits, the tail compacts into smaller buckets and may speculate.
+    The batch takes the first rows that fit the largest bucket (and, paged, the pool). While rows
+    wait, it stays at that bucket: once `refill_chunk` of its slots are free (or every waiting row
+    fits) the play ends on the device, the finished rows are harvested and waiting rows are
+    prefilled into their slots. Each refill pays one sync and a fixed-shape prefill whatever the
+    rows it brings, so waiting for a chunk amortises it while keeping the batch at least 3/4 full
+    (default chunk: a quarter). Once nothing waits, the tail compacts into smaller buckets and may
+    speculate.
+
+    Paged: a row enters once the pool has its pages (its prompt's shared pages are taken by the
+    first of its samples in flight), finished rows give theirs back at once, and before each play
+    every active row takes the pages the play may write. When the pool runs short, the youngest
+    rows are preempted (their pages freed, back to the front of the queue, run again from their
+    prompt: the same tokens, as sampling keys are positional). The tail compacts only once the
+    pool holds every active row to its budget, so a smaller bucket never preempts.
     """
     cfg, pool = self.config, self.pool
     b = cfg.bucket(min(len(rows), cfg.batch_buckets[-1]))
     t0 = time.perf_counter()
     bank = self._bank_rows(rows)
-    queued = min(b, len(rows))  # rows[queued:] wait
-    first = np.asarray(list(range(queued)) + [-1] * (b - queued), np.int32)
-    st = pool[("init", b)](self._slot_rows(rows, first, budgets, prompt_offset, bank))
+    prompt_lens = [len(prompts[i]) for i, _ in rows]
+    pages = Pages(cfg.pool_pages, cfg.page_size, cfg.pages_per_row) if cfg.paged else None
+    waiting = collections.deque(range(len(rows)))
+    slot_row = np.full((b,), -1)  # the host's view of which row each slot holds
+    entered = np.zeros((b,), np.int64)  # when it entered (preemption takes the latest)
+    clock = itertools.count()
+    table = lambda: None if pages is None else pages.table(slot_row)
+    b0, window = b, max([s.window for s in cfg.strategies] + [1])
+
+    def slots_for(r: int, slots: int) -> int:  # what row r may write is bounded by its budget
+      return min(slots, prompt_lens[r] + budgets[rows[r][0]] + window)
+
+    def admit(free_slots) -> tuple[np.ndarray, np.ndarray]:
+      """Waiting rows into `free_slots` while the pool has their pages: (slot -> new row, -1: none;
+      the prompt slot each row's prefill writes from)."""
+      new, write_from = np.full((b,), -1, np.int32), np.zeros((b,), np.int32)
+      for slot in free_slots:
+        if not waiting:
+          break
+        r = waiting[0]
+        if pages is not None:
+          start = pages.admit(r, rows[r][0], prompt_lens[r], slots_for(r, prompt_lens[r] + cfg.play_slots(None)))
+          if start is None:
+            break
+          write_from[slot] = start
+        waiting.popleft()
+        new[slot], slot_row[slot], entered[slot] = r, r, next(clock)
+      metrics.started += [rows[r] for r in new if r >= 0]
+      return new, write_from
+
+    new, write_from = admit(range(b))
+    st = pool[("init", b)](self._slot_rows(rows, new, budgets, prompt_offset, bank), table())
     if bank is not None:
       bank.take_fresh()  # init's bank is empty: only later prompts' rows need emptying
-    st = self._prefill_slots(st, prompts, rows, first, history)
+    st = self._prefill_slots(st, prompts, rows, new, history, write_from, table())
     host = _Counters.read(st)
     self._check_drafter(st, metrics)
     metrics.prefill_s += time.perf_counter() - t0
-    metrics.tokens += queued
-    metrics.started += rows[:queued]
-    on_progress(int(host.done[:queued].sum()), queued)
+    entering = int((new >= 0).sum())
+    metrics.tokens += entering
+    on_progress(int(host.done[new >= 0].sum()), entering)
     out: list[Sample] = []
     harvested = np.zeros((len(rows),), bool)
-    prompt_lens = [len(prompts[i]) for i, _ in rows]
 
     def harvest(st):
       samples = self._harvest(st, harvested, prompt_lens)
@@ -355,28 +402,38 @@ class Engine:
         bank.harvested(s.prompt_index - prompt_offset)
       return samples
 
-    while queued < len(rows) or not host.done.all():
+    def play_need(slot, strategy):  # cache slots the row of `slot` may fill by the end of a play of `strategy`
+      r = slot_row[slot]
+      return slots_for(r, prompt_lens[r] + int(host.generated[slot]) - 1 + cfg.play_slots(strategy))
+
+    while waiting or not host.done.all():
+      if pages is not None:  # finished rows give their pages back at once
+        for slot in np.flatnonzero(host.done & (slot_row >= 0)):
+          if pages.holds(slot_row[slot]):
+            pages.release(slot_row[slot])
       active = int((~host.done).sum())
-      waiting = len(rows) - queued
-      if waiting and b - active >= min(cfg.refill_chunk, waiting):
-        t0 = time.perf_counter()
-        out += harvest(st)
-        free = np.flatnonzero(host.done)[:waiting]
-        new = np.full((b,), -1, np.int32)
-        new[free] = np.arange(queued, queued + len(free))
-        st = pool[("reset", b)](st, self._slot_rows(rows, new, budgets, prompt_offset, bank),
-                                np.zeros((0,), bool) if bank is None else bank.take_fresh())
-        st = self._prefill_slots(st, prompts, rows, new, history)
-        host = _Counters.read(st)
-        self._check_drafter(st, metrics)
-        metrics.prefill_s += time.perf_counter() - t0
-        metrics.tokens += len(free)
-        metrics.refills += 1
-        metrics.started += rows[queued:queued + len(free)]
-        queued += len(free)
-        on_progress(int(host.done[free].sum()), len(free))
-        continue
-      if not waiting and cfg.compact and cfg.bucket(active) < b:
+      blocked = False  # rows wait for pages, not slots
+      if waiting and b - active >= min(cfg.refill_chunk, len(waiting)):
+        r = waiting[0]
+        if pages is None or pages.fits(rows[r][0], prompt_lens[r], slots_for(r, prompt_lens[r] + cfg.play_slots(None))):
+          t0 = time.perf_counter()
+          out += harvest(st)
+          new, write_from = admit(np.flatnonzero(host.done))
+          st = pool[("reset", b)](st, self._slot_rows(rows, new, budgets, prompt_offset, bank),
+                                  np.zeros((0,), bool) if bank is None else bank.take_fresh())
+          st = self._prefill_slots(st, prompts, rows, new, history, write_from, table())
+          host = _Counters.read(st)
+          self._check_drafter(st, metrics)
+          metrics.prefill_s += time.perf_counter() - t0
+          entering = int((new >= 0).sum())
+          metrics.tokens += entering
+          metrics.refills += 1
+          on_progress(int(host.done[new >= 0].sum()), entering)
+          continue
+        blocked = True
+      if not waiting and cfg.compact and cfg.bucket(active) < b and (pages is None or sum(
+          pages.missing(slot_row[i], prompt_lens[slot_row[i]], slots_for(slot_row[i], 1 << 30))
+          for i in np.flatnonzero(~host.done)) <= pages.free):
         t0 = time.perf_counter()
         out += harvest(st)
         done = host.done
@@ -385,6 +442,7 @@ class Engine:
           keep = np.concatenate([keep, np.full((b // 2 - len(keep),), -1)]).astype(np.int32)
           st = pool[("halve", b // 2, b)](st, keep)
           done = np.concatenate([done[keep[keep >= 0]], np.ones((b // 2 - (keep >= 0).sum(),), bool)])
+          slot_row, entered = np.where(keep >= 0, slot_row[keep], -1), entered[keep]
           b //= 2
         host = _Counters.read(st)
         metrics.compact_s += time.perf_counter() - t0
@@ -394,14 +452,39 @@ class Engine:
       strategy = None
       if tail:
         strategy = arms[0] if self.bandit is None else self.bandit.choose(active, arms)
-      # The play ends on the device once enough slots are free for a refill, or, with nothing
-      # waiting, once a smaller bucket fits the active rows (compaction); before the tail, once the
-      # tail begins (the bandit's turn).
-      stop_at = b - min(cfg.refill_chunk, waiting) if waiting else (b // 2 if cfg.compact else 0)
+      if pages is not None:  # every active row takes the pages this play may write, preempting if short
+        while True:
+          slots = np.flatnonzero(~host.done)
+          short = sum(pages.missing(slot_row[i], prompt_lens[slot_row[i]], play_need(i, strategy))
+                      for i in slots) - pages.free
+          if short <= 0:
+            break
+          victim = slots[np.argmax(entered[slots])]
+          if len(slots) == 1 or b != b0:  # neither happens: a row fits the pool, the tail compacts once all fit
+            raise RuntimeError(f"the page pool ({pages.num_pages} pages) cannot hold the rows of bucket {b}")
+          pages.release(slot_row[victim])
+          waiting.appendleft(slot_row[victim])
+          metrics.tokens -= int(host.generated[victim])
+          metrics.preemptions += 1
+          slot_row[victim] = -1
+          st = pool[("drop", b)](st, np.arange(b) == victim)
+          host = _Counters.read(st)
+          active -= 1
+        for i in slots:
+          pages.grow(slot_row[i], prompt_lens[slot_row[i]], play_need(i, strategy))
+        metrics.peak_pages = max(metrics.peak_pages, pages.held)
+      metrics.peak_rows = max(metrics.peak_rows, active)
+      # The play ends on the device once enough slots are free for a refill (paged, when rows wait
+      # for pages: once a row finishes), or, with nothing waiting, once a smaller bucket fits the
+      # active rows (compaction); before the tail, once the tail begins (the bandit's turn).
+      n_waiting = len(waiting)
+      stop_at = b - min(cfg.refill_chunk, n_waiting) if n_waiting else (b // 2 if cfg.compact else 0)
+      if blocked:
+        stop_at = active - 1
       if speculating and not tail:
         stop_at = max(stop_at, cfg.sd_max_batch)
       t0 = time.perf_counter()
-      st = pool[self._segment_key(b, strategy)](self.params, self.drafter_params, st, np.int32(stop_at))
+      st = pool[self._segment_key(b, strategy)](self.params, self.drafter_params, st, np.int32(stop_at), table())
       before, host = host, _Counters.read(st)  # waits for the play
       seconds = time.perf_counter() - t0
       self._check_drafter(st, metrics)
@@ -411,7 +494,7 @@ class Engine:
       metrics.tokens += produced
       metrics.segments.append(SegmentRecord(b, active, produced, seconds, strategy and strategy.name,
                                             passes=int(passes.sum()), steps=int(passes.max()), tail=tail,
-                                            waiting=waiting))
+                                            waiting=n_waiting))
       if self.bandit is not None and tail:
         self.bandit.update(active, strategy, produced, seconds)
       on_progress(active - int((~host.done).sum()), produced)

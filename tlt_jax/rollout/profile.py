@@ -41,15 +41,18 @@ def _median_s(fn, args, repeats: int) -> float:
 
 
 def prefilled_state(engine: Engine, prompts: Sequence[Sequence[int]]):
-  """The engine's state after prefilling `prompts` (one row each; empty rows pad it to its bucket)."""
+  """The engine's state after prefilling `prompts` (one row each; empty rows pad it to its bucket) into
+  its contiguous cache."""
+  if engine.config.paged:
+    raise ValueError("the phases are timed over a contiguous cache (page_size=0)")
   n = len(prompts)
   b = engine.config.bucket(n)
   engine.prepare(n, [len(p) for p in prompts])
   rows = [(i, 0) for i in range(n)]
   slots = np.asarray(list(range(n)) + [-1] * (b - n), np.int32)
   st = engine.pool[("init", b)](engine._slot_rows(rows, slots, [engine.sampling.max_new_tokens] * n, 0,
-                                                  engine._bank_rows(rows)))
-  return engine._prefill_slots(st, prompts, rows, slots, None)
+                                                  engine._bank_rows(rows)), None)
+  return engine._prefill_slots(st, prompts, rows, slots, None, np.zeros((b,), np.int32), None)
 
 
 def phase_times(engine: Engine, prompts: Sequence[Sequence[int]], strategy: Strategy,
@@ -98,7 +101,7 @@ def phase_times(engine: Engine, prompts: Sequence[Sequence[int]], strategy: Stra
     state = jax.tree.map(lambda x: x.copy(), st)  # the executable donates its state
     jax.block_until_ready(state)
     t0 = time.perf_counter()
-    done = segment(*params, state, np.int32(0))
+    done = segment(*params, state, np.int32(0), None)
     passes, generated = jax.device_get((done.passes, done.num_generated))  # waits, as the host loop's sync does
     return time.perf_counter() - t0, passes.sum(), generated.sum() - int(jax.device_get(st.num_generated).sum())
 

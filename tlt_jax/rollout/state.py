@@ -61,6 +61,12 @@ class EngineConfig:
   # The last this-many slots of a prompt's bank row hold tokens the caller gives with the prompt
   # (`Engine.generate(history=...)`: its responses in earlier epochs, `suffix.History`).
   suffix_history_len: int = 0
+  # Paged KV caches (`tlt_jax.kernels.layout`): 0 gives each row its whole capacity (contiguous);
+  # > 0 (a multiple of kv_block), the rows share a pool of `num_pages` pages of this many slots,
+  # take them as they grow and give them back when they finish, and a prompt's samples share its
+  # prompt's pages. `num_pages` 0: as many as the largest bucket's rows could fill.
+  page_size: int = 0
+  num_pages: int = 0
 
   def __post_init__(self):
     b = self.batch_buckets
@@ -71,7 +77,11 @@ class EngineConfig:
     fields.at_least(self, 1, "max_prompt_len", "max_new_tokens", "segment_steps", "kv_block", "prefill_batch",
                     "sd_max_batch", "suffix_ngram")
     fields.at_least(self, 2, "suffix_bank_len")  # a prompt token and a generated one
-    fields.at_least(self, 0, "suffix_history_len")
+    fields.at_least(self, 0, "suffix_history_len", "page_size", "num_pages")
+    fields.require(self.page_size % self.kv_block == 0, "page_size", self.page_size,
+                   f"must be a multiple of kv_block={self.kv_block}")
+    fields.require(not self.num_pages or self.num_pages >= self.pages_per_row, "num_pages", self.num_pages,
+                   f"must be 0 or at least the {self.pages_per_row} pages one row fills (page_size={self.page_size})")
     fields.require(0 <= self.refill_rows <= b[-1], "refill_rows", self.refill_rows,
                    f"must be in [0, {b[-1]}] (the largest bucket)")
     least = self.max_prompt_len + self.suffix_history_len + 2
@@ -93,7 +103,28 @@ class EngineConfig:
   def capacity(self) -> int:
     """Cache slots per row: prompt, response, and the tree slots a step writes past the length."""
     window = max([s.window for s in self.strategies] + [1])
-    return -(-(self.max_prompt_len + self.max_new_tokens + window) // self.kv_block) * self.kv_block
+    unit = self.page_size or self.kv_block
+    return -(-(self.max_prompt_len + self.max_new_tokens + window) // unit) * unit
+
+  @property
+  def paged(self) -> bool:
+    return self.page_size > 0
+
+  @property
+  def pages_per_row(self) -> int:
+    """Pages a row holds at its capacity (1 without paging: its whole cache)."""
+    return self.capacity // self.page_size if self.paged else 1
+
+  @property
+  def pool_pages(self) -> int:
+    """Pages in the pool of a paged cache."""
+    return self.num_pages or self.batch_buckets[-1] * self.pages_per_row
+
+  def play_slots(self, strategy: Strategy | None) -> int:
+    """Cache slots past a row's length that one play of `strategy` (None: plain) may write."""
+    if strategy is None:
+      return self.segment_steps
+    return self.segment_steps * (strategy.depth + 1) + strategy.window
 
   @property
   def prompt_buckets(self) -> tuple[int, ...]:
@@ -228,6 +259,9 @@ class RolloutMetrics:
   segments: list[SegmentRecord] = dataclasses.field(default_factory=list)
   drafter_nonfinite: bool = False  # the drafter's outputs were NaN/inf: speculation was turned off
   refills: int = 0  # times waiting rows were prefilled into finished rows' slots
+  preemptions: int = 0  # rows sent back to wait because the paged cache ran out of pages
+  peak_rows: int = 0  # most rows in flight at once
+  peak_pages: int = 0  # most pages held at once (paged caches)
   started: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (prompt, sample) in batch-entry order
 
   @property
@@ -278,8 +312,9 @@ class RolloutMetrics:
            "rollout/sd_s": self.sd_s, "rollout/plain_s": self.decode_s - self.sd_s,
            "rollout/sd_share": self.sd_s / max(self.wall_s, 1e-9), "rollout/accept_len": self.accept_len,
            "rollout/verify_passes": self.verify_passes, "rollout/drafter_nonfinite": int(self.drafter_nonfinite),
-           "rollout/refills": self.refills, "rollout/tail_share": self.tail_share,
-           "rollout/idle_slot_fraction": self.idle_slot_fraction}
+           "rollout/refills": self.refills, "rollout/preemptions": self.preemptions,
+           "rollout/peak_rows": self.peak_rows, "rollout/peak_pages": self.peak_pages,
+           "rollout/tail_share": self.tail_share, "rollout/idle_slot_fraction": self.idle_slot_fraction}
     for s in self.segments:
       key = f"rollout/steps/b{s.bucket}"
       out[key] = out.get(key, 0) + s.steps

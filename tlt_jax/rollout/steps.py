@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tlt_jax.drafter.model import Drafter
+from tlt_jax.kernels import layout
 from tlt_jax.models import transformer
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import KVCache
@@ -79,12 +80,34 @@ def record(st: RowState, active_B, acc: speculative.Accepted, hidden_BxMxH) -> R
       passes=st.passes + active_B)
 
 
+def with_pages(st: RowState, pages_BxM) -> RowState:
+  """The state with the host's page tables (None: a contiguous cache, unchanged)."""
+  if pages_BxM is None:
+    return st
+  dcache = st.drafter_cache
+  return dataclasses.replace(st, cache=dataclasses.replace(st.cache, pages=pages_BxM),
+                             drafter_cache=None if dcache is None else dataclasses.replace(dcache, pages=pages_BxM))
+
+
+def drop(st: RowState, drop_B) -> RowState:
+  """Empties the slots `drop_B` (bool [B]) without harvesting them: preempted rows, run again later."""
+  return dataclasses.replace(st, done=st.done | drop_B, row_id=jnp.where(drop_B, -1, st.row_id))
+
+
 def halve(st: RowState, keep_b) -> RowState:
   """Compaction: the rows of slots `keep_b` (int32 [B/2], -1: an empty slot) gathered into a state
-  of half the batch, B/2; the bank stays as it is (it is held per prompt)."""
+  of half the batch, B/2; the bank stays as it is (it is held per prompt), and so does a paged
+  cache's pool (only the page tables move)."""
   src = jnp.maximum(keep_b, 0)
   out = jax.tree.map(lambda x: x[src], st.per_row())
-  take_cache = lambda c: None if c is None else KVCache(k=c.k[:, src], v=c.v[:, src], lengths=c.lengths[src])
+
+  def take_cache(c):
+    if c is None:
+      return None
+    if c.pages is not None:
+      return dataclasses.replace(c, lengths=c.lengths[src], pages=c.pages[src])
+    return KVCache(k=c.k[:, src], v=c.v[:, src], lengths=c.lengths[src])
+
   empty = keep_b < 0
   # Rows keep their bank row through the gather.
   return dataclasses.replace(out, cache=take_cache(st.cache), drafter_cache=take_cache(st.drafter_cache),
@@ -117,22 +140,30 @@ class Steps:
     drafter = None if self.drafter_graphdef is None else nnx.merge(self.drafter_graphdef, drafter_params)
     return model, drafter
 
-  def init(self, slots: SlotRows) -> RowState:
+  def _cache(self, b: int, pages_BxM, num_layers: int | None = None) -> KVCache:
+    """An empty cache for B rows: contiguous, or the pool of a paged one with these page tables."""
+    cfg, mc = self.config, self.model_config
+    if cfg.paged:
+      return KVCache.paged(mc, pages_BxM, cfg.pool_pages, cfg.page_size, self.dtype, num_layers)
+    return KVCache.zeros(mc, b, cfg.capacity, self.dtype, num_layers)
+
+  def init(self, slots: SlotRows, pages_BxM=None) -> RowState:
     """A state of B = len(slots.row_id) slots with these rows in them and nothing generated yet:
-    zero caches, counters and outputs, an empty bank; slots with `row_id < 0` are done."""
+    zero caches (paged: an empty pool, rows holding `pages_BxM`), counters and outputs, an empty
+    bank; slots with `row_id < 0` are done."""
     cfg, mc = self.config, self.model_config
     b, n = slots.row_id.shape[0], self.sampling.max_new_tokens
     zeros = jnp.zeros((b,), jnp.int32)
     drafting = self.drafter_graphdef is not None
     banking = cfg.banking
     return RowState(
-        cache=KVCache.zeros(mc, b, cfg.capacity, self.dtype), last_token=zeros, num_generated=zeros,
+        cache=self._cache(b, pages_BxM), last_token=zeros, num_generated=zeros,
         max_new=slots.max_new, done=slots.row_id < 0, finish=zeros, prompt_index=slots.prompt_index,
         sample_index=slots.sample_index, row_id=slots.row_id, tokens=jnp.zeros((b, n), jnp.int32),
         logprobs=jnp.zeros((b, n), jnp.float32),
         hidden=jnp.zeros((b, n, mc.hidden_size), self.dtype) if cfg.capture_hidden else None, passes=zeros,
         prompt_hidden=jnp.zeros((b, cfg.max_prompt_len, mc.hidden_size), self.dtype) if cfg.capture_hidden else None,
-        drafter_cache=KVCache.zeros(mc, b, cfg.capacity, self.dtype, num_layers=1) if drafting else None,
+        drafter_cache=self._cache(b, pages_BxM, num_layers=1) if drafting else None,
         draft_feat=jnp.zeros((b, mc.hidden_size), self.dtype) if drafting else None,
         drafter_finite=jnp.ones((b,), bool) if drafting else None,
         bank=jnp.full((cfg.bank_rows, cfg.suffix_bank_len), -1, jnp.int32) if banking else None,
@@ -145,7 +176,7 @@ class Steps:
     so are the bank rows but those `clear_bank` (bool [bank_rows]) marks, emptied for new prompts.
     The caches are left as they are: the prefill writes a new row's prompt slots and lengths, and
     nothing reads past them."""
-    fresh, new_B = self.init(slots), slots.row_id >= 0
+    fresh, new_B = self.init(slots, st.cache.pages), slots.row_id >= 0  # its caches go unused
     out = jax.tree.map(lambda new, old: _where_rows(new_B, new, old), fresh.per_row(), st.per_row())
     bank = None if st.bank is None else jnp.where(clear_bank[:, None], -1, st.bank)
     return dataclasses.replace(out, cache=st.cache, drafter_cache=st.drafter_cache, bank=bank)
@@ -170,23 +201,34 @@ class Steps:
                                draft_feat=jnp.where((count_B > 0)[:, None], last, st.draft_feat),
                                drafter_finite=st.drafter_finite & finite)
 
-  def prefill(self, params, drafter_params, st: RowState, tokens_PxT, lengths_P, row_prompt_B,
-              history_PxH) -> RowState:
-    """Prefills P unique prompts (`tokens_PxT` right-padded, `lengths_P` tokens each) and copies each
-    into its rows: slot b gets prompt `row_prompt_B[b]` (-1: the slot is left as it is). Each row's
-    first token is sampled, and with a drafter, the drafter is fed the row's prompt pairs. With a
-    bank, each prompt and its history (`history_PxH`, H = `suffix_history_len`, -1 padded) go to its
-    bank row."""
+  def prefill(self, params, drafter_params, st: RowState, tokens_PxT, lengths_P, row_prompt_B, history_PxH,
+              write_from_B, pages_BxM=None) -> RowState:
+    """Prefills P unique prompts (`tokens_PxT` right-padded, `lengths_P` tokens each) and writes each
+    into its rows' caches: slot b gets prompt `row_prompt_B[b]` (-1: the slot is left as it is), its
+    prompt slots from `write_from_B[b]` on (a paged cache's shared prompt pages are written by one
+    of their rows, the others start past them; `pages_BxM` the page tables, None: contiguous). Each
+    row's first token is sampled, and with a drafter, the drafter is fed the row's prompt pairs.
+    With a bank, each prompt and its history (`history_PxH`, H = `suffix_history_len`, -1 padded)
+    go to its bank row."""
     model, drafter = self.models(params, drafter_params)
+    st = with_pages(st, pages_BxM)
     p, t = tokens_PxT.shape
     layers = drafter.feature_layers if drafter is not None else ()
     out = transformer.prefill(model, tokens_PxT, lengths_P, KVCache.zeros(self.model_config, p, t, self.dtype),
                               hidden_layers=layers)
     sel, src = row_prompt_B >= 0, jnp.maximum(row_prompt_B, 0)
-    copy_rows = lambda new, old: jnp.moveaxis(_where_rows(sel, jnp.moveaxis(new, 1, 0), jnp.moveaxis(old, 1, 0)), 0, 1)
-    cache = KVCache(k=st.cache.k.at[:, :, :t].set(copy_rows(out.cache.k[:, src], st.cache.k[:, :, :t])),
-                    v=st.cache.v.at[:, :, :t].set(copy_rows(out.cache.v[:, src], st.cache.v[:, :, :t])),
-                    lengths=jnp.where(sel, lengths_P[src], st.cache.lengths))
+    slots = jnp.broadcast_to(jnp.arange(t)[None], (src.shape[0], t))
+    keep = sel[:, None] & (slots >= write_from_B[:, None]) & (slots < lengths_P[src][:, None])
+
+    def write(cache: KVCache, new: KVCache, lengths_B) -> KVCache:
+      """The rows' prompt slots `keep` from the unique prompts' cache `new`; lengths set for `sel`."""
+      page, offset = layout.address(cache.pages, slots, cache.k.shape[2], cache.k.shape[1])
+      page = jnp.where(keep, page, cache.k.shape[1])  # out of the pool: dropped
+      put = lambda pool, x: pool.at[:, page, offset].set(x[:, src], mode="drop")
+      return dataclasses.replace(cache, k=put(cache.k, new.k), v=put(cache.v, new.v),
+                                 lengths=jnp.where(sel, lengths_B, cache.lengths))
+
+    cache = write(st.cache, out.cache, lengths_P[src])
     rows = jnp.arange(src.shape[0])
     last = jnp.maximum(lengths_P[src] - 1, 0)
     if st.bank is not None:  # the prompt, right-aligned to max_prompt_len (every row of it writes the same)
@@ -209,15 +251,12 @@ class Steps:
     if drafter is None:
       return st
     # The drafter's prompt pairs (f_p, x_{p+1}), p < length - 1, are the same for every sample of a
-    # prompt: they run once per unique prompt and are copied into its rows, like the target's cache.
+    # prompt: they run once per unique prompt and are written into its rows, like the target's cache.
     # The last pair holds the row's own first token, so it is fed per row.
     features = drafter.target_features(out.hidden, out.aux_hidden)
     shifted = jnp.concatenate([tokens_PxT[:, 1:], jnp.zeros((p, 1), jnp.int32)], axis=1)
     _, shared = self._drafter_pass(model, drafter, drafter.empty_cache(p, t, self.dtype), features, shifted, None)
-    dcache = st.drafter_cache
-    dcache = KVCache(k=dcache.k.at[:, :, :t].set(copy_rows(shared.k[:, src], dcache.k[:, :, :t])),
-                     v=dcache.v.at[:, :, :t].set(copy_rows(shared.v[:, src], dcache.v[:, :, :t])),
-                     lengths=jnp.where(sel, last, dcache.lengths))
+    dcache = write(st.drafter_cache, shared, last)
     first = Pairs(features[src][rows, last][:, None], acc.tokens[:, :1], sel.astype(jnp.int32))
     return self.feed_drafter(model, drafter, dataclasses.replace(st, drafter_cache=dcache), first, None)
 
@@ -242,9 +281,11 @@ class Steps:
     return Verified(st, Pairs(drafter.target_features(out.hidden, out.aux_hidden)[rows, acc.nodes], acc.tokens,
                               acc.count))
 
-  def segment(self, params, drafter_params, st: RowState, stop_at, strategy: Strategy | None) -> RowState:
+  def segment(self, params, drafter_params, st: RowState, stop_at, pages_BxM=None, *,
+              strategy: Strategy | None) -> RowState:
     """One play: up to `segment_steps` iterations of plain decoding (`strategy` None) or of
-    draft -> verify -> accept -> commit -> drafter feed, in one `lax.while_loop` on the device.
+    draft -> verify -> accept -> commit -> drafter feed, in one `lax.while_loop` on the device,
+    with the host's page tables `pages_BxM` (paged caches; they hold the slots the play may write).
 
     The loop runs at least once and ends early once at most `stop_at` (int32 scalar) rows are
     active (every row done, a smaller batch bucket fits the rest, or the tail begins), or,
@@ -254,6 +295,7 @@ class Steps:
     current at every play boundary, ready for the bandit to switch speculation on.
     """
     model, drafter = self.models(params, drafter_params)
+    st = with_pages(st, pages_BxM)
     n, b = self.config.segment_steps, st.last_token.shape[0]
     kv_block = self.config.kv_block
     rows = jnp.arange(b)
