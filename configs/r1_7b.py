@@ -47,6 +47,7 @@ def get_config():
   r.strategies = ("8_4_48", "8_4_32", "8_4_16", "8_4_8")  # TLT's arms: depth 8, top-k 4, verify 48/32/16/8
   r.sampling.temperature = 0.9
   r.sampling.max_new_tokens = 32768
+  r.mean_response_len = 8192  # an assumption for sizing a paged cache (the dry run's cache_rows); set yours
   r.engine.batch_buckets = (1, 2, 4, 8, 16)  # rows per group at once: each row's 33k-token KV cache takes 1.9 GB
   r.engine.segment_steps = 32
   r.engine.kv_block = 512

@@ -35,7 +35,9 @@ COUNTS = (  # must be >= 1
 NON_NEGATIVE_INTS = (
     "steps", "mesh.cpu_devices", "model.vocab_size", "sft.steps", "sft.warmup_steps", "sft.eval_size",
     "rollout.sampling.top_k", "drafter.distill.steps", "drafter.trainer.warmup_steps", "rollout.tlt.solo_steps",
-    "rollout.engine.suffix_history_len", "rl.optimizer.warmup_steps", "rl.actor.attention_block", "rl.overlong_buffer",
+    "rollout.engine.suffix_history_len", "rollout.engine.page_size", "rollout.engine.num_pages",
+    "rollout.mean_response_len",
+    "rl.optimizer.warmup_steps", "rl.actor.attention_block", "rl.overlong_buffer",
     "eval.every")
 NON_NEGATIVE_FLOATS = (
     "mesh.device_memory_gb", "sft.learning_rate", "sft.weight_decay", "rollout.sampling.temperature",

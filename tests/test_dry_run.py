@@ -40,6 +40,16 @@ def test_dry_run_compiles_and_sizes_every_part(report):
   assert report["rollout_batches"] == {"rows_per_group": 64, "rows_in_flight": 8, "refill": True,
                                        "tails_with_waves": 8, "tails_with_refill": 1}
   assert "rollout/reset/8" in names
+  # A paged cache: 64-slot pages (kv_block), 64-token prompts, 16-token mean responses (a quarter of 64).
+  rows = report["cache_rows"]
+  assert rows["mean_response_len"] == 16 and rows["page_size"] == 64 and rows["contiguous_rows"] == 8
+  kv_bytes = 2 * (6 + 1) * 1 * 32 * 4  # k and v, 6 target layers + the drafter's, 1 KV head (not split), float32
+  assert rows["kv_bytes_per_token"] == kv_bytes
+  assert rows["contiguous_cache_gb"] == round(8 * 192 * kv_bytes / (1 << 30), 3)  # capacity 64 + 64 + 4, in pages
+  # A mean row fills 64 + 16 tokens + a 16-step play: 2 pages (no full page to share before the
+  # prompt's last token), against 3 per contiguous row.
+  assert rows["paged_rows_same_bytes"] == 8 * 3 // 2
+  assert rows["paged_rows_device_memory"] > 1000  # 1 GB holds thousands of such rows
   gradient = report["executables"]["train/gradient"]
   assert gradient["tflops"] > 0 and gradient["resident_gb"] > 0
   # Params are split over fsdp: the update's resident memory is well under the whole state's.

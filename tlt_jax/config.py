@@ -121,6 +121,7 @@ def base() -> ml_collections.ConfigDict:
   # prompt's token bank (its prompt and its samples' tokens): no forward pass per draft.
   c.rollout.strategies = ("3_1_4", "4_2_6")
   c.rollout.drafter = "eagle"
+  c.rollout.mean_response_len = 0  # what the dry run sizes a paged KV cache for (0: max_new_tokens / 4)
   c.rollout.compilation_cache_dir = ""  # persistent XLA cache, set at start-up: later runs skip compiling
   c.rollout.sampling = ml_collections.ConfigDict()  # SamplingParams (stop tokens: the tokenizer's EOS)
   c.rollout.sampling.temperature = 1.0
@@ -139,6 +140,11 @@ def base() -> ml_collections.ConfigDict:
   # 4 bytes x this x prompts seen, checkpointed.
   c.rollout.engine.suffix_history_len = 0
   c.rollout.engine.attention = "auto"  # tree attention: auto (by backend) | xla | pallas | pallas_tpu | pallas_gpu
+  # Paged KV cache: 0 gives each row its whole capacity; > 0 (a multiple of kv_block), rows share a
+  # pool of num_pages pages of this many slots (0: what the largest bucket's rows could fill) and a
+  # prompt's samples share its prompt's pages. The dry run reports how many rows a pool holds.
+  c.rollout.engine.page_size = 0
+  c.rollout.engine.num_pages = 0
   c.rollout.bandit = ml_collections.ConfigDict()  # Bandit over the strategies and SD off
   c.rollout.bandit.thresholds = (1, 2, 5, 21)  # active-row buckets: 1, 2-4, 5-20, 21+
   c.rollout.bandit.epsilon = 0.1
@@ -339,7 +345,7 @@ _AT_LEAST = {
     "task.min_terms": 1, "data.size": 1, "data.max_prompt_len": 1,
     "sft.num_problems": 1, "sft.steps": 0, "sft.batch_rows": 1, "sft.row_len": 2, "sft.learning_rate": 0,
     "sft.warmup_steps": 0, "sft.weight_decay": 0, "sft.unanswered": 0, "sft.eval_size": 0, "sft.eval_max_new_tokens": 1,
-    "rollout.prompts_per_step": 1, "rollout.num_samples": 1, "rollout.groups": 1,
+    "rollout.prompts_per_step": 1, "rollout.num_samples": 1, "rollout.groups": 1, "rollout.mean_response_len": 0,
     "drafter.draft_vocab_size": 0, "drafter.distill.steps": 0, "drafter.distill.learning_rate": 0,
     "drafter.distill.batch_rows": 1, "drafter.distill.row_len": 2,
     "rl.mini_batches": 1, "rl.max_skipped_updates": 1, "rl.row_len": 2, "rl.overlong_buffer": 0,

@@ -12,6 +12,9 @@ pays: one per wave in waves, one with refill (`rollout.engine.refill`). It fails
 the config keys to change, when one needs more than `mesh.device_memory_gb`. With TLT it also
 bounds what the drafter's online data buffer adds to each process's checkpoint
 (`drafter_buffer_checkpoint_gb`: captured features and tokens, at most `drafter.buffer.max_pairs` pairs).
+`cache_rows` sizes a paged KV cache: the rows of `rollout.mean_response_len` tokens one rollout
+device holds in flight, in the contiguous cache's bytes and in the memory the rollout leaves free,
+against the contiguous cache's one row per slot of the largest bucket.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, ModelConfig
 from tlt_jax.rl import actor as actor_lib
 from tlt_jax.rollout.engine import Engine
+from tlt_jax.rollout.state import EngineConfig
 
 GB = 1 << 30
 
@@ -137,6 +141,8 @@ def run(config) -> dict:
       break
 
   report["executables"] = executables
+  report["cache_rows"] = cache_rows(config, cfg, base, dtype.itemsize, eagle, len(group_mesh.devices.flat),
+                                    executables[f"rollout/plain/{base.batch_buckets[-1]}"]["resident_gb"])
   report["policy_gb"] = round(_bytes(nnx.state(policy)) / GB, 6)
   if eagle:  # the rollout's captured features: this many bytes per process in each checkpoint at most
     r = config.rollout
@@ -157,6 +163,32 @@ def batches(config, largest: int) -> dict:
   rows = -(-r.prompts_per_step // r.groups) * r.num_samples
   return {"rows_per_group": rows, "rows_in_flight": min(rows, largest), "refill": bool(r.engine.refill),
           "tails_with_waves": -(-rows // largest), "tails_with_refill": 1}
+
+
+def cache_rows(config, cfg: ModelConfig, engine: EngineConfig, itemsize: int, drafter: bool, group_devices: int,
+               rollout_resident_gb: float) -> dict:
+  """Rows of a mean response length one rollout device holds in flight: contiguous (each row its
+  capacity: the largest bucket) and paged (`engine.page_size`, else kv_block-sized pages; the
+  prompt's full pages shared by its samples, each row's last page half empty on average plus one
+  play's reservation), in the contiguous cache's bytes and in the device memory the rollout's
+  resident state leaves free (`mesh.device_memory_gb`; scratch memory not counted)."""
+  r = config.rollout
+  shards = min(group_devices, cfg.num_kv_heads)  # the cache splits over KV heads inside a group
+  token_bytes = 2 * (cfg.num_layers + drafter) * cfg.num_kv_heads * cfg.head_dim * itemsize / shards
+  page = engine.page_size or engine.kv_block
+  prompt, mean = config.data.max_prompt_len, r.mean_response_len or r.sampling.max_new_tokens // 4
+  shared = (prompt - 1) // page
+  own = -(-(prompt + mean + engine.play_slots(None)) // page) - shared
+  row_pages = own + shared / r.num_samples
+  contiguous = engine.batch_buckets[-1]
+  cache_bytes = contiguous * engine.capacity * token_bytes
+  free_bytes = config.mesh.device_memory_gb * GB - (rollout_resident_gb * GB - cache_bytes)
+  rows = lambda nbytes: int(nbytes / (page * token_bytes) / row_pages)
+  return {"mean_response_len": mean, "prompt_len": prompt, "page_size": page, "kv_bytes_per_token": int(token_bytes),
+          "contiguous_rows": contiguous, "contiguous_cache_gb": round(cache_bytes / GB, 3),
+          "paged_rows_same_bytes": rows(cache_bytes),
+          "paged_rows_device_memory": rows(free_bytes) if config.mesh.device_memory_gb else None,
+          "free_gb_for_cache": round(free_bytes / GB, 3) if config.mesh.device_memory_gb else None}
 
 
 def check_fit(executables: dict[str, dict[str, float]], limit_gb: float, on_cpu: bool) -> dict:
