@@ -118,3 +118,17 @@ def test_refill_mode_compares_refill_with_waves(tmp_path):
   for r in (refill, longest):
     assert abs(r["speedup"] - r["tokens_per_s"] / waves["tokens_per_s"]) < 1e-2
   assert all(0 <= r[k] <= 1 for r in records for k in ("idle_slot_fraction", "tail_share"))
+
+
+def test_paged_mode_compares_pages_with_the_contiguous_cache(tmp_path):
+  """Not timed: both caches hold the same slots and sample the same tokens; the paged one has more
+  rows in flight."""
+  out = tmp_path / "paged.json"
+  run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--paged", "--rows=3", "--num_samples=4",
+            "--bucket=2", "--paged_bucket=8", "--page_size=16", "--max_new_tokens=64", "--temperature=1.0",
+            "--repeats=1")
+  contiguous, paged = json.loads(out.read_text())
+  assert (contiguous["mode"], paged["mode"]) == ("contiguous", "paged")
+  assert contiguous["rows"] == paged["rows"] == 12 and contiguous["cache_slots"] == paged["cache_slots"]
+  assert paged["same_samples"] and paged["peak_rows"] > contiguous["peak_rows"] == 2
+  assert abs(paged["speedup"] - paged["tokens_per_s"] / contiguous["tokens_per_s"]) < 1e-2

@@ -9,6 +9,9 @@
 
   python -m tlt_jax.bench --refill --model=DIR --output=FILE.json [--rows=32 --num_samples=1 --bucket=8 ...]
 
+  python -m tlt_jax.bench --paged --model=DIR --output=FILE.json [--rows=8 --num_samples=8 --bucket=16 \
+      --paged_bucket=64 --page_size=32 ...]
+
 The measurements are `tlt_jax.rollout.benchmark`'s; this module reads flags and files.
 
 Prompts: `--prompts=FILE.jsonl` (text prompts chat-templated when the tokenizer has a template, as
@@ -51,6 +54,14 @@ warm-up round, known exactly, so the best case of that scheduling policy), inter
 `--repeats` timed rounds after a warm-up one. Records {mode, tokens_per_s, speedup (over waves),
 wall_s, refills, idle_slot_fraction, tail_share, p99_over_median, same_samples} (the median
 round's) and prints the refill / waves tokens/s ratio.
+
+Paged mode (`--paged`): one rollout of `--rows` prompts x `--num_samples` (plain decoding, refill)
+with the contiguous KV cache of `--bucket` rows and with a paged cache of the same bytes
+(`--page_size`-slot pages, up to `--paged_bucket` rows in flight; a prompt's full pages held once
+for its samples), interleaved over `--repeats` timed rounds after a warm-up one. Records {mode,
+rows, cache_slots, tokens_per_s, speedup (over contiguous), wall_s, prefill_s, prefill_ms_per_row,
+peak_rows, preemptions, refills, mean_response_len, same_samples} (the median round's) and prints
+the paged / contiguous tokens/s ratio.
 """
 
 from __future__ import annotations
@@ -97,6 +108,11 @@ _REFILL = flags.DEFINE_bool("refill", False, "Refill vs waves on a rollout of mo
 _BUCKET = flags.DEFINE_integer("bucket", 8, "Refill mode: the largest batch bucket (a power of two).", lower_bound=1)
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Samples per prompt (a GRPO group; grid, adaptive, refill).",
                                      lower_bound=1)
+_PAGED = flags.DEFINE_bool("paged", False, "A paged KV cache vs the contiguous one in the same bytes.")
+_PAGED_BUCKET = flags.DEFINE_integer("paged_bucket", 64, "Paged mode: the paged cache's largest batch bucket.",
+                                     lower_bound=1)
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 32, "Paged mode: slots per page (also the attention block).",
+                                  lower_bound=1)
 _HISTORY_LEN = flags.DEFINE_integer("history_len", 0, "Grid mode: also time suffix strategies with this many tokens "
                                     "of an earlier rollout's responses per prompt in the bank (0: off).", lower_bound=0)
 
@@ -129,7 +145,7 @@ def _prompts(tokenizer, cfg, needed: int) -> list[list[int]]:
   if tokenizer is None:
     raise cli.InputError(f"--model={_MODEL.value} has no tokenizer to build --task={_TASK.value} prompts with")
   with cli.named("model", _MODEL.value):
-    if _ADAPTIVE.value or _REFILL.value:  # the task's own long-tailed difficulty
+    if _ADAPTIVE.value or _REFILL.value or _PAGED.value:  # the task's own long-tailed difficulty
       return [ex.prompt_ids for ex in datasets.from_tasks(_TASK.value, tokenizer, size=needed, seed=_SEED.value)]
     difficulty = tasks.Difficulty(min_terms=_MIN_TERMS.value, max_terms=max(_MIN_TERMS.value, 24))
     return [ex.prompt_ids for ex in datasets.from_tasks(_TASK.value, tokenizer, size=needed, seed=_SEED.value,
@@ -156,15 +172,17 @@ def main(argv):
   with cli.named("model", _MODEL.value):  # the cheap parts first: config, tokenizer, drafter
     cfg, _ = hf.read_config(_MODEL.value)
     tokenizer = hf.load_tokenizer(_MODEL.value)
-  prompts = _prompts(tokenizer, cfg, _ROWS.value if _ADAPTIVE.value or _REFILL.value else max(batch_sizes))
-  if _BUCKET.value & (_BUCKET.value - 1):
-    raise cli.InputError(f"--bucket={_BUCKET.value}: must be a power of two")
-  if _REFILL.value:
+  rollout_modes = _ADAPTIVE.value or _REFILL.value or _PAGED.value
+  prompts = _prompts(tokenizer, cfg, _ROWS.value if rollout_modes else max(batch_sizes))
+  for flag in (_BUCKET, _PAGED_BUCKET):
+    if flag.value & (flag.value - 1):
+      raise cli.InputError(f"--{flag.name}={flag.value}: must be a power of two")
+  if _REFILL.value or _PAGED.value:
     drafter = None  # plain decoding: refill and waves differ before the tail, where speculation does not run
   elif not _DRAFTER.value and all(s.suffix for s in strategies) and not _PHASES.value:
     drafter = None  # suffix drafts need no drafter model
   elif not _DRAFTER.value:
-    raise cli.InputError("--drafter: a drafter directory or 'random' is needed outside --refill")
+    raise cli.InputError("--drafter: a drafter directory or 'random' is needed outside --refill and --paged")
   elif _DRAFTER.value == "random":
     drafter = Drafter(cfg, rngs=nnx.Rngs(_SEED.value))
   else:
@@ -177,6 +195,9 @@ def main(argv):
   if _REFILL.value:
     records = benchmark.run_refill(model, prompts, _NUM_SAMPLES.value, _BUCKET.value, temperature, max_new, seed,
                                    sorted(stop), _REPEATS.value)
+  elif _PAGED.value:
+    records = benchmark.run_paged(model, prompts, _NUM_SAMPLES.value, _BUCKET.value, _PAGED_BUCKET.value,
+                                  _PAGE_SIZE.value, temperature, max_new, seed, sorted(stop), _REPEATS.value)
   elif _PHASES.value:
     records = benchmark.run_phases(model, drafter, prompts, batch_sizes, strategies, temperature, max_new, seed)
   elif _ADAPTIVE.value:
@@ -196,6 +217,9 @@ def main(argv):
     print(json.dumps(r))
   if _REFILL.value:
     print(f"refill / waves tokens/s: {records[1]['speedup']:.3f}, longest first: {records[2]['speedup']:.3f}")
+  if _PAGED.value:
+    print(f"paged / contiguous tokens/s: {records[1]['speedup']:.3f} (rows in flight {records[1]['peak_rows']} vs "
+          f"{records[0]['peak_rows']}, preemptions {records[1]['preemptions']})")
 
 
 if __name__ == "__main__":

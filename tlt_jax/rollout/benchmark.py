@@ -5,7 +5,8 @@ are described in tlt_jax/bench.py's docstring):
   run_grid      SD vs plain decoding per batch size and strategy (compaction off);
   run_phases    one speculative iteration split into its phases (`profile.phase_times`);
   run_adaptive  the bandit vs each of its arms alone vs plain decoding, on a long-tailed rollout;
-  run_refill    continuous batching vs waves (and longest expected rows first).
+  run_refill    continuous batching vs waves (and longest expected rows first);
+  run_paged     a paged KV cache vs the contiguous one in the same bytes.
 
 Each returns a list of JSON-able records; timings exclude compilation (a warm-up rollout first).
 """
@@ -118,6 +119,49 @@ def run_refill(model, prompts, num_samples, bucket, temperature, max_new_tokens,
   for r in records:  # refill and its order change when a row runs, never its tokens
     r.update(speedup=round(r["tokens_per_s"] / records[0]["tokens_per_s"], 3),
              same_samples=tokens[r["mode"]] == tokens["waves"])
+  return records
+
+
+def run_paged(model, prompts, num_samples, bucket, paged_bucket, page_size, temperature, max_new_tokens, seed,
+              stop_ids, repeats):
+  """The contiguous cache of `bucket` rows vs a paged cache of the same bytes (`page_size`-slot
+  pages, up to `paged_bucket` rows in flight) on one rollout of len(prompts) x num_samples rows,
+  plain decoding with refill, interleaved over `repeats` timed rounds after a warm-up one. The
+  paged cache also holds each prompt's full pages once for its samples, where the contiguous cache
+  writes a copy per row."""
+  buckets = lambda n: tuple(2**i for i in range(n.bit_length()))
+  contiguous = EngineConfig(batch_buckets=buckets(bucket), max_prompt_len=max(map(len, prompts)),
+                            max_new_tokens=max_new_tokens, kv_block=page_size)
+  cache_slots = bucket * contiguous.capacity
+  paged = EngineConfig(**{**contiguous.__dict__, "batch_buckets": buckets(paged_bucket), "page_size": page_size})
+  paged = EngineConfig(**{**paged.__dict__, "num_pages": cache_slots // page_size})
+  params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
+                          stop_token_ids=tuple(stop_ids))
+  modes = [("contiguous", Engine(model, contiguous, params)), ("paged", Engine(model, paged, params))]
+  runs = {name: [] for name, _ in modes}
+  with tqdm(total=len(modes) * (repeats + 1), desc="bench --paged", file=sys.stderr) as bar:
+    for round_ in range(repeats + 1):  # round 0 is the warm-up
+      for name, engine in modes:
+        rollout = engine.generate(prompts, num_samples)
+        if round_:
+          runs[name].append(rollout)
+        bar.update()
+  records = []
+  for name, engine in modes:
+    rs = runs[name]
+    r = rs[int(np.argsort([x.metrics.tokens_per_s for x in rs])[len(rs) // 2])]
+    m, c = r.metrics, engine.config
+    records.append({"mode": name, "rows": len(r.samples), "cache_slots": c.pool_pages * c.page_size if c.paged
+                    else c.batch_buckets[-1] * c.capacity, "tokens_per_s": round(m.tokens_per_s, 2),
+                    "wall_s": round(m.wall_s, 3), "prefill_s": round(m.prefill_s, 3),
+                    "prefill_ms_per_row": round(1e3 * m.prefill_s / len(r.samples), 2), "peak_rows": m.peak_rows,
+                    "preemptions": m.preemptions, "refills": m.refills,
+                    "mean_response_len": round(float(np.mean([len(s.tokens) for s in r.samples])), 1)})
+  tokens = {name: sorted((s.prompt_index, s.sample_index, s.tokens.tolist()) for s in rs[0].samples)
+            for name, rs in runs.items()}
+  for r in records:
+    r.update(speedup=round(r["tokens_per_s"] / records[0]["tokens_per_s"], 3),
+             same_samples=tokens[r["mode"]] == tokens["contiguous"])
   return records
 
 
