@@ -14,6 +14,10 @@ In the tail (at most `sd_max_batch` active rows) the arm, SD off or a strategy, 
 before every play, and a play is one segment of that arm: one executable per (bucket, strategy).
 The host syncs after each play, so its wall time and emitted tokens give the bandit a reward.
 
+Paged (`EngineConfig.page_size`): the caches are a pool of pages shared by the rows through
+page tables the host keeps (`tlt_jax.rollout.pages`) and hands to every play; rows enter when the
+pool has their pages and are preempted when it runs short (see `_run`).
+
 Guard: once a row's drafter outputs are not finite (`RowState.drafter_finite`, read with each
 play's sync), the drafter's strategies are off for the rest of the rollout (suffix strategies,
 which need no drafter, stay on), with a warning and `RolloutMetrics.drafter_nonfinite`; outputs
