@@ -283,6 +283,10 @@ class Engine:
       samples += self._run(prompts, batch, budgets, metrics, on_progress or (lambda rows, tokens: None),
                            prompt_offset, history)
     samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
+    if metrics.preemptions:
+      logging.info("%d rows were preempted and run again: the KV cache's %d pages ran short (peak rows in flight "
+                   "%d; rollout.engine.num_pages sets the pool)", metrics.preemptions, cfg.pool_pages,
+                   metrics.peak_rows)
     return Rollout(samples, metrics)
 
   def _bank_rows(self, rows) -> suffix.BankRows | None:
