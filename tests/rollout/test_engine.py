@@ -565,10 +565,10 @@ def long_prompts(n, seed):
                                                (dict(temperature=1.0), "s3_2_5")])
 def test_a_paged_cache_gives_the_contiguous_tokens(models, sampling, strategy):
   """18 rows (6 prompts x 3 samples sharing their prompt's first page) through a bucket of 8 with
-  16-slot pages: a pool as large as the contiguous cache, and one of 14 pages (two rows' worth and
+  16-slot pages: a pool as large as the contiguous cache, and one of 8 pages (one row's worth and
   a bit) that forces rows to wait for pages and preempts some, give every row the contiguous
   cache's tokens, compiling nothing in the rollout; the small pool still has more rows in flight
-  than the two its bytes hold as contiguous rows."""
+  than the one its bytes hold as a contiguous row."""
   model = models["qwen3"]
   params = SamplingParams(max_new_tokens=40, stop_token_ids=(STOP, 2, 3), seed=9, **sampling)
   drafter = Drafter(model.config, rngs=nnx.Rngs(3)) if strategy and not strategy.startswith("s") else None
@@ -578,7 +578,7 @@ def test_a_paged_cache_gives_the_contiguous_tokens(models, sampling, strategy):
   expected = sample_set(Engine(model, config, params, drafter=drafter).generate(ps, num_samples=3,
                                                                                 max_total_len=limits))
   compiles = count_compiles()
-  for num_pages in (0, 14):
+  for num_pages in (0, 8):
     engine = Engine(model, configured(config, page_size=16, num_pages=num_pages), params, drafter=drafter)
     engine.prepare(18, [len(p) for p in ps])
     compiled = len(compiles)

@@ -351,9 +351,10 @@ class Engine:
 
     Paged: a row enters once the pool has its pages (its prompt's shared pages are taken by the
     first of its samples in flight), finished rows give theirs back at once, and before each play
-    every active row takes the pages the play may write. When the pool runs short, the youngest
-    rows are preempted (their pages freed, back to the front of the queue, run again from their
-    prompt: the same tokens, as sampling keys are positional). The tail compacts only once the
+    every active row takes the pages the play may write; a row enters only if the rows in flight
+    keep a play's growth each. When the pool runs short, the rows with the fewest tokens are
+    preempted (their pages freed, back to the front of the queue, run again from their prompt: the
+    same tokens, as sampling keys are positional). The tail compacts only once the
     pool holds every active row to its budget, so a smaller bucket never preempts.
     """
     cfg, pool = self.config, self.pool
@@ -364,13 +365,19 @@ class Engine:
     pages = Pages(cfg.pool_pages, cfg.page_size, cfg.pages_per_row) if cfg.paged else None
     waiting = collections.deque(range(len(rows)))
     slot_row = np.full((b,), -1)  # the host's view of which row each slot holds
-    entered = np.zeros((b,), np.int64)  # when it entered (preemption takes the latest)
+    entered = np.zeros((b,), np.int64)  # when it entered (of rows as far along, preemption takes the latest)
     clock = itertools.count()
     table = lambda: None if pages is None else pages.table(slot_row)
     b0, window = b, max([s.window for s in cfg.strategies] + [1])
 
     def slots_for(r: int, slots: int) -> int:  # what row r may write is bounded by its budget
       return min(slots, prompt_lens[r] + budgets[rows[r][0]] + window)
+
+    def entry(r: int) -> tuple:  # what admitting row r needs: (prompt, prompt len, slots, pages to leave free)
+      # Headroom: the rows already in flight keep a play's growth each, so admission does not
+      # preempt them at the next play (preemption throws a row's decoded tokens away).
+      play = cfg.play_slots(None)
+      return rows[r][0], prompt_lens[r], slots_for(r, prompt_lens[r] + play), pages.rows * -(-play // cfg.page_size)
 
     def admit(free_slots) -> tuple[np.ndarray, np.ndarray]:
       """Waiting rows into `free_slots` while the pool has their pages: (slot -> new row, -1: none;
@@ -381,7 +388,7 @@ class Engine:
           break
         r = waiting[0]
         if pages is not None:
-          start = pages.admit(r, rows[r][0], prompt_lens[r], slots_for(r, prompt_lens[r] + cfg.play_slots(None)))
+          start = pages.admit(r, *entry(r))
           if start is None:
             break
           write_from[slot] = start
@@ -423,7 +430,7 @@ class Engine:
       blocked = False  # rows wait for pages, not slots
       if waiting and b - active >= min(cfg.refill_chunk, len(waiting)):
         r = waiting[0]
-        if pages is None or pages.fits(rows[r][0], prompt_lens[r], slots_for(r, prompt_lens[r] + cfg.play_slots(None))):
+        if pages is None or pages.fits(*entry(r)):
           t0 = time.perf_counter()
           out += harvest(st)
           new, write_from = admit(np.flatnonzero(host.done))
@@ -467,7 +474,7 @@ class Engine:
                       for i in slots) - pages.free
           if short <= 0:
             break
-          victim = slots[np.argmax(entered[slots])]
+          victim = slots[np.lexsort((-entered[slots], host.generated[slots]))[0]]  # the least work lost
           if len(slots) == 1 or b != b0:  # neither happens: a row fits the pool, the tail compacts once all fit
             raise RuntimeError(f"the page pool ({pages.num_pages} pages) cannot hold the rows of bucket {b}")
           pages.release(slot_row[victim])

@@ -31,6 +31,11 @@ class Pages:
   def held(self) -> int:
     return self.num_pages - self.free
 
+  @property
+  def rows(self) -> int:
+    """Rows holding pages."""
+    return len(self._rows)
+
   def shared_slots(self, prompt_len: int) -> int:
     """Prompt slots in shared pages: the full pages before the one holding the last prompt token."""
     return (prompt_len - 1) // self.page_size * self.page_size
@@ -40,18 +45,19 @@ class Pages:
     total = -(-min(slots, self.pages_per_row * self.page_size) // self.page_size)
     return max(0, total - self.shared_slots(prompt_len) // self.page_size)
 
-  def fits(self, prompt: int, prompt_len: int, slots: int) -> bool:
-    """A row of `prompt` holding `slots` slots fits in the free pages."""
+  def fits(self, prompt: int, prompt_len: int, slots: int, reserve: int = 0) -> bool:
+    """A row of `prompt` holding `slots` slots fits in the free pages, leaving `reserve` free."""
     new_shared = 0 if prompt in self._shared else self.shared_slots(prompt_len) // self.page_size
-    return new_shared + self._own_pages(prompt_len, slots) <= self.free
+    return new_shared + self._own_pages(prompt_len, slots) + reserve <= self.free
 
-  def admit(self, row: int, prompt: int, prompt_len: int, slots: int) -> int | None:
+  def admit(self, row: int, prompt: int, prompt_len: int, slots: int, reserve: int = 0) -> int | None:
     """Gives `row` (a sample of `prompt`) the prompt's shared pages and its own up to `slots` slots.
 
     Returns the prompt slot its prefill writes from: 0 when the shared pages are new (it writes
-    them), else where its own pages start; None (nothing taken) when the pool lacks the pages.
+    them), else where its own pages start; None (nothing taken) when the pool lacks the pages or
+    taking them would leave fewer than `reserve` free.
     """
-    if not self.fits(prompt, prompt_len, slots):
+    if not self.fits(prompt, prompt_len, slots, reserve):
       return None
     fresh = prompt not in self._shared
     shared, holders = self._shared.get(prompt) or (self._take(self.shared_slots(prompt_len) // self.page_size), 0)
