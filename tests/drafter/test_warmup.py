@@ -34,11 +34,13 @@ def test_full_and_reduced_heads_distil_from_one_sampling(own):
   model, samples = own
   full, full_summary = warmup.distil(model, samples, steps=2, batch_rows=2, row_len=32, lr=1e-3)
   reduced, summary = warmup.distil(model, samples, steps=2, batch_rows=2, row_len=32, lr=1e-3, draft_vocab_size=8)
-  assert full.vocab_size == full_summary["draft_vocab_size"] == 48 and "draft_vocab_coverage_heldout" not in full_summary
+  assert full.vocab_size == full_summary["draft_vocab_size"] == 48
+  assert "draft_vocab_coverage_heldout" not in full_summary
   train_samples, held = samples.split()
   assert reduced.draft_vocab == train.frequent_tokens(samples.sequences(train_samples), 48, 8)
   assert summary["draft_vocab_size"] == 8
-  assert summary["draft_vocab_coverage_heldout"] == round(train.coverage(samples.sequences(held), reduced.draft_vocab), 4)
+  coverage = train.coverage(samples.sequences(held), reduced.draft_vocab)
+  assert summary["draft_vocab_coverage_heldout"] == round(coverage, 4)
   for s in (full_summary, summary):
     assert s["train_sequences"] == s["eval_sequences"] == 4 and s["steps"] == 2
     assert np.isfinite([s["loss_first"], s["loss_last"], s["loss_heldout"]]).all() and 0 <= s["top1_heldout"] <= 1
