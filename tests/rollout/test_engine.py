@@ -9,7 +9,7 @@ from flax import nnx
 from tests.conftest import FAMILIES, VOCAB
 from tests.rollout.conftest import CONFIG, STOP, configured, prompts, with_sd
 from tlt_jax.drafter.model import Drafter
-from tlt_jax.models import CausalLM, ModelConfig
+from tlt_jax.models import CausalLM, ModelConfig, hf
 from tlt_jax.rollout import profile, suffix
 from tlt_jax.rollout.bandit import Bandit
 from tlt_jax.rollout.engine import Engine
@@ -156,6 +156,17 @@ def test_speculative_sampling_equals_plain_sampling_with_the_same_seed(models):
   rollout = Engine(model, with_sd(CONFIG, "3_2_6"), params, drafter=drafter).generate(ps, num_samples=2)
   assert sample_set(rollout) == plain
   assert {s.strategy for s in rollout.metrics.segments} == {"3_2_6"}
+
+
+def test_a_bfloat16_target_speculates_with_a_float32_drafter(hf_dirs):
+  """The drafter's float32 output is kept at the target's dtype between iterations (a while_loop carry)."""
+  model = hf.from_pretrained(hf_dirs["qwen2_tied"][0], dtype="bfloat16")
+  params = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=(STOP,))
+  ps = prompts(2, seed=9)
+  drafter = Drafter(model.config, rngs=nnx.Rngs(3))  # float32
+  rollout = Engine(model, with_sd(CONFIG, "2_2_4"), params, drafter=drafter).generate(ps)
+  assert rollout.metrics.verify_passes > 0
+  assert sample_set(rollout) == sample_set(Engine(model, CONFIG, params).generate(ps))
 
 
 def test_speculation_only_in_the_tail(models):
