@@ -42,7 +42,8 @@ _SD_MAX_BATCH = flags.DEFINE_integer("sd_max_batch", 16, "Speculate at most this
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (0 = greedy).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the problems and of sampling.")
 
-COLUMNS = ("mode", "tokens_per_s", "speedup", "accept_len", "sd_share", "vs_best_fixed", "vs_worst_fixed")
+COLUMNS = ("mode", "tokens_per_s", "speedup", "accept_len", "sd_share", "compilations", "vs_best_fixed",
+           "vs_worst_fixed")
 
 
 def plot(records, path):

@@ -75,6 +75,7 @@ def test_adaptive_mode_compares_bandit_fixed_and_plain(tmp_path):
   records = json.loads(out.read_text())
   assert [r["mode"] for r in records] == ["plain", "sd_off", "2_1_3", "s2_1_3", "bandit"]
   assert records[0]["speedup"] == 1.0 and all(r["tokens_per_s"] > 0 for r in records)
+  assert all(r["compilations"] == 0 for r in records)  # the warm-up round compiled every engine
   bandit = records[-1]
   plays = sum(arm["plays"] for bucket in bandit["bandit"].values() for arm in bucket.values())
   assert plays == bandit["warmup_plays"] + bandit["timed_plays"] and bandit["timed_plays"] > 0

@@ -5,17 +5,20 @@ import json
 import math
 import re
 
+import jax
 import ml_collections
 
 import pytest
+from flax import nnx
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from configs import tiny
+from configs import accelerator, qwen2_5_0_5b, r1_7b, tiny
 from tests.conftest import run_clis
 from tlt_jax import config as config_lib
 from tlt_jax.drafter.buffer import BufferConfig
 from tlt_jax.drafter.trainer import DrafterTrainerConfig
+from tlt_jax.models import CausalLM
 from tlt_jax.rl import actor as actor_lib
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.tlt import TLTConfig
@@ -107,9 +110,22 @@ def assign(config, key: str, value) -> None:
   config[name] = value
 
 
-@pytest.mark.parametrize("name", ["base", "tiny", "r1_7b", "qwen2_5_0_5b", "qwen2_5_7b", "qwen2_5_32b"])
+@pytest.mark.parametrize("name", ["base", "tiny", "r1_7b", "qwen2_5_0_5b", "qwen2_5_7b", "qwen2_5_32b", "accelerator"])
 def test_shipped_configs_pass(name):
   config_lib.check(config_lib.base() if name == "base" else __import__(f"configs.{name}", fromlist=["_"]).get_config())
+
+
+def test_accelerator_target_is_qwen2_5_0_5b_shaped_with_r1_7b_arms():
+  """experiments/accelerator.py's target: Qwen2.5-0.5B's shape and parameter count, configs/r1_7b.py's
+  strategies; its smoke variant passes too."""
+  c = accelerator.get_config()
+  assert c.model.to_dict() == qwen2_5_0_5b.get_config().model.to_dict()
+  assert c.rollout.strategies == r1_7b.get_config().rollout.strategies
+  cfg = config_lib.model_config(c)
+  assert cfg.architecture == "Qwen2ForCausalLM" and cfg.qkv_bias
+  shapes = nnx.state(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  assert 0.49e9 < sum(x.size for x in jax.tree.leaves(shapes)) < 0.5e9
+  config_lib.check(accelerator.get_config("smoke"))
 
 
 @settings(max_examples=200)

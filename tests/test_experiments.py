@@ -1,15 +1,20 @@
 """The experiment scripts start: each one's imports and absl flags load (a flag defined twice, in the
 script and in a module it imports, fails at import), and its --helpshort lists its own flags. Running
-them takes minutes each; docs/BENCHMARKS.md records what they measured."""
+them takes minutes each (docs/BENCHMARKS.md records what they measured); experiments/accelerator.py
+runs end to end at its smoke size."""
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
+from tests.conftest import xla_flags_without_device_count
+
 EXPERIMENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
-SCRIPTS = sorted(f[:-3] for f in os.listdir(EXPERIMENTS) if f.endswith(".py") and f != "starting_point.py")
+HELPERS = ("starting_point.py", "side_by_side.py")  # imported by the scripts; no flags of their own
+SCRIPTS = sorted(f[:-3] for f in os.listdir(EXPERIMENTS) if f.endswith(".py") and f not in HELPERS)
 
 
 @pytest.fixture(scope="module")
@@ -27,3 +32,34 @@ def test_experiment_flags_load(script, help_runs):
   code, stdout, stderr = help_runs[script]
   assert "Traceback" not in stderr, stderr[-3000:]
   assert code == 1 and f"{script}.py" in stdout, stdout[-2000:]  # absl's help: its flags, exit status 1
+
+
+def test_accelerator_smoke_measures_every_figure(tmp_path):
+  """`accelerator.py --smoke` on the CPU (one device): every figure gets a value and a verdict, nothing
+  compiles inside a rollout after warm-up, TLT and plain RL steps get the same rewards, and a run in
+  the same --out with other settings is refused before any work."""
+  out = tmp_path / "out"
+  env = {**os.environ, "XLA_FLAGS": xla_flags_without_device_count()}
+  run = lambda *args: subprocess.run([sys.executable, "accelerator.py", f"--out={out}", "--smoke", *args],
+                                     cwd=EXPERIMENTS, env=env, capture_output=True, text=True, timeout=600)
+  done = run()
+  assert done.returncode == 0, done.stderr[-3000:]
+  summary = json.loads((out / "summary.json").read_text())
+  goals = summary["goals"]
+  assert set(goals) == {"sd_batch1", "sd_up_to_16", "bandit", "rl_step", "compilations"}
+  assert all(g["value"] is not None and isinstance(g["met"], bool) for g in goals.values()), goals
+  assert goals["compilations"]["value"] == 0 and summary["rl"]["rewards_identical"]
+  target = summary["target"]
+  assert target["architecture"] == "Qwen2ForCausalLM" and target["vocab_size"] == 128 > target["tokenizer_size"]
+  assert target["drafter"]["draft_vocab_size"] == 64 and target["drafter"]["eval_sequences"] == 1
+  grid = json.loads((out / "grid.json").read_text())
+  assert [(r["head"], r["batch_size"]) for r in grid] == [("reduced", 1), ("reduced", 2), ("full", 1)]
+  steps = json.loads((out / "rl.json").read_text())["rows"]
+  assert [r["rollout/compilations"] > 0 for r in steps] == [True, True, False, False]  # step 1 compiles
+  for name in ("grid.csv", "bandit.csv", "rl_steps.csv", "sd_grid.png", "bandit.png", "rl_step.png"):
+    assert (out / name).stat().st_size > 0, name
+  assert "device: 1 x cpu" in done.stdout and all(f"{name}:" in done.stdout for name in goals)
+  refused = run("--bandit_rows=3")
+  assert refused.returncode == 1 and refused.stderr.strip().splitlines()[-1] == (
+      f"error: --out={out} holds a run with other settings (differing: bandit_rows; see its settings.json); "
+      "choose another --out"), refused.stderr[-3000:]

@@ -10,6 +10,7 @@ same pipeline: SFT warm start, drafter warm-up, an RL step with TLT rollouts, th
 pip fetches what it needs (its cache makes repeats fast); a few minutes in all.
 """
 
+import ast
 import json
 import os
 import re
@@ -57,6 +58,19 @@ def test_readme_first_command_on_a_fresh_environment(tmp_path):
   for output in ("policy/config.json", "drafter/drafter_config.json", "export/policy/model.safetensors",
                  "export/drafter/model.safetensors", "metrics.jsonl"):
     assert (work / "runs" / "tiny" / output).is_file(), output
+
+
+def test_requirements_admit_the_accelerator_stack():
+  """The GPU run's stack (Python 3.12, JAX 0.11.2; experiments/accelerator.py) and this machine's (3.11,
+  0.10.2) both satisfy setup.py."""
+  from packaging.requirements import Requirement
+  from packaging.specifiers import SpecifierSet
+  call = next(node for node in ast.walk(ast.parse(open(os.path.join(REPO, "setup.py"), encoding="utf-8").read()))
+              if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
+  kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in ("python_requires", "install_requires")}
+  jax = next(Requirement(r) for r in kwargs["install_requires"] if Requirement(r).name == "jax")
+  for python, jax_version in (("3.12.0", "0.11.2"), ("3.11.7", "0.10.2")):
+    assert SpecifierSet(kwargs["python_requires"]).contains(python) and jax.specifier.contains(jax_version)
 
 
 def test_an_installed_copy_finds_its_default_config(tmp_path):

@@ -20,6 +20,7 @@ literals, strings quoted: `--config.rollout.strategies="('3_1_4','4_2_6')"`,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -31,6 +32,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from tlt_jax import fields
 from tlt_jax.drafter.buffer import BufferConfig
 from tlt_jax.drafter.trainer import DrafterTrainerConfig
+from tlt_jax.models import ModelConfig
 from tlt_jax.rl import grpo
 from tlt_jax.rl import rewards
 from tlt_jax.rl import tasks
@@ -292,6 +294,28 @@ def engine_config(config, strategies: tuple[Strategy, ...] = (), largest_bucket:
   return EngineConfig(**engine, max_prompt_len=config.data.max_prompt_len,
                       max_new_tokens=config.rollout.sampling.max_new_tokens, strategies=tuple(strategies),
                       **engine_fields)
+
+
+def model_config(config, tokenizer=None) -> ModelConfig:
+  """`model.*` as a ModelConfig: the architecture's switches as its config.json gives them (Qwen2's q/k/v
+  bias, Qwen3's q/k norm), the layers as `policy.scan_layers` says. With the `tokenizer` a new policy is
+  built for: its special tokens, and its size as the vocabulary when `model.vocab_size` is 0 (a larger
+  one pads it, e.g. to a real model's LM-head shape)."""
+  m = config.model
+  vocab = m.vocab_size or (len(tokenizer) if tokenizer is not None else 0)
+  if not vocab:
+    raise ValueError("config.model.vocab_size: needed without a tokenizer (0 means the tokenizer's size)")
+  if tokenizer is not None and vocab < len(tokenizer):
+    raise ValueError(f"config.model.vocab_size={vocab}: smaller than the tokenizer's {len(tokenizer)} tokens")
+  hf = {"architectures": [m.architecture], "vocab_size": vocab, "hidden_size": m.hidden_size,
+        "intermediate_size": m.intermediate_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
+        "max_position_embeddings": m.max_position_embeddings, "rope_theta": m.rope_theta,
+        "tie_word_embeddings": m.tie_word_embeddings}
+  if tokenizer is not None:
+    hf.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+              pad_token_id=tokenizer.pad_token_id)
+  return dataclasses.replace(ModelConfig.from_hf(hf, source="config.model"), scan_layers=config.policy.scan_layers)
 
 
 def bandit(config, strategies: tuple[Strategy, ...]) -> Bandit:

@@ -47,15 +47,9 @@ def model_config(config) -> tuple[ModelConfig, str]:
   if path and os.path.exists(path):
     with open(path, encoding="utf-8") as f:
       return ModelConfig.from_hf(json.load(f), source=path), path
-  m = config.model
-  if not m.vocab_size:
+  if not config.model.vocab_size:
     raise ValueError("config.model.vocab_size: a dry run without a policy directory needs the vocabulary size")
-  hf = {"architectures": [m.architecture], "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
-        "intermediate_size": m.intermediate_size, "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
-        "max_position_embeddings": m.max_position_embeddings, "rope_theta": m.rope_theta,
-        "tie_word_embeddings": m.tie_word_embeddings}
-  return ModelConfig.from_hf(hf, source="config.model"), "config.model"
+  return config_lib.model_config(config), "config.model"
 
 
 def _abstract(build, mesh):

@@ -6,7 +6,7 @@
        --row_len=256 --learning_rate=3e-3 --draft_vocab_size=0 --eagle3_layers= --eval_fraction=0.1 --seed=0]
 
 Samples responses from the target with the rollout engine, distils a fresh drafter on them
-(`tlt_jax.drafter.train`), saves it to --output (`tlt_jax.drafter.checkpoint`), reloads it to
+(`tlt_jax.drafter.warmup`), saves it to --output (`tlt_jax.drafter.checkpoint`), reloads it to
 check, and prints a JSON summary. --output must not be an input (--model, --prompts) or hold
 one; an existing non-empty --output is replaced only when it is a drafter checkpoint and
 --overwrite is given. Flags, prompts, --row_len and --output are checked before any sampling;
@@ -37,15 +37,11 @@ from tqdm import tqdm
 
 from tlt_jax import cli
 from tlt_jax.cli import InputError
-from tlt_jax.drafter import checkpoint, train
-from tlt_jax.drafter.buffer import BufferConfig, DataBuffer
-from tlt_jax.drafter.model import Drafter, check_feature_layers
+from tlt_jax.drafter import checkpoint, warmup
+from tlt_jax.drafter.model import check_feature_layers
 from tlt_jax.models import hf
 from tlt_jax.prompts import read_prompts
 from tlt_jax.rl import datasets, tasks
-from tlt_jax.rollout.engine import Engine
-from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.state import EngineConfig
 
 _MODEL = flags.DEFINE_string("model", None, "Target: a Hugging Face model directory.", required=True)
 _SCAN_LAYERS = cli.define_scan_layers()
@@ -73,7 +69,6 @@ _EAGLE3 = flags.DEFINE_list("eagle3_layers", [], "Three target layer indices (lo
 _EVAL_FRACTION = flags.DEFINE_float("eval_fraction", 0.1, "Fraction of the prompts held out for evaluation.",
                                     lower_bound=0.0, upper_bound=0.5)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for prompts, sampling, drafter init and batch order.")
-_ROLLOUT_ROWS = 64  # rows decoded together at most
 
 
 def build_prompts(model_dir: str, tokenizer, cfg) -> list[list[int]]:
@@ -105,35 +100,6 @@ def feature_layers(num_layers: int) -> tuple[int, ...]:
   return layers
 
 
-def sample(model, tokenizer, prompts: list[list[int]], capture_hidden: bool):
-  """The target's own responses: `num_samples` per prompt (with their features if `capture_hidden`)."""
-  cfg = model.config
-  longest = max(map(len, prompts))
-  max_new, _ = cli.token_budgets(prompts, _MAX_NEW.value, cfg.max_position_embeddings)
-  stop = set(cfg.stop_token_ids)
-  if tokenizer is not None and tokenizer.eos_token_id is not None:
-    stop.add(tokenizer.eos_token_id)
-  rows = min(len(prompts) * _NUM_SAMPLES.value, _ROLLOUT_ROWS)
-  buckets = [1]
-  while buckets[-1] < rows:
-    buckets.append(buckets[-1] * 2)
-  engine = Engine(model, EngineConfig(batch_buckets=tuple(buckets), max_prompt_len=longest, max_new_tokens=max_new,
-                                      capture_hidden=capture_hidden),
-                  SamplingParams(temperature=_TEMPERATURE.value, max_new_tokens=max_new,
-                                 stop_token_ids=tuple(sorted(stop)), seed=_SEED.value))
-  with tqdm(total=len(prompts) * _NUM_SAMPLES.value, desc="rollout", unit="sample", file=sys.stderr) as bar:
-    return engine.generate(prompts, num_samples=_NUM_SAMPLES.value, max_total_len=cfg.max_position_embeddings,
-                           on_progress=lambda done, _: bar.update(done))
-
-
-def captured_pairs(samples, prompts: list[list[int]]) -> train.Pairs:
-  """Training pairs of `samples` from the features their rollout captured."""
-  buffer = DataBuffer(BufferConfig(max_pairs=sum(len(prompts[s.prompt_index]) + len(s.tokens) for s in samples),
-                                   eval_every=0))
-  buffer.add(0, samples, prompts)
-  return buffer.packed(_ROW_LEN.value)
-
-
 def run() -> dict:
   start = time.perf_counter()
   cli.check_output("output", _OUTPUT.value, {"model": _MODEL.value, "prompts": _PROMPTS.value},
@@ -152,31 +118,24 @@ def run() -> dict:
                      "encoded) and a response token; raise it above the longest prompt")
   with cli.named("model", _MODEL.value):
     model = hf.from_pretrained(_MODEL.value, scan_layers=_SCAN_LAYERS.value)
-  rollout = sample(model, tokenizer, prompts, capture_hidden=not layers)
+  stop = set(cfg.stop_token_ids) | ({tokenizer.eos_token_id} if tokenizer is not None and
+                                    tokenizer.eos_token_id is not None else set())
+  max_new, _ = cli.token_budgets(prompts, _MAX_NEW.value, cfg.max_position_embeddings)
+  with tqdm(total=len(prompts) * _NUM_SAMPLES.value, desc="rollout", unit="sample", file=sys.stderr) as bar:
+    own = warmup.sample(model, prompts, stop_ids=sorted(stop), num_samples=_NUM_SAMPLES.value,
+                        temperature=_TEMPERATURE.value, max_new_tokens=max_new, seed=_SEED.value,
+                        eval_fraction=_EVAL_FRACTION.value, capture_hidden=not layers,
+                        on_progress=lambda done, _: bar.update(done))
   rollout_s = time.perf_counter() - start
 
-  held_out = int(len(prompts) * _EVAL_FRACTION.value)
-  first_eval = len(prompts) - held_out
-  train_samples = [s for s in rollout.samples if s.prompt_index < first_eval]
-  eval_samples = [s for s in rollout.samples if s.prompt_index >= first_eval]
-  sequence = lambda s: (prompts[s.prompt_index], s.tokens.tolist())
-  train_seqs, eval_seqs = [sequence(s) for s in train_samples], [sequence(s) for s in eval_samples]
-  vocab = train.frequent_tokens(train_seqs, cfg.vocab_size, _DRAFT_VOCAB.value) if _DRAFT_VOCAB.value else ()
-  if layers:  # EAGLE-3 features: recomputed
-    data, eval_data = train_seqs, eval_seqs
-  else:
-    data = captured_pairs(train_samples, prompts)
-    eval_data = captured_pairs(eval_samples, prompts) if eval_samples else ()
-
-  drafter = Drafter(model.config, feature_layers=layers, draft_vocab=vocab, rngs=nnx.Rngs(_SEED.value))
   with tqdm(total=_STEPS.value, desc="distill", unit="step", file=sys.stderr) as bar:
     def on_step(_, metrics):
       bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}", refresh=False)
       bar.update(1)
 
-    result = train.distill(model, drafter, data, steps=_STEPS.value, batch_rows=_BATCH_ROWS.value,
-                           row_len=_ROW_LEN.value, lr=_LR.value, seed=_SEED.value, eval_data=eval_data,
-                           on_step=on_step)
+    drafter, distilled = warmup.distil(model, own, steps=_STEPS.value, batch_rows=_BATCH_ROWS.value,
+                                       row_len=_ROW_LEN.value, lr=_LR.value, feature_layers=layers,
+                                       draft_vocab_size=_DRAFT_VOCAB.value, seed=_SEED.value, on_step=on_step)
 
   checkpoint.save_drafter(drafter, _OUTPUT.value)
   reloaded = checkpoint.load_drafter(_OUTPUT.value, model.config)
@@ -185,15 +144,7 @@ def run() -> dict:
   if not all(jax.tree.leaves(same)):
     raise RuntimeError(f"{_OUTPUT.value}: the reloaded drafter differs from the trained one")
 
-  summary = {"samples": len(rollout.samples), "tokens": rollout.metrics.tokens, "train_sequences": len(train_seqs),
-             "eval_sequences": len(eval_seqs), "feature_layers": list(layers), "draft_vocab_size": drafter.vocab_size,
-             "steps": _STEPS.value,
-             "loss_first": result.losses[0], "loss_last": result.losses[-1], "top1_last": result.metrics[-1]["top1"]}
-  if result.eval is not None:
-    summary["top1_heldout"] = result.eval["top1"]
-    summary["loss_heldout"] = result.eval["loss"]
-  if vocab:
-    summary["draft_vocab_coverage_heldout"] = round(train.coverage(eval_seqs or train_seqs, vocab), 4)
+  summary = {"samples": len(own.samples), "tokens": own.tokens, **distilled}
   summary.update({"drafter": os.path.abspath(_OUTPUT.value), "rollout_s": round(rollout_s, 1),
                   "seconds": round(time.perf_counter() - start, 1)})
   return summary

@@ -89,6 +89,16 @@ def test_tokenizer_travels_with_the_model(hf_dirs, tmp_path):
   assert hf.load_tokenizer(out)("abc")["input_ids"] == [0, 1, 2]
 
 
+def test_a_generic_tokenizer_in_a_qwen2_directory_loads_as_itself(hf_dirs, tmp_path):
+  """AutoTokenizer would load it as Qwen2Tokenizer (byte-level: spaces and newlines lost)."""
+  from tlt_jax.rl import tokenizer as tokenizer_lib
+  out = str(tmp_path / "qwen2")
+  hf.save_pretrained(hf.from_pretrained(hf_dirs["qwen2_tied"][0]), out, tokenizer=tokenizer_lib.build_tokenizer())
+  tok, text = hf.load_tokenizer(out), "3 + 4 = 7\nAnswer: 7"
+  assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+  assert "Qwen2Tokenizer" in type(transformers.AutoTokenizer.from_pretrained(out)).__name__  # what it avoids
+
+
 def copy_model(hf_dirs, tmp_path, family="qwen2_tied"):
   dst = tmp_path / "copy"
   shutil.copytree(hf_dirs[family][0], dst)

@@ -44,6 +44,19 @@ def test_packing_keeps_samples_apart(tok):
   np.testing.assert_allclose(float(packed_loss), np.average(losses, weights=weights), rtol=1e-5)
 
 
+def test_policy_takes_the_configured_architecture_and_vocabulary(tok):
+  """A Qwen2 policy (q/k/v bias) with its LM head padded past the tokenizer; a vocabulary smaller than
+  the tokenizer's is refused, naming the key."""
+  config = tiny_config()
+  assert sft.build_policy(config, tok).config.qk_norm  # the tiny world's: Qwen3
+  config.model.update(architecture="Qwen2ForCausalLM", vocab_size=256)
+  cfg = sft.build_policy(config, tok).config
+  assert cfg.qkv_bias and not cfg.qk_norm and cfg.vocab_size == 256 and cfg.eos_token_id == tok.eos_token_id
+  config.model.vocab_size = 50
+  with pytest.raises(ValueError, match=r"config.model.vocab_size=50: smaller than the tokenizer's 103 tokens"):
+    sft.build_policy(config, tok)
+
+
 def test_unanswered_solutions_lose_their_answer_line_and_with_it_the_reward(tok):
   # configs/tiny.py's sloppy teacher: what SFT copies and RL has to unlearn.
   examples = datasets.from_tasks("basic_arithmetic", tok, size=400, seed=0).examples

@@ -9,15 +9,13 @@ from flax import nnx
 from tests.conftest import FAMILIES, VOCAB
 from tests.rollout.conftest import CONFIG, STOP, configured, prompts, with_sd
 from tlt_jax.drafter.model import Drafter
-from tlt_jax.models import CausalLM, ModelConfig
-from tlt_jax.rollout import suffix
+from tlt_jax.models import CausalLM, ModelConfig, hf
+from tlt_jax.rollout import profile, suffix
 from tlt_jax.rollout.bandit import Bandit
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
 from tlt_jax.rollout.state import EngineConfig
-
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring's event per XLA compilation
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -71,17 +69,15 @@ def test_samples_do_not_depend_on_batch_size_or_compaction(models, sampling):
 
 
 def test_compaction_and_no_compilation_after_warmup(models):
-  compiles = []
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda event, secs, **kw: compiles.append(event) if event == COMPILE_EVENT else None)
   params = SamplingParams(temperature=1.0, max_new_tokens=60, stop_token_ids=(STOP, 2, 3, 4, 5), seed=0)
   engine = Engine(models["qwen2_tied"], CONFIG, params)
   ps = prompts(8, seed=4)
-  engine.prepare(len(ps), [len(p) for p in ps])
-  compiled = len(compiles)
-  assert compiled > 0
-  rollout = engine.generate(ps)
-  assert len(compiles) == compiled, "the rollout compiled something"
+  with profile.count_compilations() as compiled:
+    engine.prepare(len(ps), [len(p) for p in ps])
+  assert compiled
+  with profile.count_compilations() as compiles:
+    rollout = engine.generate(ps)
+  assert not compiles, f"the rollout compiled {compiles}"
   buckets = rollout.metrics.buckets()
   assert buckets[0] == 8 and buckets[-1] < 8 and buckets == sorted(buckets, reverse=True)
   assert sum(len(s.tokens) for s in rollout.samples) == rollout.metrics.tokens
@@ -160,6 +156,17 @@ def test_speculative_sampling_equals_plain_sampling_with_the_same_seed(models):
   rollout = Engine(model, with_sd(CONFIG, "3_2_6"), params, drafter=drafter).generate(ps, num_samples=2)
   assert sample_set(rollout) == plain
   assert {s.strategy for s in rollout.metrics.segments} == {"3_2_6"}
+
+
+def test_a_bfloat16_target_speculates_with_a_float32_drafter(hf_dirs):
+  """The drafter's float32 output is kept at the target's dtype between iterations (a while_loop carry)."""
+  model = hf.from_pretrained(hf_dirs["qwen2_tied"][0], dtype="bfloat16")
+  params = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=(STOP,))
+  ps = prompts(2, seed=9)
+  drafter = Drafter(model.config, rngs=nnx.Rngs(3))  # float32
+  rollout = Engine(model, with_sd(CONFIG, "2_2_4"), params, drafter=drafter).generate(ps)
+  assert rollout.metrics.verify_passes > 0
+  assert sample_set(rollout) == sample_set(Engine(model, CONFIG, params).generate(ps))
 
 
 def test_speculation_only_in_the_tail(models):
@@ -378,11 +385,9 @@ def test_bandit_picks_strategies_losslessly_without_compiling(models):
   assert {k for k in engine.pool.keys() if k[0] == "plain"} == {("plain", b) for b in (1, 2, 4)}
   stats = engine.pool.stats()
   assert stats["executables"] == len(kinds) and stats["compile_s"] > 0 and stats["memory_bytes"] > 0
-  compiles = []
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda event, secs, **kw: compiles.append(event) if event == COMPILE_EVENT else None)
-  rollouts = [engine.generate(ps) for _ in range(2)]  # the bandit persists across rollouts
-  assert not compiles, "the rollout compiled something"
+  with profile.count_compilations() as compiles:
+    rollouts = [engine.generate(ps) for _ in range(2)]  # the bandit persists across rollouts
+  assert not compiles, f"the rollout compiled {compiles}"
   expected = sample_set(Engine(model, CONFIG, params).generate(ps))
   assert all(sample_set(r) == expected for r in rollouts)
   plays = {arm: sum(b[arm]["plays"] for b in bandit.stats().values()) for arm in ("off", "3_1_3", "2_2_3", "s3_2_4")}
@@ -468,13 +473,6 @@ def test_nan_drafter_leaves_suffix_arms_on(models):
   assert sample_set(bad) == sample_set(Engine(model, CONFIG, params).generate(ps, num_samples=2))
 
 
-def count_compiles():
-  compiles = []
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda event, secs, **kw: compiles.append(event) if event == COMPILE_EVENT else None)
-  return compiles
-
-
 @pytest.mark.parametrize("sampling,strategy", [(dict(temperature=0), None), (dict(temperature=1.0, top_p=0.9), None),
                                                (dict(temperature=0), "3_2_6"), (dict(temperature=1.0), "2_1_3")])
 def test_refill_equals_rows_run_one_by_one_and_in_waves(models, sampling, strategy):
@@ -488,9 +486,9 @@ def test_refill_equals_rows_run_one_by_one_and_in_waves(models, sampling, strate
   limits = [len(p) + 6 + 7 * i for i, p in enumerate(ps)]  # budgets end at different places
   engine = Engine(model, config, params, drafter=drafter)
   engine.prepare(18, [len(p) for p in ps])
-  compiles = count_compiles()
-  refilled = engine.generate(ps, num_samples=3, max_total_len=limits)
-  assert not compiles, "the refilled rollout compiled something"
+  with profile.count_compilations() as compiles:
+    refilled = engine.generate(ps, num_samples=3, max_total_len=limits)
+  assert not compiles, f"the refilled rollout compiled {compiles}"
   m = refilled.metrics
   assert m.refills > 0 and max(m.buckets()) == 8 and ("reset", 8) in engine.pool.keys()
   # A refill of a chunk of 2 slots prefills 2 prompts per call, not a full call's 8.
@@ -507,9 +505,9 @@ def test_refill_equals_rows_run_one_by_one_and_in_waves(models, sampling, strate
   if not strategy:  # waves are the path the speculative tests above cover
     engine = Engine(model, configured(config, refill=False), params)
     engine.prepare(18, [len(p) for p in ps])  # the last wave's bucket (2 rows) included
-    compiled = len(compiles)
-    waves = engine.generate(ps, num_samples=3, max_total_len=limits)
-    assert len(compiles) == compiled, "the rollout in waves compiled something"
+    with profile.count_compilations() as compiles:
+      waves = engine.generate(ps, num_samples=3, max_total_len=limits)
+    assert not compiles, f"the rollout in waves compiled {compiles}"
     assert waves.metrics.refills == 0 and waves.metrics.buckets().count(8) < len(waves.metrics.buckets())
     assert sample_set(waves) == sample_set(alone)
     # One tail instead of one per wave: fewer decode steps (batch forward passes) for the same tokens.
@@ -531,10 +529,10 @@ def test_refilled_shards_sample_what_one_engine_samples(refill_engine):
   """Data-parallel rollout groups each run a shard of the prompts at its `prompt_offset` (as
   tlt_jax.rollout.tlt does); refilled shards sample what one refilled rollout does, compiling nothing."""
   ps = prompts(6, seed=41)
-  compiles = count_compiles()
-  whole = refill_engine.generate(ps, num_samples=3)
-  shards = [refill_engine.generate(ps[a:a + 3], num_samples=3, prompt_offset=a) for a in (0, 3)]
-  assert not compiles, "a refilled rollout compiled something"
+  with profile.count_compilations() as compiles:
+    whole = refill_engine.generate(ps, num_samples=3)
+    shards = [refill_engine.generate(ps[a:a + 3], num_samples=3, prompt_offset=a) for a in (0, 3)]
+  assert not compiles, f"a refilled rollout compiled {compiles}"
   assert all(r.metrics.refills > 0 for r in [whole, *shards])
   assert sample_set(whole) == {**sample_set(shards[0]), **sample_set(shards[1])}
 
@@ -577,13 +575,12 @@ def test_a_paged_cache_gives_the_contiguous_tokens(models, sampling, strategy):
   limits = [len(p) + 6 + 7 * i for i, p in enumerate(ps)]
   expected = sample_set(Engine(model, config, params, drafter=drafter).generate(ps, num_samples=3,
                                                                                 max_total_len=limits))
-  compiles = count_compiles()
   for num_pages in (0, 8):
     engine = Engine(model, configured(config, page_size=16, num_pages=num_pages), params, drafter=drafter)
     engine.prepare(18, [len(p) for p in ps])
-    compiled = len(compiles)
-    rollout = engine.generate(ps, num_samples=3, max_total_len=limits)
-    assert len(compiles) == compiled, "the paged rollout compiled something"
+    with profile.count_compilations() as compiles:
+      rollout = engine.generate(ps, num_samples=3, max_total_len=limits)
+    assert not compiles, f"the paged rollout compiled {compiles}"
     assert sample_set(rollout) == expected, num_pages
     m = rollout.metrics
     assert m.tokens == sum(len(s.tokens) for s in rollout.samples)

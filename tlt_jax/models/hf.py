@@ -173,18 +173,40 @@ def from_pretrained(model_dir: str, dtype=None, mesh: jax.sharding.Mesh | None =
   return nnx.merge(graphdef, state)
 
 
+# tokenizer_config.json's class of a tokenizer that is its tokenizer.json and nothing else (transformers 5
+# names it TokenizersBackend, 4 PreTrainedTokenizerFast).
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(model_dir: str):
-  """The directory's tokenizer through `transformers.AutoTokenizer`, or None if it has none."""
+  """The directory's tokenizer through `transformers.AutoTokenizer`, or None if it has none.
+
+  A generic one (`_GENERIC_TOKENIZERS`, e.g. the tiny world's character tokenizer) loads as that
+  class: AutoTokenizer would load it as the model type's own class (a `qwen2` directory's as
+  Qwen2Tokenizer, whose byte-level pre-tokenizer mangles it), whatever tokenizer_config.json says.
+  """
   names = [f for f in ("tokenizer.json", "tokenizer_config.json") if os.path.isfile(os.path.join(model_dir, f))]
   if not names:
     return None
   import transformers  # pylint: disable=g-import-not-at-top  (heavy; only when a tokenizer exists)
   try:
+    if "tokenizer.json" in names and _tokenizer_class(model_dir) in _GENERIC_TOKENIZERS:
+      return transformers.PreTrainedTokenizerFast.from_pretrained(model_dir)
     return transformers.AutoTokenizer.from_pretrained(model_dir)
   except Exception as e:  # pylint: disable=broad-exception-caught
     # transformers raises whatever its parsers do (JSONDecodeError, tokenizers' Exception, OSError).
     raise CheckpointError(f"{model_dir}: cannot load its tokenizer ({' / '.join(names)}): "
                           f"{type(e).__name__}: {e}") from None
+
+
+def _tokenizer_class(model_dir: str) -> str | None:
+  """tokenizer_config.json's `tokenizer_class` (None: no such file or key; a broken file is AutoTokenizer's to name)."""
+  try:
+    with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+      config = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return config.get("tokenizer_class") if isinstance(config, dict) else None
 
 
 def is_saved_model(path: str) -> bool:

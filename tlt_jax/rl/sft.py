@@ -20,8 +20,9 @@ from absl import logging
 from flax import nnx
 from tqdm import tqdm
 
+from tlt_jax import config as config_lib
 from tlt_jax import packing
-from tlt_jax.models import CausalLM, KVCache, ModelConfig, hf
+from tlt_jax.models import CausalLM, KVCache, hf
 from tlt_jax.rl import datasets, rewards, tasks, tokenizer as tokenizer_lib
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.state import EngineConfig
@@ -37,19 +38,9 @@ def difficulty(config) -> tasks.Difficulty:
 
 
 def build_policy(config, tok) -> CausalLM:
-  """A Qwen3-architecture policy (q/k norm, tied embeddings).
-
-  Not Qwen2: transformers 5 loads every `qwen2` directory's tokenizer as Qwen2Tokenizer,
-  whatever tokenizer_config.json says, which would mangle the character tokenizer.
-  """
-  m = config.model
-  cfg = ModelConfig(
-      architecture="Qwen3ForCausalLM", vocab_size=len(tok), hidden_size=m.hidden_size,
-      intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
-      num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, qk_norm=True, tie_word_embeddings=True,
-      max_position_embeddings=m.max_position_embeddings, bos_token_id=tok.bos_token_id,
-      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, scan_layers=config.policy.scan_layers)
-  return CausalLM(cfg, rngs=nnx.Rngs(config.seed))
+  """A fresh policy of `model.*`'s architecture and shape for the tokenizer `tok` (the tiny world's:
+  Qwen3, tied embeddings, the tokenizer's vocabulary)."""
+  return CausalLM(config_lib.model_config(config, tok), rngs=nnx.Rngs(config.seed))
 
 
 def sequences(examples, tok, unanswered: float = 0.0, seed: int = 0):

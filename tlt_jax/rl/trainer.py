@@ -10,7 +10,8 @@ One step:
   4. log-probs of the responses recomputed by the trainer (`old_logp`; rollout numerics never
      enter the loss), then `mini_batches` optimizer updates of micro-batched gradients;
   5. the new policy into the rollouts (the drafter reads its embedding and lm_head live);
-  6. a metrics record; a checkpoint every `checkpoint.every` steps.
+  6. a metrics record (`rollout/compilations`: executables compiled during the rollout, the first
+     step's engines' and drafter trainer's; none after it); a checkpoint every `checkpoint.every` steps.
 
 Faults: a killed run resumes from its newest complete checkpoint (a damaged one is skipped,
 tlt_jax.checkpoint); `run(stop=...)` ends after the step in flight with a checkpoint (SIGTERM /
@@ -50,6 +51,7 @@ from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, hf
 from tlt_jax.rl import actor as actor_lib
 from tlt_jax.rl import datasets, grpo, rewards, rollouts
+from tlt_jax.rollout import profile
 
 _EVAL_OFFSET = 1 << 30  # held-out sampling keys: prompt indices training never reaches
 
@@ -185,7 +187,8 @@ class Trainer:
     indices, offset = self._batch_prompts(self.step)
     examples = [self.prompts[i] for i in indices]
     g = c.rollout.num_samples
-    samples, rollout_metrics = self.rollout.generate([ex.prompt_ids for ex in examples], g, prompt_offset=offset)
+    with profile.count_compilations() as compiled:  # the first step's prepares the engines; later ones: none
+      samples, rollout_metrics = self.rollout.generate([ex.prompt_ids for ex in examples], g, prompt_offset=offset)
     rollout_s = time.perf_counter() - start
 
     texts = [self.tok.decode(s.tokens, skip_special_tokens=True) for s in samples]
@@ -210,7 +213,7 @@ class Trainer:
               "response_length/p90": float(np.percentile(lengths, 90)), "response_length/max": int(lengths.max()),
               "response_length/truncated": int(sum(s.finish_reason == "length" for s in samples)),
               "groups_kept": int(keep.reshape(-1, g).any(axis=1).sum()), "samples_trained": int(keep.sum()),
-              **train_stats, **rollout_metrics,
+              **train_stats, **rollout_metrics, "rollout/compilations": len(compiled),
               "time/rollout_s": rollout_s, "time/train_s": train_s, "time/step_s": time.perf_counter() - start}
     if self._eval_due():
       record.update(self.evaluate())

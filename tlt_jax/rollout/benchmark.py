@@ -41,7 +41,8 @@ def _rollout_speed(engine: Engine, prompts, **kwargs) -> tuple[float, float]:
 
 def run_adaptive(model, drafter: Drafter | None, prompts, strategies, temperature, max_new_tokens, seed, stop_ids,
                  sd_max_batch, repeats, num_samples: int = 1):
-  """Plain vs each fixed strategy vs the bandit on one long-tailed rollout of `prompts` x `num_samples`."""
+  """Plain vs each fixed strategy vs the bandit on one long-tailed rollout of `prompts` x `num_samples`;
+  `compilations`: what each mode's timed rollouts compiled (the warm-up one compiles its engine)."""
   buckets = tuple(2**i for i in range(int(np.ceil(np.log2(len(prompts) * num_samples))) + 1))
   base = EngineConfig(batch_buckets=buckets, max_prompt_len=max(map(len, prompts)), max_new_tokens=max_new_tokens,
                       sd_max_batch=sd_max_batch)
@@ -55,13 +56,15 @@ def run_adaptive(model, drafter: Drafter | None, prompts, strategies, temperatur
             for s in strategies]
   modes.append(("bandit", Engine(model, EngineConfig(**{**base.__dict__, "strategies": tuple(strategies)}), params,
                                  drafter=drafter, bandit=bandit)))
-  runs = {name: [] for name, _ in modes}
+  runs, compiled = {name: [] for name, _ in modes}, {name: 0 for name, _ in modes}
   with tqdm(total=len(modes) * (repeats + 1), desc="bench --adaptive", file=sys.stderr) as bar:
     for round_ in range(repeats + 1):  # round 0 is the warm-up
       for name, engine in modes:
-        m = engine.generate(prompts, num_samples).metrics
+        with profile.count_compilations() as compiles:
+          m = engine.generate(prompts, num_samples).metrics
         if round_:
           runs[name].append(m)
+          compiled[name] += len(compiles)
         bar.update()
       if not round_:
         warmup_plays = sum(arm["plays"] for b in bandit.stats().values() for arm in b.values())
@@ -70,7 +73,7 @@ def run_adaptive(model, drafter: Drafter | None, prompts, strategies, temperatur
     ms = runs[name]
     median[name] = m = ms[int(np.argsort([r.tokens_per_s for r in ms])[len(ms) // 2])]
     records.append({"mode": name, "tokens_per_s": round(m.tokens_per_s, 2), "accept_len": round(m.accept_len, 3),
-                    "sd_share": round(m.sd_s / m.wall_s, 3)})
+                    "sd_share": round(m.sd_s / m.wall_s, 3), "compilations": compiled[name]})
   for r in records:
     r["speedup"] = round(r["tokens_per_s"] / records[0]["tokens_per_s"], 3)
   fixed = [r["tokens_per_s"] for r in records[1:-1]]  # the bandit's arms, each played alone

@@ -14,13 +14,17 @@ after a warm-up, each waited for):
 
 `segment - iteration` is what the host and the loop cost per iteration; `iteration - (draft +
 verify + feed)` what fusing saves.
+
+`count_compilations()` counts what XLA compiles while a block runs: a rollout after its engine's
+`prepare` should count none (DESIGN.md, invariant 3).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import jax
 import numpy as np
@@ -28,6 +32,28 @@ import numpy as np
 from tlt_jax.rollout import speculative
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.speculative import Strategy
+
+# jax.monitoring's event per executable compiled, or loaded from the persistent compilation cache.
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def count_compilations() -> Iterator[list[str]]:
+  """Yields a list that gets the function's name of every executable XLA compiles while the block runs
+  (jitted, AOT-compiled or an eager op's; loaded from the persistent cache counts too, since tracing
+  and lowering ran again). Process-wide: other threads' compilations count."""
+  names: list[str] = []
+
+  def listen(event: str, secs: float, **kwargs) -> None:
+    del secs
+    if event == COMPILE_EVENT:
+      names.append(str(kwargs.get("fun_name", "?")))
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    yield names
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def _median_s(fn, args, repeats: int) -> float:

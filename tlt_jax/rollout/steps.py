@@ -197,8 +197,11 @@ class Steps:
     count_B = pairs.count
     last = out[jnp.arange(count_B.shape[0]), jnp.maximum(count_B - 1, 0)]
     finite = jnp.isfinite(last).all(-1) | (count_B == 0)
+    # In the state's dtype (the target's): a float32 drafter beside a bfloat16 target feeds its output to
+    # the target's lm_head and its own embedding input at the target's dtype anyway.
     return dataclasses.replace(st, drafter_cache=dataclasses.replace(dcache, lengths=dcache.lengths + count_B),
-                               draft_feat=jnp.where((count_B > 0)[:, None], last, st.draft_feat),
+                               draft_feat=jnp.where((count_B > 0)[:, None], last.astype(st.draft_feat.dtype),
+                                                    st.draft_feat),
                                drafter_finite=st.drafter_finite & finite)
 
   def prefill(self, params, drafter_params, st: RowState, tokens_PxT, lengths_P, row_prompt_B, history_PxH,
