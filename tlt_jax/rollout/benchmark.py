@@ -33,6 +33,25 @@ def _timed(engine: Engine, prompts, repeats: int = 3, **kwargs):
   return [engine.generate(prompts, **kwargs).metrics for _ in range(repeats)]
 
 
+def _rounds(modes, repeats: int, desc: str, run) -> dict[str, list]:
+  """`run(name, engine)` for every mode in a warm-up round (it compiles), then in `repeats` timed
+  rounds, the modes interleaved so that load on the machine hits them alike; the timed results per mode."""
+  runs = {name: [] for name, _ in modes}
+  with tqdm(total=len(modes) * (repeats + 1), desc=desc, file=sys.stderr) as bar:
+    for round_ in range(repeats + 1):  # round 0 is the warm-up
+      for name, engine in modes:
+        out = run(name, engine)
+        if round_:
+          runs[name].append(out)
+        bar.update()
+  return runs
+
+
+def _median(rollouts):
+  """The rollout of the median tokens/s."""
+  return rollouts[int(np.argsort([r.metrics.tokens_per_s for r in rollouts])[len(rollouts) // 2])]
+
+
 def _rollout_speed(engine: Engine, prompts, **kwargs) -> tuple[float, float]:
   """Median decode tokens/s and the acceptance length."""
   runs = _timed(engine, prompts, **kwargs)
@@ -96,21 +115,20 @@ def run_refill(model, prompts, num_samples, bucket, temperature, max_new_tokens,
   refill = Engine(model, base, params)
   modes = [("waves", Engine(model, EngineConfig(**{**base.__dict__, "refill": False}), params)),
            ("refill", refill), ("longest_first", refill)]
-  runs, expected = {name: [] for name, _ in modes}, None
-  with tqdm(total=len(modes) * (repeats + 1), desc="bench --refill", file=sys.stderr) as bar:
-    for round_ in range(repeats + 1):  # round 0 is the warm-up
-      for name, engine in modes:
-        rollout = engine.generate(prompts, num_samples, expected_lengths=expected if name == "longest_first" else None)
-        if expected is None:
-          expected = [float(np.mean([len(s.tokens) for s in rollout.samples if s.prompt_index == i]))
-                      for i in range(len(prompts))]
-        if round_:
-          runs[name].append(rollout)
-        bar.update()
+  expected = None
+
+  def run(name, engine):
+    nonlocal expected
+    rollout = engine.generate(prompts, num_samples, expected_lengths=expected if name == "longest_first" else None)
+    if expected is None:
+      expected = [float(np.mean([len(s.tokens) for s in rollout.samples if s.prompt_index == i]))
+                  for i in range(len(prompts))]
+    return rollout
+
+  runs = _rounds(modes, repeats, "bench --refill", run)
   records = []
   for name, _ in modes:
-    rs = runs[name]
-    r = rs[int(np.argsort([x.metrics.tokens_per_s for x in rs])[len(rs) // 2])]
+    r = _median(runs[name])
     lengths = [len(s.tokens) for s in r.samples]
     m = r.metrics
     records.append({"mode": name, "rows": len(r.samples), "bucket": bucket, "tokens_per_s": round(m.tokens_per_s, 2),
@@ -141,18 +159,10 @@ def run_paged(model, prompts, num_samples, bucket, paged_bucket, page_size, temp
   params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
                           stop_token_ids=tuple(stop_ids))
   modes = [("contiguous", Engine(model, contiguous, params)), ("paged", Engine(model, paged, params))]
-  runs = {name: [] for name, _ in modes}
-  with tqdm(total=len(modes) * (repeats + 1), desc="bench --paged", file=sys.stderr) as bar:
-    for round_ in range(repeats + 1):  # round 0 is the warm-up
-      for name, engine in modes:
-        rollout = engine.generate(prompts, num_samples)
-        if round_:
-          runs[name].append(rollout)
-        bar.update()
+  runs = _rounds(modes, repeats, "bench --paged", lambda name, engine: engine.generate(prompts, num_samples))
   records = []
   for name, engine in modes:
-    rs = runs[name]
-    r = rs[int(np.argsort([x.metrics.tokens_per_s for x in rs])[len(rs) // 2])]
+    r = _median(runs[name])
     m, c = r.metrics, engine.config
     records.append({"mode": name, "rows": len(r.samples), "cache_slots": c.pool_pages * c.page_size if c.paged
                     else c.batch_buckets[-1] * c.capacity, "tokens_per_s": round(m.tokens_per_s, 2),

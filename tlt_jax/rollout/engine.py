@@ -397,17 +397,22 @@ class Engine:
       metrics.started += [rows[r] for r in new if r >= 0]
       return new, write_from
 
+    def enter(st, new, write_from, t0):
+      """Prefills the rows `admit` put in slots `new` and counts them in: (state, host counters)."""
+      st = self._prefill_slots(st, prompts, rows, new, history, write_from, table())
+      host = _Counters.read(st)
+      self._check_drafter(st, metrics)
+      metrics.prefill_s += time.perf_counter() - t0
+      entering = int((new >= 0).sum())
+      metrics.tokens += entering
+      on_progress(int(host.done[new >= 0].sum()), entering)
+      return st, host
+
     new, write_from = admit(range(b))
     st = pool[("init", b)](self._slot_rows(rows, new, budgets, prompt_offset, bank), table())
     if bank is not None:
       bank.take_fresh()  # init's bank is empty: only later prompts' rows need emptying
-    st = self._prefill_slots(st, prompts, rows, new, history, write_from, table())
-    host = _Counters.read(st)
-    self._check_drafter(st, metrics)
-    metrics.prefill_s += time.perf_counter() - t0
-    entering = int((new >= 0).sum())
-    metrics.tokens += entering
-    on_progress(int(host.done[new >= 0].sum()), entering)
+    st, host = enter(st, new, write_from, t0)
     out: list[Sample] = []
     harvested = np.zeros((len(rows),), bool)
 
@@ -436,14 +441,8 @@ class Engine:
           new, write_from = admit(np.flatnonzero(host.done))
           st = pool[("reset", b)](st, self._slot_rows(rows, new, budgets, prompt_offset, bank),
                                   np.zeros((0,), bool) if bank is None else bank.take_fresh())
-          st = self._prefill_slots(st, prompts, rows, new, history, write_from, table())
-          host = _Counters.read(st)
-          self._check_drafter(st, metrics)
-          metrics.prefill_s += time.perf_counter() - t0
-          entering = int((new >= 0).sum())
-          metrics.tokens += entering
+          st, host = enter(st, new, write_from, t0)
           metrics.refills += 1
-          on_progress(int(host.done[new >= 0].sum()), entering)
           continue
         blocked = True
       if not waiting and cfg.compact and cfg.bucket(active) < b and (pages is None or sum(
