@@ -2,6 +2,9 @@
 in interpret mode) against the reference, selection, and lowering of the kernels for TPU and CUDA.
 The Triton kernel's own checks are in test_triton_gpu.py."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,6 +103,19 @@ def test_triton_off_a_gpu_is_refused_not_replaced():
   for block in (None, BLOCK):  # not even the dense reference in its place
     with pytest.raises(ValueError, match="attention='triton' needs an NVIDIA GPU"):
       tree_attention.attention(q, k, v, 0, lengths, mask, impl="triton", block=block)
+
+
+def test_without_triton_the_package_works_and_the_triton_kernel_says_what_is_missing():
+  """triton (the gpu extra) is imported when the kernel is first needed: the package stands without it."""
+  code = ("import sys; sys.modules['triton'] = None; import numpy as np; "
+          "from tlt_jax.kernels import tree_attention, triton_gpu; "
+          "x, kv = np.ones((1, 1, 1, 16), np.float32), np.ones((1, 1, 16, 1, 16), np.float32); "
+          "args = (x, kv, kv, 0, np.zeros(1, np.int32), np.ones((1, 1, 1), bool)); "
+          "print(tree_attention.attention(*args, impl='xla', block=16).sum()); "
+          "triton_gpu.tree_attention(*args, block=16, scale=1.0)")
+  proc = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, timeout=300)
+  assert proc.stdout.strip() == "16.0", proc.stderr[-2000:]
+  assert "ValueError: attention='triton' needs the gpu extra: pip install 'tlt_jax[gpu]'" in proc.stderr
 
 
 def test_bad_implementation_and_shapes_are_named():

@@ -34,11 +34,7 @@ import numpy as np
 
 from tlt_jax.kernels import layout
 
-try:  # the gpu extra; without it the package imports and `tree_attention` says what is missing
-  import triton
-  from triton import language as tl
-except ImportError:
-  triton = tl = None
+tl = None  # triton.language, bound by `_jitted`: triton (the gpu extra) is imported when the kernel is needed
 
 _TILE = 64  # cache slots per step of the walk, at most
 _ROWS = 64  # grouped query rows per program, at most
@@ -94,6 +90,16 @@ def _kernel(lengths_ptr, layer_ptr, pages_ptr, q_ptr, k_ptr, v_ptr, mask_ptr, m_
 
 @functools.cache
 def _jitted():
+  """The kernel through `triton.jit`: compiled, or interpreted where TRITON_INTERPRET=1 was set
+  when triton was first imported."""
+  global tl  # pylint: disable=global-statement
+  try:
+    import triton  # pylint: disable=import-outside-toplevel
+    from triton import language  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ValueError("attention='triton' needs the gpu extra: pip install 'tlt_jax[gpu]' (jax-triton, "
+                     "triton)") from e
+  tl = language  # the kernel's body reads it from this module's globals
   return triton.jit(_kernel)
 
 
@@ -110,10 +116,15 @@ def _launch(operands, out_shapes, grid, constants, compute_capability):
 
 
 def interpreting() -> bool:
-  """Whether `triton.jit` gives interpreted kernels: TRITON_INTERPRET=1 was set when triton was
-  imported (Triton's own library functions, `tl.cdiv`, `tl.max`, ..., are decorated then)."""
+  """Whether the kernel runs in Triton's interpreter here: triton is installed, and TRITON_INTERPRET=1
+  was set when it was imported (Triton's own library functions, `tl.cdiv`, `tl.max`, ..., are
+  decorated then)."""
+  try:
+    kernel = _jitted()
+  except ValueError:
+    return False
   from triton.runtime.interpreter import InterpretedFunction  # pylint: disable=import-outside-toplevel
-  return isinstance(_jitted(), InterpretedFunction)
+  return isinstance(kernel, InterpretedFunction)
 
 
 def _interpret(operands, out_shapes, grid, constants):
@@ -140,8 +151,6 @@ def tree_attention(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_B
   """`tree_attention.reference` semantics on an NVIDIA GPU; `interpret=True` runs Triton's
   interpreter (CPU). `layer` may be traced (a scanned decoder's layer index). `compute_capability`
   (90: H100 / H200) compiles for that GPU instead of the local one: `jax.export` without a GPU."""
-  if triton is None:
-    raise ValueError("attention='triton' needs the gpu extra: pip install 'tlt_jax[gpu]' (jax-triton, triton)")
   b, t, h, d = q_BxTxHxD.shape
   _, n_pages, page_size, kv_heads, _ = k_LxNxPxKxD.shape
   layout.require_pow2("triton", {"attention block": block, "head dim": d})
@@ -160,6 +169,7 @@ def tree_attention(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_B
   operands = (lengths_B.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), table.reshape(-1), q,
               k_LxNxPxKxD, v_LxNxPxKxD, mask_BxTxW.astype(jnp.int8))
   grid, out_shapes = (r_pad // rows, b * kv_heads, splits), [part(), part(), part(d)]
+  _jitted()  # triton is there, or a ValueError says what is missing
   if interpret:
     m, l, acc = _interpret(operands, out_shapes, grid, constants)
   else:
