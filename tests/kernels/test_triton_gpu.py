@@ -27,7 +27,7 @@ pytest.importorskip("triton", reason="the triton package is not installed (the t
 pytest.importorskip("torch", reason="Triton's interpreter takes torch tensors")
 
 
-def interpreted(block, pages=False):
+def interpreted(block):
   """The kernel in Triton's interpreter, jitted, the layer index traced."""
   def run(layer, q, k, v, lengths, mask, pages_BxM=None):
     return triton_gpu.tree_attention(q, k, v, layer, lengths, mask, block=block, scale=q.shape[-1]**-0.5,
@@ -36,7 +36,7 @@ def interpreted(block, pages=False):
 
 
 def check(got, q, k, v, lengths, mask, dtype):
-  f32 = lambda x: np.asarray(x, np.float32)  # the exact answer for the (possibly bf16-rounded) inputs
+  f32 = lambda x: np.asarray(x, np.float32)  # the exact answer for the (possibly float16-rounded) inputs
   want = brute_force(f32(q), f32(k), f32(v), lengths, mask)
   np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=1e-5 if dtype == "float32" else 2e-2, rtol=0)
   assert got.dtype == q.dtype
