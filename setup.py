@@ -39,10 +39,19 @@ setup(
         # gguf / accelerate: `python -m tlt_jax.convert_gguf` (transformers reads GGUF files with them, on torch).
         "gguf": ["gguf>=0.10", "accelerate>=1.0", "torch>=2.4,<3"],
         # ruff: tests/test_lint.py checks the code against ruff.toml.
+        # triton: tests/kernels/test_triton_gpu.py runs the Triton kernel in Triton's interpreter (CPU).
         "test": ["gguf>=0.10", "accelerate>=1.0", "pytest>=8", "pytest-xdist>=3.5,<4", "scipy>=1.11", "torch>=2.4,<3",
                  "hypothesis>=6.100,<7", "nbclient>=0.10,<0.11", "nbformat>=5.10,<6", "ipykernel>=6.29,<8",
-                 "matplotlib>=3.8,<4", "ruff>=0.15,<1"],
-        "gpu": ["jax[cuda12]"],
+                 "matplotlib>=3.8,<4", "ruff>=0.15,<1", "triton>=3.6,<3.10"],
+        # NVIDIA GPUs, for the target machine (JAX 0.11.2, CUDA 13, Python 3.12): jax[cuda13] at the
+        # jax pinned above; attention='triton' (kernels/triton_gpu.py) calls its kernel through
+        # jax-triton, whose 0.3.1 (the newest the package index serves; py3-none-any, Python >= 3.11)
+        # needs jax >= 0.8.2 and triton >= 3.6. triton < 3.10: jax-triton drives Triton's compiler
+        # internals, checked here with 3.9.0 (cp312 wheels from 3.6 on). Triton writes PTX for the
+        # ptxas it ships (3.9.0: CUDA 13.4, PTX 9.4); XLA assembles it with the CUDA toolkit's, which
+        # must be as new (jax[cuda13] takes the newest nvidia-cuda-nvcc, 13.5 on 2026-11-23), else
+        # set TRITON_PTXAS_BLACKWELL_PATH (sm_90+) / TRITON_PTXAS_PATH to that ptxas.
+        "gpu": ["jax[cuda13]", "jax-triton>=0.3.1,<0.5", "triton>=3.6,<3.10"],
         "notebooks": ["jupyter>=1.0,<2", "nbclient>=0.10,<0.11", "matplotlib>=3.8,<4", "datasets>=2.18,<5",
                       "huggingface_hub>=0.30,<3"],
     },

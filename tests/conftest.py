@@ -17,6 +17,9 @@ FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_e
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPILE_FLAGS,
                                     "--xla_force_host_platform_device_count=8"]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Before triton is imported anywhere: `triton.jit` gives interpreted kernels (CPU, numpy), so the
+# Triton tree-attention kernel runs here (tests/kernels/test_triton_gpu.py).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

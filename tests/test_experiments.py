@@ -1,8 +1,10 @@
 """The experiment scripts start: each one's imports and absl flags load (a flag defined twice, in the
 script and in a module it imports, fails at import), and its --helpshort lists its own flags. Running
 them takes minutes each (docs/BENCHMARKS.md records what they measured); experiments/accelerator.py
-runs end to end at its smoke size."""
+runs end to end at its smoke size, and bench_kernels' smoke, which checks every tree-attention
+implementation in its interpreter, in seconds."""
 
+import csv
 import json
 import os
 import subprocess
@@ -63,3 +65,33 @@ def test_accelerator_smoke_measures_every_figure(tmp_path):
   assert refused.returncode == 1 and refused.stderr.strip().splitlines()[-1] == (
       f"error: --out={out} holds a run with other settings (differing: bandit_rows; see its settings.json); "
       "choose another --out"), refused.stderr[-3000:]
+
+
+def test_bench_kernels_smoke_checks_every_implementation(tmp_path):
+  """On CPU: the kernels in their interpreters (Triton's too: tests/conftest.py sets TRITON_INTERPRET=1)
+  against the reference at R1-7B's heads; timings flagged meaningless; JSON, CSV and the plot written."""
+  proc = subprocess.run([sys.executable, "bench_kernels.py", f"--out={tmp_path}", "--tree=8", "--filled=40"],
+                        cwd=EXPERIMENTS, text=True, capture_output=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads((tmp_path / "results.json").read_text())
+  assert summary["smoke"] and (summary["heads"], summary["kv_heads"], summary["head_dim"]) == (28, 4, 128)
+  results = summary["results"]
+  assert [r["impl"] for r in results] == ["xla", "pallas_gpu", "pallas_tpu", "triton"]
+  assert all(r["ok"] and r["max_abs_err"] < 1e-5 and r["timing"].startswith("meaningless") for r in results), results
+  with open(tmp_path / "results.csv", encoding="utf-8") as f:
+    assert len(list(csv.DictReader(f))) == len(results)
+  assert (tmp_path / "bandwidth.png").stat().st_size > 0
+
+
+def test_bench_kernels_says_what_failed(tmp_path):
+  """An implementation that fails (Triton's interpreter refuses bfloat16) is recorded, the rest goes on, exit 1."""
+  run = lambda *flags: subprocess.run([sys.executable, "bench_kernels.py", f"--out={tmp_path}", "--tree=1",
+                                       "--filled=16", *flags], cwd=EXPERIMENTS, text=True, capture_output=True,
+                                      timeout=600)
+  proc = run("--impls=xla,triton", "--dtype=bfloat16")
+  assert proc.returncode == 1
+  assert "error: 1 of 2 measurements failed or missed the reference (triton)" in proc.stderr, proc.stderr[-3000:]
+  xla, triton = json.loads((tmp_path / "results.json").read_text())["results"]
+  assert xla["ok"] and not triton["ok"] and "does not support bfloat16" in triton["error"]
+  proc = run("--impls=xla,cuda")
+  assert proc.returncode == 1 and proc.stderr.startswith("error: --impls: 'cuda' is not one of"), proc.stderr[-3000:]

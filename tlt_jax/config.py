@@ -141,7 +141,8 @@ def base() -> ml_collections.ConfigDict:
   # Tokens of each prompt's earlier-epoch responses banked for suffix drafts (0: off); host memory:
   # 4 bytes x this x prompts seen, checkpointed.
   c.rollout.engine.suffix_history_len = 0
-  c.rollout.engine.attention = "auto"  # tree attention: auto (by backend) | xla | pallas | pallas_tpu | pallas_gpu
+  # Tree attention: auto (by backend) | xla | pallas | pallas_tpu | pallas_gpu | triton (NVIDIA GPU only).
+  c.rollout.engine.attention = "auto"
   # Paged KV cache: 0 gives each row its whole capacity; > 0 (a multiple of kv_block), rows share a
   # pool of num_pages pages of this many slots (0: what the largest bucket's rows could fill) and a
   # prompt's samples share its prompt's pages. The dry run reports how many rows a pool holds.

@@ -1,5 +1,9 @@
 """Tree attention: the reference against brute-force NumPy, every implementation (the Pallas kernels
-in interpret mode) against the reference, selection, and lowering of the kernels for TPU and CUDA."""
+in interpret mode) against the reference, selection, and lowering of the kernels for TPU and CUDA.
+The Triton kernel's own checks are in test_triton_gpu.py."""
+
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -7,22 +11,8 @@ import numpy as np
 import pytest
 
 from tlt_jax import sharding
+from tests.kernels.conftest import BLOCK, CASES, PAGE, brute_force, case_inputs, paged
 from tlt_jax.kernels import pallas_gpu, pallas_tpu, tree_attention
-
-
-def brute_force(q, k, v, lengths, mask):
-  """Attention by its definition, query by query, in float64: q [B,T,H,D], k/v [B,S,K,D]."""
-  b, t, h, d = q.shape
-  groups = h // k.shape[2]
-  out = np.zeros(q.shape)
-  for r in range(b):
-    for i in range(t):
-      keys = list(range(lengths[r])) + [lengths[r] + j for j in range(mask.shape[2]) if mask[r, i, j]]
-      k_NxHxD, v_NxHxD = (np.repeat(np.float64(x[r, keys]), groups, axis=1) for x in (k, v))
-      s = np.einsum("hd,nhd->hn", np.float64(q[r, i]), k_NxHxD) / np.sqrt(d)
-      p = np.exp(s - s.max(axis=1, keepdims=True))
-      out[r, i] = np.einsum("hn,nhd->hd", p / p.sum(axis=1, keepdims=True), v_NxHxD)
-  return out
 
 
 @pytest.mark.parametrize("block", [None, 4, 8])
@@ -48,34 +38,7 @@ def test_capacity_must_be_a_multiple_of_the_block():
                              np.zeros(1, np.int32), np.ones((1, 1, 1), bool), block=4)
 
 
-# ---- every implementation against the reference: one shared test base ----
-# The grid's axes (GQA ratio, head dim, tree size V, earlier window slots, dtype) are covered
-# case by case rather than crossed: interpret mode is slow. Every case has ragged rows, one of
-# length 0 and one filled to the cache's end.
-CASES = [  # (groups, head_dim, V, earlier, dtype)
-    (1, 64, 1, 0, "float32"),  # decode
-    (4, 128, 5, 3, "float32"),  # a drafter level after 3 earlier tree tokens
-    (8, 64, 64, 0, "bfloat16"),
-    (1, 128, 7, 0, "bfloat16"),
-    (8, 128, 1, 2, "bfloat16"),
-]
-KV_HEADS, BLOCK, CAPACITY = 2, 16, 112
-
-
-def case_inputs(groups, d, t, earlier, dtype):
-  rng = np.random.RandomState(groups * d + t)
-  w = earlier + t
-  lengths = np.asarray([0, 5, 37, CAPACITY - w], np.int32)
-  b = len(lengths)
-  mask = rng.rand(b, t, w) < 0.5
-  mask[:, :, earlier:] |= np.eye(t, dtype=bool)
-  mask[:, :, earlier:] &= np.tril(np.ones((t, t), bool))  # a tree: nothing after itself
-  cast = lambda x: jnp.asarray(x, dtype)
-  q = cast(rng.randn(b, t, KV_HEADS * groups, d))
-  k, v = (cast(rng.randn(2, b, CAPACITY, KV_HEADS, d)) for _ in range(2))
-  return q, k, v, lengths, mask
-
-
+# ---- every implementation against the reference: one shared test base (tests/kernels/conftest.py) ----
 @pytest.mark.parametrize("impl", ["xla", "pallas_tpu", "pallas_gpu"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "g{}_d{}_v{}_e{}_{}".format(*c))
 def test_implementations_match_the_reference(impl, case):
@@ -86,23 +49,6 @@ def test_implementations_match_the_reference(impl, case):
   f32 = lambda x: np.asarray(x, np.float32)  # the exact answer for the (possibly bf16-rounded) inputs
   want = brute_force(f32(q), f32(k[1]), f32(v[1]), lengths, mask)
   np.testing.assert_allclose(got, want, atol=1e-5 if case[-1] == "float32" else 2e-2, rtol=0)
-
-
-def paged(k, v, lengths, w, page, seed=0):
-  """The same rows in a shuffled pool of `page`-slot pages (plus spare pages), and their tables; a
-  row's pages past its filled length + window are not held (entry N)."""
-  rng = np.random.RandomState(seed)
-  layers, b, cap, kv, d = k.shape
-  m = cap // page
-  n = b * m + 3
-  order = rng.permutation(n)[:b * m].reshape(b, m)
-  pool = lambda x: jnp.zeros((layers, n, page, kv, d), x.dtype).at[:, order.reshape(-1)].set(
-      x.reshape(layers, b * m, page, kv, d))
-  held = np.arange(m)[None] * page < (np.asarray(lengths) + w)[:, None]
-  return pool(k), pool(v), jnp.asarray(np.where(held, order, n), jnp.int32)
-
-
-PAGE = 16
 
 
 @pytest.mark.parametrize("impl,block", [("xla", None), ("xla", BLOCK), ("xla", 8), ("pallas_tpu", BLOCK),
@@ -143,15 +89,39 @@ def test_the_layer_is_a_run_time_value(impl):
     ("pallas", "cpu", ("xla", False)), ("pallas", "gpu", ("pallas_gpu", False)), ("xla", "tpu", ("xla", False)),
     ("pallas_tpu", "cpu", ("pallas_tpu", True)), ("pallas_tpu", "tpu", ("pallas_tpu", False)),
     ("pallas_gpu", "cpu", ("pallas_gpu", True)), ("pallas_gpu", "gpu", ("pallas_gpu", False)),
+    ("triton", "gpu", ("triton", False)),
 ])
 def test_selection_by_backend(impl, backend, expected):
   assert tree_attention.select(impl, backend) == expected
 
 
+def test_triton_off_a_gpu_is_refused_not_replaced():
+  for backend in ("cpu", "tpu"):
+    with pytest.raises(ValueError, match=f"attention='triton' needs an NVIDIA GPU .*the backend here is '{backend}'"):
+      tree_attention.select("triton", backend)
+  q, k, v, lengths, mask = case_inputs(1, 64, 1, 0, "float32")
+  for block in (None, BLOCK):  # not even the dense reference in its place
+    with pytest.raises(ValueError, match="attention='triton' needs an NVIDIA GPU"):
+      tree_attention.attention(q, k, v, 0, lengths, mask, impl="triton", block=block)
+
+
+def test_without_triton_the_package_works_and_the_triton_kernel_says_what_is_missing():
+  """triton (the gpu extra) is imported when the kernel is first needed: the package stands without it."""
+  code = ("import sys; sys.modules['triton'] = None; import numpy as np; "
+          "from tlt_jax.kernels import tree_attention, triton_gpu; "
+          "x, kv = np.ones((1, 1, 1, 16), np.float32), np.ones((1, 1, 16, 1, 16), np.float32); "
+          "args = (x, kv, kv, 0, np.zeros(1, np.int32), np.ones((1, 1, 1), bool)); "
+          "print(tree_attention.attention(*args, impl='xla', block=16).sum()); "
+          "triton_gpu.tree_attention(*args, block=16, scale=1.0)")
+  proc = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, timeout=300)
+  assert proc.stdout.strip() == "16.0", proc.stderr[-2000:]
+  assert "ValueError: attention='triton' needs the gpu extra: pip install 'tlt_jax[gpu]'" in proc.stderr
+
+
 def test_bad_implementation_and_shapes_are_named():
   q, k, v, lengths, mask = case_inputs(1, 64, 1, 0, "float32")
-  with pytest.raises(ValueError, match="'triton' is not one of"):
-    tree_attention.attention(q, k, v, 0, lengths, mask, impl="triton", block=BLOCK)
+  with pytest.raises(ValueError, match="'cuda' is not one of"):
+    tree_attention.attention(q, k, v, 0, lengths, mask, impl="cuda", block=BLOCK)
   with pytest.raises(ValueError, match="pallas_gpu needs a power-of-two head dim >= 16, got 8"):
     tree_attention.attention(q[..., :8], k[..., :8], v[..., :8], 0, lengths, mask, impl="pallas_gpu", block=BLOCK)
   with pytest.raises(ValueError, match="pallas_tpu needs an attention block that is a multiple of 16 for bfloat16"):

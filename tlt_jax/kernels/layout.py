@@ -9,7 +9,9 @@ of N (one past the pool) marks a page the row does not hold: writes there are dr
 The kernels split each row's keys into the prefix (slots `< lengths[b]`, visible to every query:
 only a length test, walked block by block) and the window of W slots after it (gathered here,
 a few slots per row, with the tree mask). Queries are grouped per KV head as R = G x T rows
-(g-major), so one matmul serves all G query heads of a KV head (GQA).
+(g-major), so one matmul serves all G query heads of a KV head (GQA). The GPU kernels (Triton
+code, through Pallas or `jax_triton`) split each row's walk over the cache (flash-decoding) and
+merge the splits' softmax states here.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ def ungroup(out_BxKxRxD, t: int):
   """Inverse of `group_queries`: [B, T, H, D]."""
   b, k, r, d = out_BxKxRxD.shape
   return out_BxKxRxD.reshape(b, k, r // t, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, k * (r // t), d)
+
+
+def table(pages_BxM, rows: int):
+  """[B, M] int32 page table: `pages_BxM`, or for a contiguous cache (None) one page per row."""
+  return jnp.arange(rows, dtype=jnp.int32)[:, None] if pages_BxM is None else pages_BxM.astype(jnp.int32)
 
 
 def address(pages_BxM, slots_BxT, page_size: int, num_pages: int):
@@ -95,3 +102,32 @@ def online_step(m_Rx1, l_Rx1, acc_RxD, s_RxC, v_CxD):
   pv = jax.lax.dot_general(p.astype(v_CxD.dtype), v_CxD, (((1,), (0,)), ((), ())),
                            preferred_element_type=jnp.float32)
   return m_new, l_new, acc_RxD * rescale + pv
+
+
+# ---- the GPU kernels (Triton) ----
+SPLIT_PROGRAMS = 256  # programs a GPU kernel aims for: about two per SM of an H100 (132 SMs)
+
+
+def pow2(n: int) -> int:
+  """The least power of two >= n and >= 16 (Triton's least matmul dimension)."""
+  return max(16, 1 << (n - 1).bit_length())
+
+
+def require_pow2(impl: str, sizes: dict[str, int]):
+  """Triton's block shapes are powers of two, its matmuls at least 16 wide."""
+  for name, n in sizes.items():
+    if n < 16 or n & (n - 1):
+      raise ValueError(f"{impl} needs a power-of-two {name} >= 16, got {n}")
+
+
+def splits(blocks: int, programs: int) -> int:
+  """Splits of each program's walk over a row's `blocks` cache blocks (flash-decoding): enough for
+  about SPLIT_PROGRAMS programs in all, so a few long rows still fill the GPU; at least one."""
+  return max(1, min(blocks, SPLIT_PROGRAMS // programs))
+
+
+def merge_splits(m_BxKxSxR, l_BxKxSxR, acc_BxKxSxRxD):
+  """[B, K, R, D] float32 attention from the splits' running softmax states (axis 2); an empty
+  split carries m = NEG and weighs nothing."""
+  weight = jnp.exp(m_BxKxSxR - m_BxKxSxR.max(axis=2, keepdims=True))
+  return (acc_BxKxSxRxD * weight[..., None]).sum(axis=2) / (l_BxKxSxR * weight).sum(axis=2)[..., None]

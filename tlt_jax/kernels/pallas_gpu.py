@@ -56,13 +56,6 @@ def _kernel(lengths_ref, layer_ref, pages_ref, q_ref, k_ref, v_ref, kw_ref, vw_r
   m_ref[...], l_ref[...], acc_ref[...] = layout.online_step(*carry, s, vw_ref[...])
 
 
-_PROGRAMS = 256  # programs to aim for: about two per SM of an H100 (132 SMs)
-
-
-def _pow2(n: int) -> int:
-  return max(16, 1 << (n - 1).bit_length())
-
-
 def tree_attention(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_BxTxW, *, block: int,
                    scale: float, interpret: bool = False, pages_BxM=None):
   """`tree_attention.reference` semantics on GPU; `interpret=True` runs it in the Pallas interpreter.
@@ -70,13 +63,11 @@ def tree_attention(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_B
   b, t, h, d = q_BxTxHxD.shape
   n_layers, n_pages, page_size, kv_heads, _ = k_LxNxPxKxD.shape
   w = mask_BxTxW.shape[2]
-  table = jnp.arange(b, dtype=jnp.int32)[:, None] if pages_BxM is None else pages_BxM.astype(jnp.int32)
+  table = layout.table(pages_BxM, b)
   row_pages = table.shape[1]
-  for name, n in (("attention block", block), ("head dim", d)):
-    if n < 16 or n & (n - 1):
-      raise ValueError(f"pallas_gpu needs a power-of-two {name} >= 16, got {n}")
+  layout.require_pow2("pallas_gpu", {"attention block": block, "head dim": d})
   groups = h // kv_heads
-  r, r_pad, w_pad = groups * t, _pow2(groups * t), _pow2(w)
+  r, r_pad, w_pad = groups * t, layout.pow2(groups * t), layout.pow2(w)
   pad = lambda x, axis, n: jnp.pad(x, [(0, n - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
   q = pad(layout.group_queries(q_BxTxHxD, kv_heads), 2, r_pad)
   kw = pad(layout.window(k_LxNxPxKxD, layer, lengths_B, w, pages_BxM), 2, w_pad)
@@ -84,7 +75,7 @@ def tree_attention(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_B
   mask = jnp.pad(layout.group_mask(mask_BxTxW, groups), ((0, 0), (0, r_pad - r), (0, 0)), constant_values=1)
   mask = pad(mask, 2, w_pad)
 
-  splits = max(1, min(page_size * row_pages // block, _PROGRAMS // (b * kv_heads)))
+  splits = layout.splits(page_size * row_pages // block, b * kv_heads)
   rows = lambda n: pl.BlockSpec((None, None, n, d), lambda row, kh, split: (row, kh, 0, 0))
   # Every layer and page of the KV head: the kernel indexes the layer and pages it reads (Triton has
   # no scalar prefetch).
@@ -103,7 +94,5 @@ def tree_attention(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_B
       interpret=interpret,
   )(lengths_B.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), table.reshape(-1), q, k_LxNxPxKxD,
     v_LxNxPxKxD, kw, vw, mask)
-  # Merge the splits' softmax states (flash-decoding); empty splits carry m = NEG and weigh 0.
-  weight = jnp.exp(m - m.max(axis=2, keepdims=True))
-  out = (acc * weight).sum(axis=2) / (l * weight).sum(axis=2)
+  out = layout.merge_splits(m[..., 0], l[..., 0], acc)
   return layout.ungroup(out[:, :, :r].astype(q_BxTxHxD.dtype), t)

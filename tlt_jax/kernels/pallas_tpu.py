@@ -83,7 +83,7 @@ def tree_attention(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_B
   n_layers, n_pages, page_size, kv_heads, _ = k_LxNxPxKxD.shape
   w, groups = mask_BxTxW.shape[2], h // kv_heads
   r, dtype = groups * t, k_LxNxPxKxD.dtype
-  table = jnp.arange(b, dtype=jnp.int32)[:, None] if pages_BxM is None else pages_BxM.astype(jnp.int32)
+  table = layout.table(pages_BxM, b)
   tile = 32 // dtype.itemsize  # rows of a (sublane) tile: 8 for float32, 16 for bfloat16
   if block % tile:
     raise ValueError(f"pallas_tpu needs an attention block that is a multiple of {tile} for {dtype}, got {block}")

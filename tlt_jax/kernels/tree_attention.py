@@ -19,6 +19,9 @@ Implementations, one signature (`attention` picks one):
     Triton backend): fused kernels with the same blockwise cost. They have run only on CPU, in
     the Pallas interpreters, and have been lowered (`jax.export`) for TPU and CUDA; see
     docs/STATUS.md.
+  * `triton` (`triton_gpu.py`): the same op written in `triton.language` and called through
+    `jax_triton`; NVIDIA GPUs only (the `gpu` extra). It has run only in Triton's interpreter on
+    CPU and been lowered for CUDA.
 Decode is the same op with T = W = 1.
 """
 
@@ -28,12 +31,12 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax import sharding
-from tlt_jax.kernels import layout, pallas_gpu, pallas_tpu
+from tlt_jax.kernels import layout, pallas_gpu, pallas_tpu, triton_gpu
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "triton")
 _NATIVE = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}  # backend -> its kernel
-_KERNELS = {"pallas_tpu": pallas_tpu.tree_attention, "pallas_gpu": pallas_gpu.tree_attention}
-
+_KERNELS = {"pallas_tpu": pallas_tpu.tree_attention, "pallas_gpu": pallas_gpu.tree_attention,
+            "triton": triton_gpu.tree_attention}
 
 
 def _check_block(cache_LxNxPxKxD, pages_BxM, block: int):
@@ -106,10 +109,16 @@ def select(impl: str, backend: str) -> tuple[str, bool]:
 
   `auto` and `pallas` take the backend's kernel and fall back to `xla` where it has none (CPU).
   `pallas_tpu` / `pallas_gpu` name one kernel: it runs natively on its hardware and in the
-  Pallas interpreter anywhere else (slow: for tests and checks).
+  Pallas interpreter anywhere else (slow: for tests and checks). `triton` runs on a GPU only
+  (`jax_triton` compiles for the local one): anywhere else it is refused, not replaced.
   """
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"attention implementation {impl!r} is not one of {IMPLEMENTATIONS}")
+  if impl == "triton":
+    if backend != "gpu":
+      raise ValueError(f"attention='triton' needs an NVIDIA GPU (jax_triton compiles its kernel for the local GPU); "
+                       f"the backend here is {backend!r}: use 'xla', or 'pallas_gpu' (Pallas interpreter off a GPU)")
+    return "triton", False
   if impl in ("auto", "pallas"):
     return _NATIVE.get(backend, "xla"), False
   if impl == "xla":
