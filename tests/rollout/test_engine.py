@@ -559,8 +559,7 @@ def long_prompts(n, seed):
   return [rng.randint(2, VOCAB, rng.randint(17, 25)).tolist() for _ in range(n)]
 
 
-@pytest.mark.parametrize("sampling,strategy", [(dict(temperature=1.0, top_p=0.9), None), (dict(temperature=0), "3_2_6"),
-                                               (dict(temperature=1.0), "s3_2_5")])
+@pytest.mark.parametrize("sampling,strategy", [(dict(temperature=1.0, top_p=0.9), None), (dict(temperature=0), "3_2_6")])
 def test_a_paged_cache_gives_the_contiguous_tokens(models, sampling, strategy):
   """18 rows (6 prompts x 3 samples sharing their prompt's first page) through a bucket of 8 with
   16-slot pages: a pool as large as the contiguous cache, and one of 8 pages (one row's worth and
@@ -594,8 +593,8 @@ def test_a_paged_cache_gives_the_contiguous_tokens(models, sampling, strategy):
 
 
 def test_a_paged_cache_on_a_mesh(models):
-  """Rows over two devices with a pool split like them (page tables of global page indices): the
-  single-device contiguous cache's tokens."""
+  """Rows over two devices with a pool split like them (page tables of global page indices), sampled
+  and speculating with suffix drafts: the single-device contiguous cache's tokens."""
   from tlt_jax import sharding
   model = models["qwen2_tied"]
   params = SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=(STOP,), seed=2)
