@@ -559,7 +559,8 @@ def long_prompts(n, seed):
   return [rng.randint(2, VOCAB, rng.randint(17, 25)).tolist() for _ in range(n)]
 
 
-@pytest.mark.parametrize("sampling,strategy", [(dict(temperature=1.0, top_p=0.9), None), (dict(temperature=0), "3_2_6")])
+@pytest.mark.parametrize("sampling,strategy", [(dict(temperature=1.0, top_p=0.9), None),
+                                               (dict(temperature=0), "3_2_6")])
 def test_a_paged_cache_gives_the_contiguous_tokens(models, sampling, strategy):
   """18 rows (6 prompts x 3 samples sharing their prompt's first page) through a bucket of 8 with
   16-slot pages: a pool as large as the contiguous cache, and one of 8 pages (one row's worth and
