@@ -66,7 +66,8 @@ def test_idle_groups_train_one_drafter_losslessly(policy, tmp_path):
     assert 0 < metrics["spot/harvested_device_s"] <= metrics["spot/idle_device_s"]
     assert np.isfinite(metrics["drafter/loss"])
     assert 0 <= metrics["drafter/top1"] <= 1 and metrics["spot/checkpoint_s"] > 0
-    assert metrics["rollout/refills"] >= 0
+    assert metrics["rollout/refills"] >= 0 and metrics["rollout/preemptions"] == 0  # contiguous caches
+    assert 0 < metrics["rollout/peak_rows"] <= 8 and metrics["rollout/peak_pages"] == 0
     assert 0 <= metrics["rollout/tail_share"] <= 1 and 0 <= metrics["rollout/idle_slot_fraction"] <= 1
     # One merged drafter, pushed to every group's engine.
     master = jax.tree.map(np.asarray, trainer.params)
