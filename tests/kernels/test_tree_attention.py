@@ -170,6 +170,20 @@ def test_kernels_under_a_mesh_match_the_reference(impl):
   np.testing.assert_allclose(got, brute_force(q, k[1], v[1], lengths, mask), atol=1e-5, rtol=0)
 
 
+def test_a_paged_cache_under_a_mesh_is_refused_by_the_kernels_and_served_by_the_reference():
+  """Pages are not split with rows, so the per-device kernels refuse them, naming what works; the jnp
+  reference (GSPMD over global page ids) still gives the answer."""
+  q, k, v, lengths, mask = case_inputs(4, 64, 5, 3, "float32")
+  kp, vp, pages = paged(k, v, lengths, mask.shape[2], PAGE)
+  run = lambda impl: jax.jit(lambda q, k, v, lengths, mask, pages: tree_attention.attention(
+      q, k, v, 1, lengths, mask, impl=impl, block=BLOCK, pages_BxM=pages))(q, kp, vp, lengths, mask, pages)
+  with jax.set_mesh(sharding.make_mesh(MESH)):
+    with pytest.raises(ValueError, match="paged cache on one device only .*attention='xla'"):
+      run("pallas_gpu")
+    got = run("xla")
+  np.testing.assert_allclose(got, brute_force(q, k[1], v[1], lengths, mask), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("impl,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
 def test_kernels_lower_for_their_hardware_under_a_mesh(impl, platform):
   mesh = sharding.make_mesh(MESH)

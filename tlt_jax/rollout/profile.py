@@ -16,7 +16,7 @@ after a warm-up, each waited for):
 verify + feed)` what fusing saves.
 
 `count_compilations()` counts what XLA compiles while a block runs: a rollout after its engine's
-`prepare` should count none (DESIGN.md, invariant 3).
+`prepare` should count none (a rollout never compiles: `tlt_jax.rollout.engine`).
 """
 
 from __future__ import annotations
