@@ -564,9 +564,9 @@ def long_prompts(n, seed):
 def test_a_paged_cache_gives_the_contiguous_tokens(models, sampling, strategy):
   """18 rows (6 prompts x 3 samples sharing their prompt's first page) through a bucket of 8 with
   16-slot pages: a pool as large as the contiguous cache, and one of 8 pages (one row's worth and
-  a bit) that forces rows to wait for pages and preempts some, give every row the contiguous
-  cache's tokens, compiling nothing in the rollout; the small pool still has more rows in flight
-  than the one its bytes hold as a contiguous row."""
+  a bit) that forces rows to wait for pages and preempts some (resumed with their tokens), give
+  every row the contiguous cache's tokens, compiling nothing in the rollout; the small pool still
+  has more rows in flight than the one its bytes hold as a contiguous row."""
   model = models["qwen3"]
   params = SamplingParams(max_new_tokens=40, stop_token_ids=(STOP, 2, 3), seed=9, **sampling)
   drafter = Drafter(model.config, rngs=nnx.Rngs(3)) if strategy and not strategy.startswith("s") else None
@@ -587,6 +587,7 @@ def test_a_paged_cache_gives_the_contiguous_tokens(models, sampling, strategy):
     assert m.peak_pages <= engine.config.pool_pages
     if num_pages:
       assert m.preemptions > 0 and m.peak_rows > num_pages // engine.config.pages_per_row, m
+      assert m.resumed_tokens >= m.preemptions  # preempted rows came back with their tokens
     else:
       assert m.preemptions == 0 and m.peak_rows == 8
     if strategy:

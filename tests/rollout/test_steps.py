@@ -1,19 +1,23 @@
 """The step functions on their own: the prefill's and the plain segment's drafter feeds equal
-feeding it pair by pair; a reset and a halving move rows and nothing else."""
+feeding it pair by pair; a reset and a halving move rows and nothing else; a preempted row resumes
+as it was."""
 
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tests.rollout.conftest import CONFIG, STOP, prompts, with_sd
+from tests.rollout.conftest import CONFIG, STOP, configured, prompts, with_sd
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import transformer
 from tlt_jax.models.transformer import KVCache
 from tlt_jax.rollout import speculative, steps as steps_lib
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.speculative import Strategy
 from tlt_jax.rollout.state import SlotRows
 
 
@@ -138,3 +142,69 @@ def test_reset_empties_the_new_rows_slots_and_the_new_prompts_bank_rows(models):
     np.testing.assert_array_equal(getattr(b.cache, name), getattr(a.cache, name))
   assert (b.bank[2] == -1).all()
   np.testing.assert_array_equal(np.delete(b.bank, 2, 0), np.delete(a.bank, 2, 0))
+
+
+def test_resume_brings_a_preempted_row_back_as_it_was(models):
+  """A row decoded for a while, then prefilled again into other pages with its prompt and resumed
+  with its tokens, holds what it held: its outputs and bank region exactly, its target and drafter
+  caches (read through the new pages), last drafter output and captured hidden states up to float
+  noise; its neighbour is untouched."""
+  model = models["qwen3"]
+  drafter = Drafter(model.config, rngs=nnx.Rngs(6))
+  config = configured(CONFIG, strategies=(Strategy.parse("2_2_4"), Strategy.parse("s2_2_4")), capture_hidden=True,
+                      page_size=16, num_pages=18)
+  params = SamplingParams(temperature=1.0, max_new_tokens=64, seed=8)
+  graphdef, weights = nnx.split(model)
+  drafter_graphdef, drafter_weights = nnx.split(drafter)
+  steps = steps_lib.Steps(config, params, model.config, graphdef, drafter_graphdef, jnp.float32)
+  m = config.pages_per_row  # 6 pages of 16 slots per row: row 0 first holds pages 0-5, then 12-17
+  before, after = np.arange(2 * m, dtype=np.int32).reshape(2, m), np.arange(2 * m, 3 * m, dtype=np.int32)
+  after = np.stack([after, before[1]])
+  ps = prompts(2, seed=33)
+  t = 24
+  tokens = np.zeros((2, t), np.int32)
+  for i, p in enumerate(ps):
+    tokens[i, :len(p)] = p
+  lengths = np.asarray([len(p) for p in ps], np.int32)
+  ids = np.arange(2, dtype=np.int32)
+  rows = SlotRows(prompt_index=ids, sample_index=ids * 0, row_id=ids, max_new=np.full((2,), 64, np.int32),
+                  bank_row=ids, bank_offset=np.full((2,), CONFIG.max_prompt_len, np.int32),
+                  bank_room=np.full((2,), 64, np.int32))
+  prefill = jax.jit(steps.prefill)
+  st = prefill(weights, drafter_weights, jax.jit(steps.init)(rows, before), tokens, lengths, ids,
+               np.zeros((2, 0), np.int32), np.zeros((2,), np.int32), before)
+  segment = jax.jit(functools.partial(steps.segment, strategy=None))
+  for _ in range(3):
+    st = segment(weights, drafter_weights, st, 0, before)
+  a = jax.device_get(st)
+  k = int(a.num_generated[0])
+  assert 20 < k < 64 and not a.done.any()
+
+  gone = SlotRows(*[np.asarray([x[0], -1], np.int32) for x in dataclasses.astuple(rows)])
+  st = jax.jit(steps.reset)(st, gone, np.asarray([True, False, False, False, False, False, False, False, False]))
+  st = prefill(weights, drafter_weights, st, tokens[:1], lengths[:1], np.asarray([0, -1], np.int32),
+               np.zeros((1, 0), np.int32), np.zeros((2,), np.int32), after)
+  r = config.resume_bucket(k)
+  kept = np.zeros((r + 1,), np.int32)
+  kept[0], kept[1:k + 1] = ps[0][-1], a.tokens[0, :k]
+  logprobs = np.zeros((r,), np.float32)
+  logprobs[:k] = a.logprobs[0, :k]
+  b = jax.device_get(jax.jit(steps.resume)(weights, drafter_weights, st, np.int32(0), kept, logprobs, np.int32(k),
+                                           after))
+
+  for name in ("tokens", "logprobs", "num_generated", "last_token", "done", "finish", "row_id"):
+    np.testing.assert_array_equal(getattr(b, name), getattr(a, name), err_msg=name)
+  np.testing.assert_array_equal(b.bank, a.bank)
+  np.testing.assert_allclose(b.hidden[:, :k], a.hidden[:, :k], atol=1e-5)
+  np.testing.assert_allclose(b.draft_feat, a.draft_feat, atol=1e-5)
+
+  def held(cache, table, row):  # [L, n, K, D] of the row's first `lengths[row]` slots, read through its pages
+    s = np.arange(cache.lengths[row])
+    return cache.k[:, table[row, s // 16], s % 16], cache.v[:, table[row, s // 16], s % 16]
+
+  for name in ("cache", "drafter_cache"):
+    x, y = getattr(a, name), getattr(b, name)
+    np.testing.assert_array_equal(y.lengths, x.lengths, err_msg=name)
+    for row in (0, 1):
+      for u, v in zip(held(y, after, row), held(x, before, row)):
+        np.testing.assert_allclose(u, v, atol=1e-5, err_msg=f"{name} row {row}")

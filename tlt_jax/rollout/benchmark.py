@@ -168,7 +168,7 @@ def run_paged(model, prompts, num_samples, bucket, paged_bucket, page_size, temp
                     else c.batch_buckets[-1] * c.capacity, "tokens_per_s": round(m.tokens_per_s, 2),
                     "wall_s": round(m.wall_s, 3), "prefill_s": round(m.prefill_s, 3),
                     "prefill_ms_per_row": round(1e3 * m.prefill_s / len(r.samples), 2), "peak_rows": m.peak_rows,
-                    "preemptions": m.preemptions, "refills": m.refills,
+                    "preemptions": m.preemptions, "resumed_tokens": m.resumed_tokens, "refills": m.refills,
                     "mean_response_len": round(float(np.mean([len(s.tokens) for s in r.samples])), 1)})
   tokens = {name: sorted((s.prompt_index, s.sample_index, s.tokens.tolist()) for s in rs[0].samples)
             for name, rs in runs.items()}

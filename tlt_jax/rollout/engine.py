@@ -169,7 +169,8 @@ class Engine:
   def prepare(self, rows: int, prompt_lens: Sequence[int] = ()) -> None:
     """Compiles everything a rollout of `rows` rows needs (no-op for what the pool holds): with more
     rows than the largest bucket, or a paged cache (rows may wait for pages), the slot reset of
-    refill (paged, also preemption's slot drop); or the smaller last wave's executables."""
+    refill (paged, also preemption's slot drop and resumption); or the smaller last wave's
+    executables."""
     cfg = self.config
     largest = cfg.batch_buckets[-1]
     if rows > largest and not cfg.refill and rows % largest:
@@ -187,6 +188,10 @@ class Engine:
     if cfg.paged:
       self._compile(("drop", b0), steps.drop, [state(b0), jax.ShapeDtypeStruct((b0,), jnp.bool_)], state(b0),
                     donate=(0,))
+      for r in cfg.resume_buckets:
+        self._compile(("resume", b0, r), self.steps.resume,
+                      [*params, state(b0), i32(), i32(r + 1), jax.ShapeDtypeStruct((r,), jnp.float32), i32(),
+                       table(b0)], state(b0), donate=(2,))
     for p in self._prefill_sizes(b0):
       for t in sorted({cfg.prompt_bucket(n) for n in prompt_lens} or set(cfg.prompt_buckets)):
         self._compile(("prefill", b0, p, t), self.steps.prefill,
@@ -284,9 +289,9 @@ class Engine:
                            prompt_offset, history)
     samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
     if metrics.preemptions:
-      logging.info("%d rows were preempted and run again: the KV cache's %d pages ran short (peak rows in flight "
-                   "%d; rollout.engine.num_pages sets the pool)", metrics.preemptions, cfg.pool_pages,
-                   metrics.peak_rows)
+      logging.info("%d rows were preempted and resumed (%d tokens prefilled again): the KV cache's %d pages ran "
+                   "short (peak rows in flight %d; rollout.engine.num_pages sets the pool)", metrics.preemptions,
+                   metrics.resumed_tokens, cfg.pool_pages, metrics.peak_rows)
     return Rollout(samples, metrics)
 
   def _bank_rows(self, rows) -> suffix.BankRows | None:
@@ -353,9 +358,10 @@ class Engine:
     first of its samples in flight), finished rows give theirs back at once, and before each play
     every active row takes the pages the play may write; a row enters only if the rows in flight
     keep a play's growth each. When the pool runs short, the rows with the fewest tokens are
-    preempted (their pages freed, back to the front of the queue, run again from their prompt: the
-    same tokens, as sampling keys are positional). The tail compacts only once the
-    pool holds every active row to its budget, so a smaller bucket never preempts.
+    preempted: their pages freed, their tokens kept on the host, back to the front of the queue;
+    when a row comes back, its prompt and its tokens are prefilled again (`Steps.resume`) and it
+    goes on where it stopped. The tail compacts only once the pool holds every active row to its
+    budget, so a smaller bucket never preempts.
     """
     cfg, pool = self.config, self.pool
     b = cfg.bucket(min(len(rows), cfg.batch_buckets[-1]))
@@ -366,6 +372,7 @@ class Engine:
     waiting = collections.deque(range(len(rows)))
     slot_row = np.full((b,), -1)  # the host's view of which row each slot holds
     entered = np.zeros((b,), np.int64)  # when it entered (of rows as far along, preemption takes the latest)
+    kept: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # a preempted row's tokens and log-probs
     clock = itertools.count()
     table = lambda: None if pages is None else pages.table(slot_row)
     b0, window = b, max([s.window for s in cfg.strategies] + [1])
@@ -375,9 +382,10 @@ class Engine:
 
     def entry(r: int) -> tuple:  # what admitting row r needs: (prompt, prompt len, slots, pages to leave free)
       # Headroom: the rows already in flight keep a play's growth each, so admission does not
-      # preempt them at the next play (preemption throws a row's decoded tokens away).
-      play = cfg.play_slots(None)
-      return rows[r][0], prompt_lens[r], slots_for(r, prompt_lens[r] + play), pages.rows * -(-play // cfg.page_size)
+      # preempt them at the next play (a preempted row's tokens are prefilled again).
+      play, resumed = cfg.play_slots(None), len(kept[r][0]) - 1 if r in kept else 0
+      return (rows[r][0], prompt_lens[r], slots_for(r, prompt_lens[r] + resumed + play),
+              pages.rows * -(-play // cfg.page_size))
 
     def admit(free_slots) -> tuple[np.ndarray, np.ndarray]:
       """Waiting rows into `free_slots` while the pool has their pages: (slot -> new row, -1: none;
@@ -398,12 +406,23 @@ class Engine:
       return new, write_from
 
     def enter(st, new, write_from, t0):
-      """Prefills the rows `admit` put in slots `new` and counts them in: (state, host counters)."""
+      """Prefills the rows `admit` put in slots `new` (preempted ones: with their tokens) and counts
+      them in: (state, host counters)."""
       st = self._prefill_slots(st, prompts, rows, new, history, write_from, table())
+      back = [(slot, r) for slot, r in enumerate(new) if r in kept]
+      for slot, r in back:
+        tokens, logprobs = kept.pop(r)
+        n = len(tokens)
+        size = cfg.resume_bucket(n)
+        tokens = np.concatenate([[prompts[rows[r][0]][-1]], tokens, np.zeros((size - n,), np.int32)]).astype(np.int32)
+        logprobs = np.concatenate([logprobs, np.zeros((size - n,), np.float32)]).astype(np.float32)
+        st = pool[("resume", b, size)](self.params, self.drafter_params, st, np.int32(slot), tokens, logprobs,
+                                       np.int32(n), table())
+        metrics.resumed_tokens += n
       host = _Counters.read(st)
       self._check_drafter(st, metrics)
       metrics.prefill_s += time.perf_counter() - t0
-      entering = int((new >= 0).sum())
+      entering = int((new >= 0).sum()) - len(back)  # a preempted row's tokens were counted before
       metrics.tokens += entering
       on_progress(int(host.done[new >= 0].sum()), entering)
       return st, host
@@ -478,7 +497,9 @@ class Engine:
             raise RuntimeError(f"the page pool ({pages.num_pages} pages) cannot hold the rows of bucket {b}")
           pages.release(slot_row[victim])
           waiting.appendleft(slot_row[victim])
-          metrics.tokens -= int(host.generated[victim])
+          k = int(host.generated[victim])
+          tokens, logprobs = jax.device_get((st.tokens, st.logprobs))  # whole arrays: a slice would compile
+          kept[slot_row[victim]] = tokens[victim, :k], logprobs[victim, :k]
           metrics.preemptions += 1
           slot_row[victim] = -1
           st = pool[("drop", b)](st, np.arange(b) == victim)

@@ -33,6 +33,14 @@ from tlt_jax.rollout.speculative import Strategy
 FINISH_REASONS = ("running", "stop", "length")  # `RowState.finish` indexes it
 
 
+def _padded_lengths(limit: int) -> tuple[int, ...]:
+  """Powers of two from 16, the last one `limit` itself."""
+  sizes = [16]
+  while sizes[-1] < limit:
+    sizes.append(sizes[-1] * 2)
+  return tuple(min(s, limit) for s in sizes)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """What an `Engine` compiles for: its shapes, buckets and draft strategies (each field says what it sets).
@@ -129,10 +137,7 @@ class EngineConfig:
   @property
   def prompt_buckets(self) -> tuple[int, ...]:
     """Padded prompt lengths: powers of two from 16, the last one max_prompt_len itself."""
-    sizes = [16]
-    while sizes[-1] < self.max_prompt_len:
-      sizes.append(sizes[-1] * 2)
-    return tuple(min(s, self.max_prompt_len) for s in sizes)
+    return _padded_lengths(self.max_prompt_len)
 
   def bucket(self, rows: int) -> int:
     """The smallest batch bucket that holds `rows` rows."""
@@ -141,6 +146,14 @@ class EngineConfig:
   def prompt_bucket(self, n: int) -> int:
     """The padded length of a prompt of `n` tokens (`n <= max_prompt_len`)."""
     return next(t for t in self.prompt_buckets if t >= n)
+
+  @property
+  def resume_buckets(self) -> tuple[int, ...]:
+    """Padded lengths of a preempted row's tokens prefilled again (`Steps.resume`; a paged cache)."""
+    return _padded_lengths(self.max_new_tokens) if self.paged else ()
+
+  def resume_bucket(self, n: int) -> int:
+    return next(t for t in self.resume_buckets if t >= n)
 
   @property
   def refill_chunk(self) -> int:
@@ -260,6 +273,7 @@ class RolloutMetrics:
   drafter_nonfinite: bool = False  # the drafter's outputs were NaN/inf: speculation was turned off
   refills: int = 0  # times waiting rows were prefilled into finished rows' slots
   preemptions: int = 0  # rows sent back to wait because the paged cache ran out of pages
+  resumed_tokens: int = 0  # tokens preempted rows held, prefilled again when they came back (not decoded again)
   peak_rows: int = 0  # most rows in flight at once
   peak_pages: int = 0  # most pages held at once (paged caches)
   started: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (prompt, sample) in batch-entry order
@@ -313,7 +327,8 @@ class RolloutMetrics:
            "rollout/sd_share": self.sd_s / max(self.wall_s, 1e-9), "rollout/accept_len": self.accept_len,
            "rollout/verify_passes": self.verify_passes, "rollout/drafter_nonfinite": int(self.drafter_nonfinite),
            "rollout/refills": self.refills, "rollout/preemptions": self.preemptions,
-           "rollout/peak_rows": self.peak_rows, "rollout/peak_pages": self.peak_pages,
+           "rollout/resumed_tokens": self.resumed_tokens, "rollout/peak_rows": self.peak_rows,
+           "rollout/peak_pages": self.peak_pages,
            "rollout/tail_share": self.tail_share, "rollout/idle_slot_fraction": self.idle_slot_fraction}
     for s in self.segments:
       key = f"rollout/steps/b{s.bucket}"

@@ -90,7 +90,7 @@ def with_pages(st: RowState, pages_BxM) -> RowState:
 
 
 def drop(st: RowState, drop_B) -> RowState:
-  """Empties the slots `drop_B` (bool [B]) without harvesting them: preempted rows, run again later."""
+  """Empties the slots `drop_B` (bool [B]) without harvesting them: preempted rows, resumed later."""
   return dataclasses.replace(st, done=st.done | drop_B, row_id=jnp.where(drop_B, -1, st.row_id))
 
 
@@ -262,6 +262,49 @@ class Steps:
     dcache = write(st.drafter_cache, shared, last)
     first = Pairs(features[src][rows, last][:, None], acc.tokens[:, :1], sel.astype(jnp.int32))
     return self.feed_drafter(model, drafter, dataclasses.replace(st, drafter_cache=dcache), first, None)
+
+  def resume(self, params, drafter_params, st: RowState, slot, tokens_R1, logprobs_R, count, pages_BxM) -> RowState:
+    """Brings a preempted row back where it stopped (a paged cache): slot `slot` (int32 scalar) was
+    just prefilled with the row's prompt; its `count` tokens generated before preemption
+    (`tokens_R1[1:count + 1]`, with their `logprobs_R`; `tokens_R1[0]` is the prompt's last token)
+    are prefilled after the prompt in one chunk instead of being decoded again, and they replace
+    the prefill's sample.
+
+    The chunk starts one slot back, at the prompt's last token, so its outputs are the features of
+    every generated token: captured hidden states are written as decoding writes them, and the
+    drafter is fed the row's pairs (f_p, x_{p+1}) from there. The row's cache then holds its prompt
+    and all but its last generated token, its next input, as if it had never left.
+    """
+    model, drafter = self.models(params, drafter_params)
+    st = with_pages(st, pages_BxM)
+    b, r = st.last_token.shape[0], logprobs_R.shape[0]
+    sel = jnp.arange(b) == slot
+    chain, generated = tokens_R1[None, :-1], tokens_R1[None, 1:]
+
+    def row(cache: KVCache) -> KVCache:  # the slot's view of the pool, rewound to the prompt's last token
+      return dataclasses.replace(cache, pages=cache.pages[slot][None], lengths=cache.lengths[slot][None] - 1)
+
+    def put(cache: KVCache, view: KVCache) -> KVCache:  # the pool the view wrote, the slot's new length
+      return dataclasses.replace(view, pages=cache.pages, lengths=cache.lengths.at[slot].set(view.lengths[0]))
+
+    layers = drafter.feature_layers if drafter is not None else ()
+    out = transformer.prefill(model, chain, count[None], row(st.cache), hidden_layers=layers)
+    st = dataclasses.replace(st, cache=put(st.cache, out.cache), num_generated=jnp.where(sel, 0, st.num_generated),
+                             done=st.done & ~sel, finish=jnp.where(sel, 0, st.finish))
+    zeros = jnp.zeros((b,), bool)
+    acc = speculative.Accepted(tokens=jnp.broadcast_to(generated, (b, r)),
+                               logprobs=jnp.broadcast_to(logprobs_R, (b, r)), nodes=jnp.zeros((b, r), jnp.int32),
+                               count=jnp.where(sel, count, 0), stop=zeros, length=zeros)
+    st = record(st, jnp.zeros((b,), jnp.int32), acc, jnp.broadcast_to(out.hidden, (b, r, out.hidden.shape[-1])))
+    if drafter is None:
+      return st
+    features = drafter.target_features(out.hidden, out.aux_hidden)
+    fed, dcache = self._drafter_pass(model, drafter, row(st.drafter_cache), features, generated, None)
+    last = fed[0, jnp.maximum(count - 1, 0)]
+    return dataclasses.replace(st, drafter_cache=put(st.drafter_cache,
+                                                     dataclasses.replace(dcache, lengths=dcache.lengths + count)),
+                               draft_feat=st.draft_feat.at[slot].set(last.astype(st.draft_feat.dtype)),
+                               drafter_finite=st.drafter_finite.at[slot].set(jnp.isfinite(last).all()))
 
   def verify_step(self, model, drafter, st: RowState, tree: speculative.Tree, depth: int) -> Verified:
     """Verifies `tree` (paths at most `depth` below the root) for every active row and commits the

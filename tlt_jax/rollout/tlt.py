@@ -27,8 +27,8 @@ features), so every process returns all samples. A process whose groups are all 
 `poll_s`; asynchronous per-process rounds would save those round trips but let the copies drift.
 
 Metrics (`generate`'s): drafter/{steps,loss,loss_last,top1,eval_loss,version,version_used,restored},
-rollout/{accept_len,tokens,refills,preemptions (summed over groups),tail_share,idle_slot_fraction (group
-means),peak_rows,peak_pages (the busiest group's)},
+rollout/{accept_len,tokens,refills,preemptions,resumed_tokens (summed over groups),tail_share,
+idle_slot_fraction (group means),peak_rows,peak_pages (the busiest group's)},
 spot/{groups,idle_device_s,harvested_device_s,train_rounds,overrun_s,gap_s,checkpoint_s,wall_s}.
 The state (`state_dict`) is the drafter trainer's (params, optimizer, data buffer, version, RL
 step) and the bandits'. Executables (every group's engine and gradient step, the update, the
@@ -271,6 +271,7 @@ class TLTRollout(BaseRollout):
         "rollout/tokens": float(sum(r.metrics.tokens for r in results)),
         "rollout/refills": float(sum(r.metrics.refills for r in results)),
         "rollout/preemptions": float(sum(r.metrics.preemptions for r in results)),
+        "rollout/resumed_tokens": float(sum(r.metrics.resumed_tokens for r in results)),
         "rollout/peak_rows": float(max(r.metrics.peak_rows for r in results)),
         "rollout/peak_pages": float(max(r.metrics.peak_pages for r in results)),
         "rollout/tail_share": float(np.mean([r.metrics.tail_share for r in results])),
