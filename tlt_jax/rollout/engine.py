@@ -451,7 +451,7 @@ class Engine:
           if pages.holds(slot_row[slot]):
             pages.release(slot_row[slot])
       active = int((~host.done).sum())
-      blocked = False  # rows wait for pages, not slots
+      blocked = False  # rows wait for pages (to enter, or for the tail to compact), not slots
       if waiting and b - active >= min(cfg.refill_chunk, len(waiting)):
         r = waiting[0]
         if pages is None or pages.fits(*entry(r)):
@@ -464,9 +464,12 @@ class Engine:
           metrics.refills += 1
           continue
         blocked = True
-      if not waiting and cfg.compact and cfg.bucket(active) < b and (pages is None or sum(
+      shrink = not waiting and cfg.compact and cfg.bucket(active) < b
+      if shrink and pages is not None and sum(
           pages.missing(slot_row[i], prompt_lens[slot_row[i]], slots_for(slot_row[i], 1 << 30))
-          for i in np.flatnonzero(~host.done)) <= pages.free):
+          for i in np.flatnonzero(~host.done)) > pages.free:
+        shrink, blocked = False, True  # the pool cannot hold the rows to their budgets yet: wait for one to finish
+      if shrink:
         t0 = time.perf_counter()
         out += harvest(st)
         done = host.done
@@ -510,8 +513,9 @@ class Engine:
         metrics.peak_pages = max(metrics.peak_pages, pages.held)
       metrics.peak_rows = max(metrics.peak_rows, active)
       # The play ends on the device once enough slots are free for a refill (paged, when rows wait
-      # for pages: once a row finishes), or, with nothing waiting, once a smaller bucket fits the
-      # active rows (compaction); before the tail, once the tail begins (the bandit's turn).
+      # for pages, or the tail for the pages to compact: once a row finishes), or, with nothing
+      # waiting, once a smaller bucket fits the active rows (compaction); before the tail, once the
+      # tail begins (the bandit's turn).
       n_waiting = len(waiting)
       stop_at = b - min(cfg.refill_chunk, n_waiting) if n_waiting else (b // 2 if cfg.compact else 0)
       if blocked:
