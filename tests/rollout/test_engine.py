@@ -491,8 +491,8 @@ def test_refill_equals_rows_run_one_by_one_and_in_waves(models, sampling, strate
   assert not compiles, f"the refilled rollout compiled {compiles}"
   m = refilled.metrics
   assert m.refills > 0 and max(m.buckets()) == 8 and ("reset", 8) in engine.pool.keys()
-  # A refill of a chunk of 2 slots prefills 2 prompts per call, not a full call's 8.
-  assert {k[2] for k in engine.pool.keys() if k[:2] == ("prefill", 8)} == {2, 8}
+  # A refill of a chunk of 2 slots prefills 2 prompts per call (one prompt's samples: 1), not a full call's 8.
+  assert {k[2] for k in engine.pool.keys() if k[:2] == ("prefill", 8)} == {1, 2, 8}
   assert sorted(m.started) == [(i, j) for i in range(6) for j in range(3)]
   assert m.tokens == sum(len(s.tokens) for s in refilled.samples)
   assert sum(s.tokens for s in m.segments) + len(refilled.samples) == m.tokens  # each row's first token: its prefill

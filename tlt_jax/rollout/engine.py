@@ -213,13 +213,15 @@ class Engine:
 
   def _prefill_sizes(self, bucket: int) -> tuple[int, ...]:
     """Unique prompts per prefill call at `bucket`: up to `prefill_batch`; at the largest bucket of
-    a refilling engine also the (power of two) size of a refill chunk, so bringing in a few rows
-    does not prefill a full call's padding. The same for every rollout: what one prepared, all use."""
+    a refilling engine also the (power of two) size of a refill chunk and a single prompt (a refill
+    of one prompt's samples, common with GRPO groups, or a preempted row coming back), so bringing
+    in a few rows does not prefill a full call's padding. The same for every rollout: what one
+    prepared, all use."""
     cfg = self.config
     full = min(cfg.prefill_batch, bucket)
     if not cfg.refill or bucket < cfg.batch_buckets[-1]:
       return (full,)
-    return tuple(sorted({min(full, 1 << (cfg.refill_chunk - 1).bit_length()), full}))
+    return tuple(sorted({1, min(full, 1 << (cfg.refill_chunk - 1).bit_length()), full}))
 
   @staticmethod
   def _segment_key(bucket: int, strategy: Strategy | None) -> tuple:
