@@ -21,6 +21,14 @@ from tlt_jax.rollout.speculative import Strategy
 from tlt_jax.rollout.state import SlotRows
 
 
+def padded(ps, t=24):
+  """The prompts `ps` right-padded to t tokens, and their lengths."""
+  tokens = np.zeros((len(ps), t), np.int32)
+  for i, p in enumerate(ps):
+    tokens[i, :len(p)] = p
+  return tokens, np.asarray([len(p) for p in ps], np.int32)
+
+
 def slot_rows(row_id, max_new):
   """Slot b holds row `row_id[b]`, of prompt `row_id[b]`, sample 0, with no bank."""
   zeros = row_id * 0
@@ -35,12 +43,8 @@ def test_prefill_feeds_the_drafter_each_rows_prompt_pairs(models):
   drafter = Drafter(model.config, rngs=nnx.Rngs(5))
   engine = Engine(model, with_sd(CONFIG, "2_2_4"), SamplingParams(temperature=1.0, max_new_tokens=64, seed=4,
                                                                    stop_token_ids=(STOP,)), drafter=drafter)
-  ps = prompts(3, seed=31)
   t = 24
-  tokens = np.zeros((3, t), np.int32)
-  for i, p in enumerate(ps):
-    tokens[i, :len(p)] = p
-  lengths = np.asarray([len(p) for p in ps], np.int32)
+  tokens, lengths = padded(prompts(3, seed=31), t)
   row_prompt = np.asarray([0, 0, 1, 2, 2, 2, -1, -1], np.int32)  # 2, 1 and 3 samples; 2 empty rows
   ids = np.arange(8, dtype=np.int32)
   st = jax.jit(engine.steps.init)(slot_rows(ids, np.full((8,), 64, np.int32)))
@@ -70,17 +74,13 @@ def test_plain_segments_keep_the_drafter_cache_current(models):
   engine = Engine(model, with_sd(CONFIG, "2_2_4"), SamplingParams(temperature=1.0, max_new_tokens=64, seed=3,
                                                                    stop_token_ids=(STOP,)),
                   drafter=Drafter(model.config, rngs=nnx.Rngs(7)))
-  ps = prompts(4, seed=30)
-  tokens = np.zeros((4, 24), np.int32)
-  for i, p in enumerate(ps):
-    tokens[i, :len(p)] = p
+  tokens, lengths = padded(prompts(4, seed=30))
   ids = np.arange(4, dtype=np.int32)
   budgets = np.asarray([3, 64, 64, 64], np.int32)  # row 0 ends inside the segment
   steps = engine.steps
   st = jax.jit(steps.init)(slot_rows(ids, budgets))
-  st = jax.jit(steps.prefill)(engine.params, engine.drafter_params, st, tokens,
-                              np.asarray([len(p) for p in ps], np.int32), ids, np.zeros((4, 0), np.int32),
-                              np.zeros((4,), np.int32))
+  st = jax.jit(steps.prefill)(engine.params, engine.drafter_params, st, tokens, lengths, ids,
+                              np.zeros((4, 0), np.int32), np.zeros((4,), np.int32))
   chunked = jax.jit(functools.partial(steps.segment, strategy=None))(engine.params, engine.drafter_params, st, 0)
 
   @jax.jit
@@ -161,11 +161,7 @@ def test_resume_brings_a_preempted_row_back_as_it_was(models):
   before, after = np.arange(2 * m, dtype=np.int32).reshape(2, m), np.arange(2 * m, 3 * m, dtype=np.int32)
   after = np.stack([after, before[1]])
   ps = prompts(2, seed=33)
-  t = 24
-  tokens = np.zeros((2, t), np.int32)
-  for i, p in enumerate(ps):
-    tokens[i, :len(p)] = p
-  lengths = np.asarray([len(p) for p in ps], np.int32)
+  tokens, lengths = padded(ps)
   ids = np.arange(2, dtype=np.int32)
   rows = SlotRows(prompt_index=ids, sample_index=ids * 0, row_id=ids, max_new=np.full((2,), 64, np.int32),
                   bank_row=ids, bank_offset=np.full((2,), CONFIG.max_prompt_len, np.int32),
