@@ -1,6 +1,6 @@
-"""BEG-MAB: buckets, unseen arms first, median exploitation, epsilon exploration, state round trip,
-and its goals on synthetic reward tables (best arm >= 90% after warm-up, tracking a
-change of the best arm, SD off where speculation is slower)."""
+"""BEG-MAB: buckets, unseen arms first, median exploitation, epsilon exploration (each play says
+whether it explores), state round trip, and its goals on synthetic reward tables (best arm >= 90%
+after warm-up, tracking a change of the best arm, SD off where speculation is slower)."""
 
 import json
 
@@ -25,16 +25,17 @@ def test_unseen_arms_first_then_the_best_median():
   bandit = Bandit([A, B], epsilon=0.0)
   played = []
   for _ in range(3):
-    arm = bandit.choose(1)
+    arm, explores = bandit.choose(1)
+    assert explores  # an arm without a reward is measured
     played.append(arm)
     bandit.update(1, arm, tokens={None: 100, A: 300, B: 200}[arm], seconds=1.0)
   assert played == [None, A, B]  # SD off is an arm of every bucket
-  assert bandit.choose(1) == A
+  assert bandit.choose(1) == (A, False)
   # The median ignores one outlier: a single huge reward for B does not make it the best.
   for r in (150, 10_000, 160):
     bandit.update(1, B, r, 1.0)
-  assert bandit.choose(1) == A
-  assert bandit.choose(30) is None  # another bucket starts from scratch
+  assert bandit.choose(1) == (A, False)
+  assert bandit.choose(30) == (None, True)  # another bucket starts from scratch
   bandit.update(30, None, 10, 1.0)
   assert bandit.stats()["21+"]["off"] == {"plays": 1, "median_tokens_per_s": 10.0}
 
@@ -44,14 +45,16 @@ def test_epsilon_explores_and_the_window_forgets():
   for arm, r in ((None, 1), (A, 100), (B, 1)):
     bandit.update(1, arm, r, 1.0)
   picks = [bandit.choose(1) for _ in range(400)]
-  assert 0.6 < picks.count(A) / 400 < 0.75  # 1 - eps + eps / 3 = 0.67
+  assert 0.6 < [arm for arm, _ in picks].count(A) / 400 < 0.75  # 1 - eps + eps / 3 = 0.67
+  assert 0.4 < sum(explores for _, explores in picks) / 400 < 0.6  # the epsilon picks explore
+  assert all(arm == A for arm, explores in picks if not explores)
   bandit.update(1, A, 0, 1.0)
   assert bandit.stats()["1"]["4_1_5"]["median_tokens_per_s"] == 50  # median of 100 and 0
   bandit.update(1, A, 0, 1.0)  # A's window holds its last 2 rewards
   assert bandit.stats()["1"]["4_1_5"]["median_tokens_per_s"] == 0
   for _ in range(2):  # the bucket's horizon holds 2 x 3 plays: SD off's and B's fall out
     bandit.update(1, A, 0, 1.0)
-  assert bandit.choose(1) is None  # an arm with no reward left in the window is retried first
+  assert bandit.choose(1) == (None, True)  # an arm with no reward left in the window is retried first
 
 
 def test_state_round_trips_through_json():
@@ -86,7 +89,7 @@ def play(bandit, table, plays, rng):
   chosen = np.zeros((plays, len(ROWS)), np.int64)
   for t in range(plays):
     for b, rows in enumerate(ROWS):
-      a = ARMS.index(bandit.choose(rows))
+      a = ARMS.index(bandit.choose(rows)[0])
       chosen[t, b] = a
       bandit.update(rows, ARMS[a], tokens=table[b, a] * rng.lognormal(0, 0.3), seconds=1.0)
   return chosen
@@ -125,7 +128,7 @@ def test_choose_among_allowed_arms():
   b = Bandit([A, B], epsilon=1.0, seed=0)
   played = set()
   for _ in range(100):
-    arm = b.choose(1, allowed=[B])
+    arm, _ = b.choose(1, allowed=[B])
     b.update(1, arm, tokens=10, seconds=1.0)
     played.add(arm)
   assert played == {None, B}

@@ -288,7 +288,7 @@ def test_the_bank_follows_prompts_through_compaction(models):
   st = engine.pool[("init", 4)](engine._slot_rows(rows, slots, [6, 40], 0, bank), None)
   st = engine._prefill_slots(st, ps, rows, slots, None, np.zeros((4,), np.int32), None)
   params = engine.params, engine.drafter_params
-  st = engine.pool[("plain", 4)](*params, st, np.int32(0), None)
+  st = engine.pool[("plain", 4)](*params, st, np.int32(0), None, np.int32(8))
 
   def check(st, expected):
     host = jax.device_get(st)
@@ -309,7 +309,7 @@ def test_the_bank_follows_prompts_through_compaction(models):
   assert host.done[:2].all() and not host.done[2:].any()  # prompt 0's budget of 6 is used up
   check(st, tokens)
   st = engine.pool[("halve", 2, 4)](st, np.asarray([3, 2], np.int32))  # prompt 1's rows, in reverse order
-  st = engine.pool[("speculate", 2, "s3_2_5")](*params, st, np.int32(0), None)
+  st = engine.pool[("speculate", 2, "s3_2_5")](*params, st, np.int32(0), None, np.int32(8))
   host = jax.device_get(st)
   assert host.sample_index.tolist() == [1, 0] and (host.num_generated > 12).all()
   tokens.update({rows[3 - r]: host.tokens[r, :host.num_generated[r]] for r in range(2)})
@@ -370,7 +370,7 @@ def test_speculative_first_three_tokens_follow_plain_sampling(drafter_kind):
 
 def test_bandit_picks_strategies_losslessly_without_compiling(models):
   """One segment executable per (bucket, arm); the bandit plays every arm (EAGLE, suffix, SD off),
-  outputs equal plain greedy ones, nothing compiles inside the rollouts."""
+  exploring in short plays, outputs equal plain greedy ones, nothing compiles inside the rollouts."""
   model = models["qwen3"]
   strategies = (Strategy.parse("3_1_3"), Strategy.parse("2_2_3"), Strategy.parse("s3_2_4"))
   config = EngineConfig(**{**CONFIG.__dict__, "strategies": strategies, "sd_max_batch": 4})
@@ -392,6 +392,8 @@ def test_bandit_picks_strategies_losslessly_without_compiling(models):
   assert all(sample_set(r) == expected for r in rollouts)
   plays = {arm: sum(b[arm]["plays"] for b in bandit.stats().values()) for arm in ("off", "3_1_3", "2_2_3", "s3_2_4")}
   assert all(n > 0 for n in plays.values())  # every arm, SD off included, was tried
+  probes = [s for r in rollouts for s in r.metrics.segments if s.probe]
+  assert len(probes) >= 4 and all(s.tail for s in probes)  # each arm's first play explores
   summaries = [r.metrics.summary() for r in rollouts]
   assert summaries[0]["rollout/sd_s"] > 0  # unseen arms first: the first rollout speculates
   assert sum(v for s in summaries for k, v in s.items() if k.startswith("bandit/")) == sum(plays.values())
@@ -401,8 +403,10 @@ def test_bandit_picks_strategies_losslessly_without_compiling(models):
     assert summary["rollout/sd_s"] + summary["rollout/plain_s"] == pytest.approx(m.decode_s)
     assert 0 <= summary["rollout/sd_share"] < 1
     assert summary["rollout/accept_len"] >= 1 or summary["rollout/sd_s"] == 0
-    # A play is one segment of up to segment_steps iterations; its steps are its longest row's.
+    # A play is one segment of up to segment_steps iterations; its steps are its longest row's. An
+    # exploring play (an arm measured) runs a quarter of that.
     assert all(1 <= s.steps <= CONFIG.segment_steps and s.steps <= s.passes for s in m.segments)
+    assert all(s.steps <= CONFIG.probe_steps < CONFIG.segment_steps for s in m.segments if s.probe)
     assert sum(v for k, v in summary.items() if k.startswith("rollout/steps/")) == sum(s.steps for s in m.segments)
     assert all(isinstance(v, (int, float)) for v in summary.values())
   with pytest.raises(ValueError, match="need a bandit"):

@@ -5,9 +5,11 @@ the tokens it emitted per second of wall time, measured after a device sync. Eac
 a sliding window of rewards: each arm's last `window` rewards, among the bucket's last
 `window x arms` plays. `choose` plays arms with no reward in the window first, then explores a
 uniformly random arm with probability epsilon, else exploits the arm with the highest MEDIAN
-windowed reward. The bucket-wide horizon makes rarely played arms' rewards expire too: a
-strategy that got better (a drafter trained further) is re-learnt within about two windows of
-plays, and an arm the bucket never chooses any more is retried once per horizon.
+windowed reward; it says which plays explore, and the engine makes those short (a reward is a
+rate, so a short play measures it too, at a fraction of a bad arm's cost). The bucket-wide
+horizon makes rarely played arms' rewards expire too: a strategy that got better (a drafter
+trained further) is re-learnt within about two windows of plays, and an arm the bucket never
+chooses any more is retried once per horizon.
 Unlike the reference, every bucket also holds the "SD off" arm (`None`), so speculation switches
 itself off wherever it loses. The state is a plain JSON-able dict (checkpointed with the run).
 """
@@ -61,16 +63,17 @@ class Bandit:
       rewards[a].append(r)
     return [float(np.median(r[-self.window:])) if r else None for r in rewards]
 
-  def choose(self, active_rows: int, allowed: Sequence[Arm] | None = None) -> Arm:
-    """The arm of the next play at `active_rows`, among `allowed` (default: every arm; SD off always is)."""
+  def choose(self, active_rows: int, allowed: Sequence[Arm] | None = None) -> tuple[Arm, bool]:
+    """The arm of the next play at `active_rows`, among `allowed` (default: every arm; SD off always
+    is), and whether the play explores (an arm without a reward in the window, or an epsilon pick)."""
     allowed = self.arms if allowed is None else (None, *(a for a in allowed if a is not None))
     index = [self.arms.index(a) for a in allowed]
     medians = [self._medians(self.bucket(active_rows))[i] for i in index]
     if None in medians:
-      return allowed[medians.index(None)]
+      return allowed[medians.index(None)], True
     if self._rng.random() < self.epsilon:
-      return allowed[self._rng.integers(len(allowed))]
-    return allowed[int(np.argmax(medians))]
+      return allowed[self._rng.integers(len(allowed))], True
+    return allowed[int(np.argmax(medians))], False
 
   def update(self, active_rows: int, arm: Arm, tokens: int, seconds: float) -> None:
     b, a = self.bucket(active_rows), self.arms.index(arm)

@@ -11,7 +11,8 @@ smaller bucket, it compacts them, so the long tail runs a small executable inste
 finished rows along.
 
 In the tail (at most `sd_max_batch` active rows) the arm, SD off or a strategy, is chosen
-before every play, and a play is one segment of that arm: one executable per (bucket, strategy).
+before every play, and a play is one segment of that arm: one executable per (bucket, strategy);
+a play the bandit explores with runs a quarter of the iterations (`EngineConfig.probe_steps`).
 The host syncs after each play, so its wall time and emitted tokens give the bandit a reward.
 
 Paged (`EngineConfig.page_size`): the caches are a pool of pages shared by the rows through
@@ -202,7 +203,7 @@ class Engine:
         continue
       for s in (None, *(cfg.strategies if self._uses_sd(b) else ())):
         self._compile(self._segment_key(b, s), functools.partial(self.steps.segment, strategy=s),
-                      [*params, state(b), i32(), table(b)], state(b), donate=(2,))
+                      [*params, state(b), i32(), table(b), i32()], state(b), donate=(2,))
       if b > 1 and cfg.compact:
         self._compile(("halve", b // 2, b), steps.halve, [state(b), i32(b // 2)], state(b // 2))
 
@@ -487,9 +488,9 @@ class Engine:
       arms = [s for s in cfg.strategies if s.suffix or not metrics.drafter_nonfinite]
       speculating = self._uses_sd(b) and bool(arms)
       tail = speculating and active <= cfg.sd_max_batch
-      strategy = None
+      strategy, probe = None, False
       if tail:
-        strategy = arms[0] if self.bandit is None else self.bandit.choose(active, arms)
+        strategy, probe = (arms[0], False) if self.bandit is None else self.bandit.choose(active, arms)
       if pages is not None:  # every active row takes the pages this play may write, preempting if short
         while True:
           slots = np.flatnonzero(~host.done)
@@ -525,7 +526,8 @@ class Engine:
       if speculating and not tail:
         stop_at = max(stop_at, cfg.sd_max_batch)
       t0 = time.perf_counter()
-      st = pool[self._segment_key(b, strategy)](self.params, self.drafter_params, st, np.int32(stop_at), table())
+      st = pool[self._segment_key(b, strategy)](self.params, self.drafter_params, st, np.int32(stop_at), table(),
+                                                np.int32(cfg.probe_steps if probe else cfg.segment_steps))
       before, host = host, _Counters.read(st)  # waits for the play
       seconds = time.perf_counter() - t0
       self._check_drafter(st, metrics)
@@ -535,7 +537,7 @@ class Engine:
       metrics.tokens += produced
       metrics.segments.append(SegmentRecord(b, active, produced, seconds, strategy and strategy.name,
                                             passes=int(passes.sum()), steps=int(passes.max()), tail=tail,
-                                            waiting=n_waiting))
+                                            waiting=n_waiting, probe=probe))
       if self.bandit is not None and tail:
         self.bandit.update(active, strategy, produced, seconds)
       on_progress(active - int((~host.done).sum()), produced)

@@ -127,7 +127,7 @@ def phase_times(engine: Engine, prompts: Sequence[Sequence[int]], strategy: Stra
     state = jax.tree.map(lambda x: x.copy(), st)  # the executable donates its state
     jax.block_until_ready(state)
     t0 = time.perf_counter()
-    done = segment(*params, state, np.int32(0), None)
+    done = segment(*params, state, np.int32(0), None, np.int32(cfg.segment_steps))
     passes, generated = jax.device_get((done.passes, done.num_generated))  # waits, as the host loop's sync does
     return time.perf_counter() - t0, passes.sum(), generated.sum() - int(jax.device_get(st.num_generated).sum())
 

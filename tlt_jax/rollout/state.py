@@ -128,6 +128,11 @@ class EngineConfig:
     """Pages in the pool of a paged cache."""
     return self.num_pages or self.batch_buckets[-1] * self.pages_per_row
 
+  @property
+  def probe_steps(self) -> int:
+    """Iterations of a play the bandit explores with: a quarter of a segment."""
+    return max(1, self.segment_steps // 4)
+
   def play_slots(self, strategy: Strategy | None) -> int:
     """Cache slots past a row's length that one play of `strategy` (None: plain) may write."""
     if strategy is None:
@@ -259,6 +264,7 @@ class SegmentRecord:
   steps: int = 1  # decode steps (target forward passes of the batch)
   tail: bool = False  # speculation was an option (the arm was chosen, SD off included)
   waiting: int = 0  # rows of the rollout not yet in the batch when the play began
+  probe: bool = False  # the bandit explored: a short play (`EngineConfig.probe_steps`)
 
 
 @dataclasses.dataclass

@@ -327,11 +327,12 @@ class Steps:
     return Verified(st, Pairs(drafter.target_features(out.hidden, out.aux_hidden)[rows, acc.nodes], acc.tokens,
                               acc.count))
 
-  def segment(self, params, drafter_params, st: RowState, stop_at, pages_BxM=None, *,
+  def segment(self, params, drafter_params, st: RowState, stop_at, pages_BxM=None, max_steps=None, *,
               strategy: Strategy | None) -> RowState:
-    """One play: up to `segment_steps` iterations of plain decoding (`strategy` None) or of
-    draft -> verify -> accept -> commit -> drafter feed, in one `lax.while_loop` on the device,
-    with the host's page tables `pages_BxM` (paged caches; they hold the slots the play may write).
+    """One play: up to `segment_steps` iterations (or `max_steps`, an int32 scalar, if fewer) of
+    plain decoding (`strategy` None) or of draft -> verify -> accept -> commit -> drafter feed, in
+    one `lax.while_loop` on the device, with the host's page tables `pages_BxM` (paged caches; they
+    hold the slots the play may write).
 
     The loop runs at least once and ends early once at most `stop_at` (int32 scalar) rows are
     active (every row done, a smaller batch bucket fits the rest, or the tail begins), or,
@@ -343,11 +344,12 @@ class Steps:
     model, drafter = self.models(params, drafter_params)
     st = with_pages(st, pages_BxM)
     n, b = self.config.segment_steps, st.last_token.shape[0]
+    limit = n if max_steps is None else jnp.minimum(max_steps, n)
     kv_block = self.config.kv_block
     rows = jnp.arange(b)
 
     def running(c: _Carry):
-      go = (c.step < n) & ((c.step == 0) | (jnp.sum(~c.state.done) > stop_at))
+      go = (c.step < limit) & ((c.step == 0) | (jnp.sum(~c.state.done) > stop_at))
       return go if strategy is None or drafter is None else go & jnp.all(c.state.drafter_finite)
 
     if strategy is not None:
