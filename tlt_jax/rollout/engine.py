@@ -182,7 +182,7 @@ class Engine:
     params = (self.params, self.drafter_params)
     state = self._abstract_state
     self._compile(("init", b0), self.steps.init, [self._abstract_slots(b0), table(b0)], state(b0))
-    if rows > largest and cfg.refill or cfg.paged:
+    if self._refills(rows):
       self._compile(("reset", b0), self.steps.reset,
                     [state(b0), self._abstract_slots(b0), jax.ShapeDtypeStruct((cfg.bank_rows,), jnp.bool_)],
                     state(b0), donate=(0,))
@@ -193,7 +193,7 @@ class Engine:
         self._compile(("resume", b0, r), self.steps.resume,
                       [*params, state(b0), i32(), i32(r + 1), jax.ShapeDtypeStruct((r,), jnp.float32), i32(),
                        table(b0)], state(b0), donate=(2,))
-    for p in self._prefill_sizes(b0):
+    for p in self._prefill_sizes(b0, self._refills(rows)):
       for t in sorted({cfg.prompt_bucket(n) for n in prompt_lens} or set(cfg.prompt_buckets)):
         self._compile(("prefill", b0, p, t), self.steps.prefill,
                       [*params, state(b0), i32(p, t), i32(p), i32(b0), i32(p, self._history_len), i32(b0),
@@ -212,15 +212,20 @@ class Engine:
     """Tokens of history each prefilled prompt brings to its bank row (0 without a bank)."""
     return self.config.suffix_history_len if self.config.banking else 0
 
-  def _prefill_sizes(self, bucket: int) -> tuple[int, ...]:
-    """Unique prompts per prefill call at `bucket`: up to `prefill_batch`; at the largest bucket of
-    a refilling engine also the (power of two) size of a refill chunk and a single prompt (a refill
-    of one prompt's samples, common with GRPO groups, or a preempted row coming back), so bringing
-    in a few rows does not prefill a full call's padding. The same for every rollout: what one
-    prepared, all use."""
+  def _refills(self, rows: int) -> bool:
+    """A rollout of `rows` rows brings rows into slots others left: more rows than the largest bucket
+    with refill, or a paged cache (rows wait for pages)."""
+    cfg = self.config
+    return rows > cfg.batch_buckets[-1] and cfg.refill or cfg.paged
+
+  def _prefill_sizes(self, bucket: int, refilling: bool) -> tuple[int, ...]:
+    """Unique prompts per prefill call at `bucket`: up to `prefill_batch`; in a refilling rollout
+    at the largest bucket also the (power of two) size of a refill chunk and a single prompt (a
+    refill of one prompt's samples, common with GRPO groups, or a preempted row coming back), so
+    bringing in a few rows does not prefill a full call's padding."""
     cfg = self.config
     full = min(cfg.prefill_batch, bucket)
-    if not cfg.refill or bucket < cfg.batch_buckets[-1]:
+    if not refilling or bucket < cfg.batch_buckets[-1]:
       return (full,)
     return tuple(sorted({1, min(full, 1 << (cfg.refill_chunk - 1).bit_length()), full}))
 
@@ -317,13 +322,14 @@ class Engine:
                     bank_room=bank_room)
 
   def _prefill_slots(self, st: RowState, prompts, rows, slot_row: np.ndarray, history, write_from: np.ndarray,
-                     table: np.ndarray | None) -> RowState:
+                     table: np.ndarray | None, refilling: bool = False) -> RowState:
     """Prefills the rows of the slots `slot_row >= 0`: each unique prompt once per call of up to
     `prefill_batch` prompts (the smallest compiled size that holds them), written into its rows'
     caches from `write_from` on (`table`: a paged cache's page tables); `history` (per prompt, or
-    None) goes to their bank rows."""
+    None) goes to their bank rows. `refilling`: the rollout refills (`_refills`), so `prepare`
+    compiled the smaller calls too."""
     b = slot_row.shape[0]
-    sizes = self._prefill_sizes(b)
+    sizes = self._prefill_sizes(b, refilling)
     unique = sorted({rows[r][0] for r in slot_row if r >= 0})
     c = 0
     while c < len(unique):
@@ -411,7 +417,7 @@ class Engine:
     def enter(st, new, write_from, t0):
       """Prefills the rows `admit` put in slots `new` (preempted ones: with their tokens) and counts
       them in: (state, host counters)."""
-      st = self._prefill_slots(st, prompts, rows, new, history, write_from, table())
+      st = self._prefill_slots(st, prompts, rows, new, history, write_from, table(), self._refills(len(rows)))
       back = [(slot, r) for slot, r in enumerate(new) if r in kept]
       for slot, r in back:
         tokens, logprobs = kept.pop(r)
