@@ -33,14 +33,6 @@ from tlt_jax.rollout.speculative import Strategy
 FINISH_REASONS = ("running", "stop", "length")  # `RowState.finish` indexes it
 
 
-def _padded_lengths(limit: int) -> tuple[int, ...]:
-  """Powers of two from 16, the last one `limit` itself."""
-  sizes = [16]
-  while sizes[-1] < limit:
-    sizes.append(sizes[-1] * 2)
-  return tuple(min(s, limit) for s in sizes)
-
-
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """What an `Engine` compiles for: its shapes, buckets and draft strategies (each field says what it sets).
@@ -142,7 +134,10 @@ class EngineConfig:
   @property
   def prompt_buckets(self) -> tuple[int, ...]:
     """Padded prompt lengths: powers of two from 16, the last one max_prompt_len itself."""
-    return _padded_lengths(self.max_prompt_len)
+    sizes = [16]
+    while sizes[-1] < self.max_prompt_len:
+      sizes.append(sizes[-1] * 2)
+    return tuple(min(s, self.max_prompt_len) for s in sizes)
 
   def bucket(self, rows: int) -> int:
     """The smallest batch bucket that holds `rows` rows."""
@@ -154,8 +149,9 @@ class EngineConfig:
 
   @property
   def resume_buckets(self) -> tuple[int, ...]:
-    """Padded lengths of a preempted row's tokens prefilled again (`Steps.resume`; a paged cache)."""
-    return _padded_lengths(self.max_new_tokens) if self.paged else ()
+    """Padded lengths of a preempted row's tokens prefilled again (`Steps.resume`; a paged cache):
+    powers of two from 16 up to one that holds max_new_tokens."""
+    return tuple(1 << i for i in range(4, max(4, (self.max_new_tokens - 1).bit_length()) + 1)) if self.paged else ()
 
   def resume_bucket(self, n: int) -> int:
     return next(t for t in self.resume_buckets if t >= n)

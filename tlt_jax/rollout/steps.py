@@ -25,6 +25,7 @@ EAGLE arm can play next. Every drafter feed records whether its outputs stayed f
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import flax.struct
 import jax
@@ -267,42 +268,60 @@ class Steps:
     """Brings a preempted row back where it stopped (a paged cache): slot `slot` (int32 scalar) was
     just prefilled with the row's prompt; its `count` tokens generated before preemption
     (`tokens_R1[1:count + 1]`, with their `logprobs_R`; `tokens_R1[0]` is the prompt's last token)
-    are prefilled after the prompt in one chunk instead of being decoded again, and they replace
-    the prefill's sample.
+    are prefilled after the prompt instead of being decoded again, and they replace the prefill's
+    sample.
 
-    The chunk starts one slot back, at the prompt's last token, so its outputs are the features of
-    every generated token: captured hidden states are written as decoding writes them, and the
-    drafter is fed the row's pairs (f_p, x_{p+1}) from there. The row's cache then holds its prompt
-    and all but its last generated token, its next input, as if it had never left.
+    The prefill starts one slot back, at the prompt's last token, so its outputs are the features
+    of every generated token: captured hidden states are written as decoding writes them, and the
+    drafter is fed the row's pairs (f_p, x_{p+1}) from there. It runs in chunks of at most
+    `kv_block` tokens with blockwise attention (`xla`), so a long row's prefill never holds more
+    than a chunk's scores. The row's cache then holds its prompt and all but its last generated
+    token, its next input, as if it had never left.
     """
     model, drafter = self.models(params, drafter_params)
     st = with_pages(st, pages_BxM)
     b, r = st.last_token.shape[0], logprobs_R.shape[0]
+    c = math.gcd(r, self.config.kv_block)  # r is a power of two
     sel = jnp.arange(b) == slot
-    chain, generated = tokens_R1[None, :-1], tokens_R1[None, 1:]
+    chunks = lambda x: x.reshape(r // c, 1, c)  # [chunks, 1, c]
+    layers = drafter.feature_layers if drafter is not None else ()
 
-    def row(cache: KVCache) -> KVCache:  # the slot's view of the pool, rewound to the prompt's last token
+    def row(cache: KVCache | None) -> KVCache | None:  # the slot's view of the pool, at the prompt's last token
+      if cache is None:
+        return None
       return dataclasses.replace(cache, pages=cache.pages[slot][None], lengths=cache.lengths[slot][None] - 1)
 
     def put(cache: KVCache, view: KVCache) -> KVCache:  # the pool the view wrote, the slot's new length
       return dataclasses.replace(view, pages=cache.pages, lengths=cache.lengths.at[slot].set(view.lengths[0]))
 
-    layers = drafter.feature_layers if drafter is not None else ()
-    out = transformer.prefill(model, chain, count[None], row(st.cache), hidden_layers=layers)
-    st = dataclasses.replace(st, cache=put(st.cache, out.cache), num_generated=jnp.where(sel, 0, st.num_generated),
+    def chunk(carry, xs):
+      i, cache, dcache, last = carry
+      chain, generated = xs
+      n = jnp.clip(count - i * c, 0, c)[None]
+      out = transformer.prefill(model, chain, n, cache, kv_block=self.config.kv_block, attention="xla",
+                                hidden_layers=layers)
+      if drafter is not None:
+        features = drafter.target_features(out.hidden, out.aux_hidden)
+        fed, dcache = self._drafter_pass(model, drafter, dcache, features, generated, self.config.kv_block)
+        dcache = dataclasses.replace(dcache, lengths=dcache.lengths + n)
+        last = jnp.where(n[0] > 0, fed[0, jnp.maximum(n[0] - 1, 0)], last)
+      return (i + 1, out.cache, dcache, last), out.hidden[0]
+
+    feat0 = None if drafter is None else st.draft_feat[slot].astype(jnp.float32)
+    (_, cache, dcache, last), hidden = jax.lax.scan(
+        chunk, (jnp.int32(0), row(st.cache), row(st.drafter_cache), feat0),
+        (chunks(tokens_R1[:-1]), chunks(tokens_R1[1:])))
+    st = dataclasses.replace(st, cache=put(st.cache, cache), num_generated=jnp.where(sel, 0, st.num_generated),
                              done=st.done & ~sel, finish=jnp.where(sel, 0, st.finish))
     zeros = jnp.zeros((b,), bool)
-    acc = speculative.Accepted(tokens=jnp.broadcast_to(generated, (b, r)),
+    acc = speculative.Accepted(tokens=jnp.broadcast_to(tokens_R1[1:], (b, r)),
                                logprobs=jnp.broadcast_to(logprobs_R, (b, r)), nodes=jnp.zeros((b, r), jnp.int32),
                                count=jnp.where(sel, count, 0), stop=zeros, length=zeros)
-    st = record(st, jnp.zeros((b,), jnp.int32), acc, jnp.broadcast_to(out.hidden, (b, r, out.hidden.shape[-1])))
+    hidden = jnp.broadcast_to(hidden.reshape(1, r, -1), (b, r, hidden.shape[-1]))
+    st = record(st, jnp.zeros((b,), jnp.int32), acc, hidden)
     if drafter is None:
       return st
-    features = drafter.target_features(out.hidden, out.aux_hidden)
-    fed, dcache = self._drafter_pass(model, drafter, row(st.drafter_cache), features, generated, None)
-    last = fed[0, jnp.maximum(count - 1, 0)]
-    return dataclasses.replace(st, drafter_cache=put(st.drafter_cache,
-                                                     dataclasses.replace(dcache, lengths=dcache.lengths + count)),
+    return dataclasses.replace(st, drafter_cache=put(st.drafter_cache, dcache),
                                draft_feat=st.draft_feat.at[slot].set(last.astype(st.draft_feat.dtype)),
                                drafter_finite=st.drafter_finite.at[slot].set(jnp.isfinite(last).all()))
 
