@@ -61,10 +61,11 @@ with the contiguous KV cache of `--bucket` rows and with a paged cache of the sa
 (`--page_size`-slot pages, up to `--paged_bucket` rows in flight; a prompt's full pages held once
 for its samples), interleaved over `--repeats` timed rounds after a warm-up one. Records {mode,
 rows, cache_slots, tokens_per_s, speedup (over contiguous), wall_s, prefill_s, prefill_ms_per_row,
-peak_rows, preemptions, resumed_tokens, refills, mean_response_len, same_samples} (the median round's) and prints
-the paged / contiguous tokens/s ratio. `same_samples` needs the same batch sizes in both (then the
-tokens are identical, as tests/rollout/test_engine.py checks): a larger batch changes the order of
-float sums in XLA:CPU's matmuls, so sampled tokens may differ (their distribution does not).
+peak_rows, preemptions, resumed_tokens, refills, mean_response_len, same_samples} (the median
+round's) and prints the paged / contiguous tokens/s ratio. `same_samples` needs the same batch sizes
+in both (then the tokens are identical, as tests/rollout/test_engine.py checks): a larger batch
+changes the order of float sums in XLA:CPU's matmuls, so sampled tokens may differ (their
+distribution does not).
 """
 
 from __future__ import annotations

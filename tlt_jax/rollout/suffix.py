@@ -117,9 +117,10 @@ def draft_tree(bank_BxL, context_BxN, root_B, strategy: Strategy) -> Tree:
 
 
 def _top(key_BxL, k: int):
-  """The k largest keys per row and their positions (the first of equal ones first, as top_k), by
-  k argmaxes: XLA:CPU's top_k over int32 keys sorts the row, ~50 argmaxes' time over 4096 slots
-  (0.67 vs 0.013 ms), the bulk of a suffix draft's cost."""
+  """The k largest keys per row and their positions, as top_k gives them where keys are >= 0 (they
+  are distinct there; a -1, no match, may come with any position), by k argmaxes: XLA:CPU's top_k
+  over int32 keys sorts the row, ~50 argmaxes' time over 4096 slots (0.67 vs 0.013 ms), the bulk
+  of a suffix draft's cost."""
   values, positions = [], []
   for _ in range(k):
     at = jnp.argmax(key_BxL, axis=1)
