@@ -48,14 +48,17 @@ def case_inputs(groups, d, t, earlier, dtype):
   return q, k, v, lengths, mask
 
 
-def paged(k, v, lengths, w, page, seed=0):
+def paged(k, v, lengths, w, page, seed=0, shards=1):
   """The same rows in a shuffled pool of `page`-slot pages (plus spare pages), and their tables; a
-  row's pages past its filled length + window are not held (entry N)."""
+  row's pages past its filled length + window are not held (entry N). `shards`: the pool split
+  into that many equal ranges, each holding the pages of its share of the rows (in order), as
+  the engine places a paged cache's rows on a mesh."""
   rng = np.random.RandomState(seed)
   layers, b, cap, kv, d = k.shape
-  m = cap // page
-  n = b * m + 3
-  order = rng.permutation(n)[:b * m].reshape(b, m)
+  m, rows = cap // page, b // shards
+  per = rows * m + 3  # a shard's pages
+  n = shards * per
+  order = np.concatenate([s * per + rng.permutation(per)[:rows * m] for s in range(shards)]).reshape(b, m)
   pool = lambda x: jnp.zeros((layers, n, page, kv, d), x.dtype).at[:, order.reshape(-1)].set(
       x.reshape(layers, b * m, page, kv, d))
   held = np.arange(m)[None] * page < (np.asarray(lengths) + w)[:, None]

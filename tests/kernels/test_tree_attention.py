@@ -170,30 +170,40 @@ def test_kernels_under_a_mesh_match_the_reference(impl):
   np.testing.assert_allclose(got, brute_force(q, k[1], v[1], lengths, mask), atol=1e-5, rtol=0)
 
 
-def test_a_paged_cache_under_a_mesh_is_refused_by_the_kernels_and_served_by_the_reference():
-  """Pages are not split with rows, so the per-device kernels refuse them, naming what works; the jnp
-  reference (GSPMD over global page ids) still gives the answer."""
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu", "xla"])
+def test_a_paged_cache_split_like_its_rows_under_a_mesh(impl):
+  """Each device holds a range of the pool with its rows' pages (global indices in the tables): the
+  kernels read them by local index on their device, and the reference (GSPMD) agrees."""
   q, k, v, lengths, mask = case_inputs(4, 64, 5, 3, "float32")
-  kp, vp, pages = paged(k, v, lengths, mask.shape[2], PAGE)
-  run = lambda impl: jax.jit(lambda q, k, v, lengths, mask, pages: tree_attention.attention(
-      q, k, v, 1, lengths, mask, impl=impl, block=BLOCK, pages_BxM=pages))(q, kp, vp, lengths, mask, pages)
+  kp, vp, pages = paged(k, v, lengths, mask.shape[2], PAGE, shards=MESH["data"])
   with jax.set_mesh(sharding.make_mesh(MESH)):
-    with pytest.raises(ValueError, match="paged cache on one device only .*attention='xla'"):
-      run("pallas_gpu")
-    got = run("xla")
+    got = jax.jit(lambda q, k, v, lengths, mask, pages: tree_attention.attention(
+        q, k, v, 1, lengths, mask, impl=impl, block=BLOCK, pages_BxM=pages))(q, kp, vp, lengths, mask, pages)
   np.testing.assert_allclose(got, brute_force(q, k[1], v[1], lengths, mask), atol=1e-5, rtol=0)
 
 
+def test_a_paged_cache_under_a_mesh_needs_rows_split_like_its_pages():
+  q, k, v, lengths, mask = case_inputs(4, 64, 5, 3, "float32")
+  kp, vp, pages = paged(k[:, :2], v[:, :2], lengths[:2], mask.shape[2], PAGE, shards=2)  # 2 rows on 4 devices
+  with jax.set_mesh(sharding.make_mesh(MESH)):
+    with pytest.raises(ValueError, match=r"needs its 2 rows split like its \d+ pages .*rollout.engine.batch_buckets"):
+      tree_attention.attention(q[:2], kp, vp, 1, lengths[:2], mask[:2], impl="pallas_gpu", block=BLOCK,
+                               pages_BxM=pages)
+
+
+@pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("impl,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
-def test_kernels_lower_for_their_hardware_under_a_mesh(impl, platform):
+def test_kernels_lower_for_their_hardware_under_a_mesh(impl, platform, paged):
   mesh = sharding.make_mesh(MESH)
   spec = lambda *names: jax.sharding.NamedSharding(mesh, jax.P(*names))
   b, t, w, s = 8, 4, 4, 1024
+  kv = (2, 4 * b + 8, 256, 4, 128) if paged else (2, b, s, 4, 128)  # paged: 4 pages per row + 2 spare per device
   shapes = [jax.ShapeDtypeStruct(shape, dtype, sharding=sh) for shape, dtype, sh in [
       ((b, t, 28, 128), jnp.bfloat16, spec("data", None, "tensor")),
-      ((2, b, s, 4, 128), jnp.bfloat16, spec(None, "data", None, "tensor")),
-      ((2, b, s, 4, 128), jnp.bfloat16, spec(None, "data", None, "tensor")),
+      (kv, jnp.bfloat16, spec(None, "data", None, "tensor")), (kv, jnp.bfloat16, spec(None, "data", None, "tensor")),
       ((b,), jnp.int32, spec("data")), ((b, t, w), jnp.bool_, spec("data"))]]
+  if paged:
+    shapes.append(jax.ShapeDtypeStruct((b, s // 256), jnp.int32, sharding=spec("data")))
   kernel = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}[impl].tree_attention
   run = lambda q, k, v, lengths, mask, pages=None: kernel(q, k, v, 1, lengths, mask, block=128, scale=0.1,
                                                            pages_BxM=pages)

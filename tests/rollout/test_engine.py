@@ -612,3 +612,34 @@ def test_a_paged_cache_on_a_mesh(models):
   rollout = engine.generate(ps, num_samples=2)
   contiguous = Engine(model, configured(config, page_size=0, num_pages=0), params).generate(ps, num_samples=2)
   assert sample_set(rollout) == sample_set(contiguous)
+
+
+def test_pallas_kernels_over_a_paged_cache_on_a_mesh(models):
+  """Rows over two devices, each holding its rows' pages in its range of the pool (the kernels run per
+  device, interpreted here), refilled, preempting and speculating with the drafter: the single-device
+  contiguous cache's greedy tokens."""
+  from tlt_jax import sharding
+  model = models["qwen3"]  # head dim 16: the smallest the GPU kernel takes
+  drafter = Drafter(model.config, rngs=nnx.Rngs(1))
+  params = SamplingParams(temperature=0, max_new_tokens=16, stop_token_ids=(STOP,))
+  config = with_sd(EngineConfig(batch_buckets=(1, 2, 4), max_prompt_len=24, max_new_tokens=16, kv_block=16,
+                                segment_steps=4, attention="pallas_gpu", page_size=16, num_pages=8), "2_2_4",
+                   sd_max_batch=4)
+  mesh = sharding.make_mesh({"data": 2}, jax.devices()[:2])
+  engine = Engine(model, config, params, mesh=mesh, drafter=drafter)
+  assert engine.page_shards == 2  # so bucket 1 is not used: a row per device at least
+  engine.set_params(jax.device_put(engine.params, sharding.param_shardings(engine.params, mesh)))
+  engine.set_drafter_params(jax.device_put(engine.drafter_params, sharding.param_shardings(engine.drafter_params,
+                                                                                          mesh)))
+  ps = long_prompts(3, seed=84)
+  contiguous = Engine(model, configured(config, page_size=0, num_pages=0, attention="xla"), params, drafter=drafter)
+  # The first budgets leave the last two rows on one device (compaction waits: moving a row to
+  # the other device would leave its pages behind); the second let the tail compact.
+  for budgets, buckets in (((16, 16, 4), {4}), ((16, 12, 4), {2, 4})):
+    limits = [len(p) + n for p, n in zip(ps, budgets)]
+    rollout = engine.generate(ps, num_samples=2, max_total_len=limits)
+    assert sample_set(rollout) == sample_set(contiguous.generate(ps, num_samples=2, max_total_len=limits))
+    assert rollout.metrics.preemptions > 0 and rollout.metrics.verify_passes > 0, rollout.metrics
+    assert set(rollout.metrics.buckets()) == buckets  # never below a row per device
+  with pytest.raises(ValueError, match="num_pages=9 must split into 2 equal ranges"):
+    Engine(model, configured(config, num_pages=9), params, mesh=mesh, drafter=drafter)

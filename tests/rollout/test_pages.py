@@ -1,6 +1,7 @@
 """The host's page bookkeeping: shared prompt pages, growth, release and tables."""
 
 import numpy as np
+import pytest
 
 from tlt_jax.rollout.pages import Pages
 
@@ -38,3 +39,24 @@ def test_rows_grow_to_their_capacity_and_admission_waits_for_pages():
   assert pages.admit(3, prompt=1, prompt_len=5, slots=5) == 4 and pages.free == 2
   held = pages.table([1, 3])
   assert len(set(held[held < 6].tolist())) == 4  # 1 shared + 2 + 1 own, no page twice
+
+
+def test_a_pool_split_into_shards_keeps_each_row_on_its_shard():
+  """Pages split like rows over devices: a row takes every page from its shard's range, and a
+  prompt's samples on two shards share a copy per shard."""
+  pages = Pages(num_pages=8, page_size=4, pages_per_row=3, shards=2)
+  assert pages.admit(0, prompt=0, prompt_len=9, slots=10, shard=1) == 0  # 2 shared + 1 own, on pages 4-7
+  assert pages.free_on(1) == 1 and pages.free_on(0) == 4 and pages.shard(0) == 1
+  assert pages.admit(1, prompt=0, prompt_len=9, slots=10, shard=1) == 8  # its sibling shares them
+  assert pages.admit(2, prompt=0, prompt_len=9, slots=10, shard=0) == 0  # another shard: its own copy
+  assert not pages.fits(0, 9, 10, shard=1) and pages.fits(0, 9, 10, shard=0)
+  table = pages.table([0, 1, 2])
+  assert set(table[:2].ravel()) <= {4, 5, 6, 7} and set(table[2, :3]) <= {0, 1, 2, 3}
+  np.testing.assert_array_equal(table[0, :2], table[1, :2])
+  assert not set(table[2, :2]) & set(table[0, :2])
+  assert pages.rows_on(1) == 2 and pages.rows_on(0) == 1
+  pages.release(0)
+  pages.release(1)
+  assert pages.free_on(1) == 4 and pages.free_on(0) == 1  # shard 0's copy stays with its holder
+  with pytest.raises(ValueError, match="9 pages do not split into 2 equal shards"):
+    Pages(num_pages=9, page_size=4, pages_per_row=3, shards=2)

@@ -152,18 +152,31 @@ def per_device(kernel, q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, lengths_B, mask_BxTx
 
   XLA cannot partition a Pallas call (Mosaic refuses to lower one over sharded operands); the
   op is independent per row and per KV head, so the split follows the cache's (`CACHE_AXES`).
-  A paged cache's pages are not split with its rows: under a mesh the kernels take contiguous
-  caches only.
+  A paged cache's pages are split like its rows: device d holds the pool's d-th equal range of
+  pages, and each row's pages must lie in its device's range (the engine allocates them so,
+  `Pages(shards=...)`); each device reads its rows' pages by their index in its range.
   """
   args = (q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, lengths_B, mask_BxTxW)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return kernel(*args, pages_BxM)
-  if pages_BxM is not None:
-    raise ValueError("the attention kernels take a paged cache on one device only (under a mesh use "
-                     "attention='xla', or a contiguous cache)")
   cache = sharding.logical_spec(k_LxNxPxKxD.shape, (None, *sharding.CACHE_AXES), dict(mesh.shape))
-  rows, heads = cache[1], cache[3]
+  heads = cache[3]
+  rows = sharding.logical_spec(lengths_B.shape, ("batch",), dict(mesh.shape))[0]
   q = jax.P(rows, None, heads, None)
   specs = (q, cache, cache, jax.P(rows), jax.P(rows, None, None))
-  return jax.shard_map(lambda *a: kernel(*a, None), mesh=mesh, in_specs=specs, out_specs=q, check_vma=False)(*args)
+  if pages_BxM is None:
+    return jax.shard_map(lambda *a: kernel(*a, None), mesh=mesh, in_specs=specs, out_specs=q, check_vma=False)(*args)
+  if rows != cache[1]:
+    raise ValueError(f"a paged cache under a mesh needs its {lengths_B.shape[0]} rows split like its "
+                     f"{k_LxNxPxKxD.shape[1]} pages (over mesh axes {cache[1]}, sizes {dict(mesh.shape)}): "
+                     f"rows got {rows}; make the batch (rollout.engine.batch_buckets) a multiple of those axes' size")
+
+  def local(q, k, v, lengths, mask, pages):
+    n = k.shape[1]  # this device's pages: global pages first .. first + n - 1
+    first = 0 if rows is None else jax.lax.axis_index(rows) * n
+    pages = jnp.where((pages >= first) & (pages < first + n), pages - first, n)  # n: no page here
+    return kernel(q, k, v, lengths, mask, pages)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(*specs, jax.P(rows, None)), out_specs=q,
+                       check_vma=False)(*args, pages_BxM)

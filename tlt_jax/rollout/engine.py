@@ -31,6 +31,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import math
 import time
 from typing import Callable, Sequence
 
@@ -43,6 +44,7 @@ from flax import nnx
 
 from tlt_jax import sharding
 from tlt_jax.drafter.model import Drafter
+from tlt_jax.kernels import tree_attention
 from tlt_jax.models import transformer
 from tlt_jax.rollout import steps, suffix
 from tlt_jax.rollout.bandit import Bandit
@@ -110,11 +112,31 @@ class Engine:
     if bandit is not None and bandit.arms != (None, *config.strategies):
       raise ValueError(f"the bandit's arms must be SD off + the engine's strategies {names}")
     self.config, self.sampling, self.mesh, self.bandit = config, params, mesh, bandit
+    self.page_shards = self._page_shards(config, mesh)
     graphdef, self.params = nnx.split(model)
     drafter_graphdef, self.drafter_params = nnx.split(drafter) if drafter is not None else (None, None)
     self.steps = steps.Steps(config, params, model.config, graphdef, drafter_graphdef,
                              model.model.embed_tokens.embedding.dtype)
     self.pool = ExecutablePool()
+
+  @staticmethod
+  def _page_shards(config: EngineConfig, mesh: jax.sharding.Mesh | None) -> int:
+    """The equal ranges a paged pool splits into, one per device its rows split over, where the
+    attention kernels run per device (each reads its rows' pages from its own range); 1 on one
+    device or with attention='xla' (the jnp reference, which gathers any page anywhere). Buckets
+    smaller than that are not used (`_bucket`): their rows would not split like the pages."""
+    if not config.paged or mesh is None or mesh.size == 1 or \
+        tree_attention.select(config.attention, jax.default_backend())[0] == "xla":
+      return 1
+    shape = dict(mesh.shape)
+    rows = sharding.logical_spec((config.batch_buckets[-1],), ("batch",), shape)[0]
+    pages = sharding.logical_spec((config.pool_pages,), ("batch",), shape)[0]
+    shards = math.prod(shape[a] for a in ((rows,) if isinstance(rows, str) else rows or ()))
+    if pages != rows or config.pool_pages // shards < config.pages_per_row:
+      raise ValueError(f"rollout.engine.num_pages={config.pool_pages} must split into {shards} equal ranges (one per "
+                       f"device the rows split over, mesh axes {rows}) of at least the {config.pages_per_row} pages "
+                       f"a row fills, for attention={config.attention!r} (its kernels read each device's pages)")
+    return shards
 
   def set_params(self, state: nnx.State) -> None:
     """Swaps in new weights of the same shapes (e.g. after an RL update); no recompilation."""
@@ -162,6 +184,11 @@ class Engine:
         return jitted.lower(*abstract).compile()
     return self.pool.get_or_compile(key, build)
 
+  def _bucket(self, rows: int) -> int:
+    """The batch bucket that holds `rows` rows: the config's, and with a pool split over devices at
+    least one row per device."""
+    return max(self.config.bucket(rows), self.page_shards)
+
   def _uses_sd(self, bucket: int) -> bool:
     """Speculation is an option at `bucket` (it holds the tail)."""
     cfg = self.config
@@ -176,7 +203,7 @@ class Engine:
     largest = cfg.batch_buckets[-1]
     if rows > largest and not cfg.refill and rows % largest:
       self.prepare(rows % largest, prompt_lens)
-    b0 = cfg.bucket(min(rows, largest))
+    b0 = self._bucket(min(rows, largest))
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     table = lambda b: i32(b, cfg.pages_per_row) if cfg.paged else None
     params = (self.params, self.drafter_params)
@@ -199,12 +226,12 @@ class Engine:
                       [*params, state(b0), i32(p, t), i32(p), i32(b0), i32(p, self._history_len), i32(b0),
                        table(b0)], state(b0), donate=(2,))
     for b in cfg.batch_buckets:
-      if b > b0 or (b < b0 and not cfg.compact):  # without compaction only b0 runs
+      if b > b0 or (b < b0 and not cfg.compact) or b < self.page_shards:  # without compaction only b0 runs
         continue
       for s in (None, *(cfg.strategies if self._uses_sd(b) else ())):
         self._compile(self._segment_key(b, s), functools.partial(self.steps.segment, strategy=s),
                       [*params, state(b), i32(), table(b), i32()], state(b), donate=(2,))
-      if b > 1 and cfg.compact:
+      if b // 2 >= self.page_shards and cfg.compact:
         self._compile(("halve", b // 2, b), steps.halve, [state(b), i32(b // 2)], state(b // 2))
 
   @property
@@ -373,11 +400,12 @@ class Engine:
     budget, so a smaller bucket never preempts.
     """
     cfg, pool = self.config, self.pool
-    b = cfg.bucket(min(len(rows), cfg.batch_buckets[-1]))
+    b = self._bucket(min(len(rows), cfg.batch_buckets[-1]))
     t0 = time.perf_counter()
     bank = self._bank_rows(rows)
     prompt_lens = [len(prompts[i]) for i, _ in rows]
-    pages = Pages(cfg.pool_pages, cfg.page_size, cfg.pages_per_row) if cfg.paged else None
+    pages = Pages(cfg.pool_pages, cfg.page_size, cfg.pages_per_row, self.page_shards) if cfg.paged else None
+    shards = self.page_shards
     waiting = collections.deque(range(len(rows)))
     slot_row = np.full((b,), -1)  # the host's view of which row each slot holds
     entered = np.zeros((b,), np.int64)  # when it entered (of rows as far along, preemption takes the latest)
@@ -385,16 +413,17 @@ class Engine:
     clock = itertools.count()
     table = lambda: None if pages is None else pages.table(slot_row)
     b0, window = b, max([s.window for s in cfg.strategies] + [1])
+    shard_of = lambda slot: slot * shards // b0  # the device range of a slot's pages (rows enter at b0 only)
 
     def slots_for(r: int, slots: int) -> int:  # what row r may write is bounded by its budget
       return min(slots, prompt_lens[r] + budgets[rows[r][0]] + window)
 
-    def entry(r: int) -> tuple:  # what admitting row r needs: (prompt, prompt len, slots, pages to leave free)
-      # Headroom: the rows already in flight keep a play's growth each, so admission does not
-      # preempt them at the next play (a preempted row's tokens are prefilled again).
+    def entry(r: int, shard: int) -> tuple:  # what admitting row r on `shard` needs: (prompt, prompt len, slots,
+      # pages to leave free). Headroom: the rows already in flight keep a play's growth each, so
+      # admission does not preempt them at the next play (a preempted row's tokens are prefilled again).
       play, resumed = cfg.play_slots(None), len(kept[r][0]) - 1 if r in kept else 0
       return (rows[r][0], prompt_lens[r], slots_for(r, prompt_lens[r] + resumed + play),
-              pages.rows * -(-play // cfg.page_size))
+              pages.rows_on(shard) * -(-play // cfg.page_size), shard)
 
     def admit(free_slots) -> tuple[np.ndarray, np.ndarray]:
       """Waiting rows into `free_slots` while the pool has their pages: (slot -> new row, -1: none;
@@ -405,9 +434,9 @@ class Engine:
           break
         r = waiting[0]
         if pages is not None:
-          start = pages.admit(r, *entry(r))
+          start = pages.admit(r, *entry(r, shard_of(slot)))
           if start is None:
-            break
+            continue  # another free slot's device may have its pages
           write_from[slot] = start
         waiting.popleft()
         new[slot], slot_row[slot], entered[slot] = r, r, next(clock)
@@ -454,6 +483,24 @@ class Engine:
       r = slot_row[slot]
       return slots_for(r, prompt_lens[r] + int(host.generated[slot]) - 1 + cfg.play_slots(strategy))
 
+    def short(need) -> list[int]:  # the shards whose free pages cannot give each active row `need(slot)` slots
+      lack = collections.Counter()
+      for i in np.flatnonzero(~host.done):
+        lack[pages.shard(slot_row[i])] += pages.missing(slot_row[i], prompt_lens[slot_row[i]], need(i))
+      return [s for s, n in lack.items() if n > pages.free_on(s)]
+
+    def halved(done, b) -> np.ndarray | None:
+      """The slots bucket b // 2 keeps (-1: empty): each device's active rows into the first half of its
+      slots, so no row changes device (with its pages); None if a device has too many."""
+      per = b // shards
+      keep = []
+      for s in range(shards):
+        active = [i for i in range(s * per, (s + 1) * per) if not done[i]]
+        if len(active) > per // 2:
+          return None
+        keep += active + [-1] * (per // 2 - len(active))
+      return np.asarray(keep, np.int32)
+
     while waiting or not host.done.all():
       if pages is not None:  # finished rows give their pages back at once
         for slot in np.flatnonzero(host.done & (slot_row >= 0)):
@@ -463,7 +510,7 @@ class Engine:
       blocked = False  # rows wait for pages (to enter, or for the tail to compact), not slots
       if waiting and b - active >= min(cfg.refill_chunk, len(waiting)):
         r = waiting[0]
-        if pages is None or pages.fits(*entry(r)):
+        if pages is None or any(pages.fits(*entry(r, s)) for s in {shard_of(i) for i in np.flatnonzero(host.done)}):
           t0 = time.perf_counter()
           out += harvest(st)
           new, write_from = admit(np.flatnonzero(host.done))
@@ -473,20 +520,19 @@ class Engine:
           metrics.refills += 1
           continue
         blocked = True
-      shrink = not waiting and cfg.compact and cfg.bucket(active) < b
-      if shrink and pages is not None and sum(
-          pages.missing(slot_row[i], prompt_lens[slot_row[i]], slots_for(slot_row[i], 1 << 30))
-          for i in np.flatnonzero(~host.done)) > pages.free:
-        shrink, blocked = False, True  # the pool cannot hold the rows to their budgets yet: wait for one to finish
+      shrink = not waiting and cfg.compact and self._bucket(active) < b
+      if shrink and pages is not None and (short(lambda i: slots_for(slot_row[i], 1 << 30))
+                                           or halved(host.done, b) is None):
+        # The pool cannot hold the rows to their budgets yet (or, split over devices, a device's rows
+        # do not fit its half): wait for one to finish.
+        shrink, blocked = False, True
       if shrink:
         t0 = time.perf_counter()
         out += harvest(st)
         done = host.done
-        while cfg.bucket(active) < b:
-          keep = np.flatnonzero(~done)
-          keep = np.concatenate([keep, np.full((b // 2 - len(keep),), -1)]).astype(np.int32)
+        while self._bucket(active) < b and (keep := halved(done, b)) is not None:
           st = pool[("halve", b // 2, b)](st, keep)
-          done = np.concatenate([done[keep[keep >= 0]], np.ones((b // 2 - (keep >= 0).sum(),), bool)])
+          done = np.where(keep >= 0, done[keep], True)
           slot_row, entered = np.where(keep >= 0, slot_row[keep], -1), entered[keep]
           b //= 2
         host = _Counters.read(st)
@@ -498,12 +544,8 @@ class Engine:
       if tail:
         strategy, probe = (arms[0], False) if self.bandit is None else self.bandit.choose(active, arms)
       if pages is not None:  # every active row takes the pages this play may write, preempting if short
-        while True:
-          slots = np.flatnonzero(~host.done)
-          short = sum(pages.missing(slot_row[i], prompt_lens[slot_row[i]], play_need(i, strategy))
-                      for i in slots) - pages.free
-          if short <= 0:
-            break
+        while lacking := short(lambda i: play_need(i, strategy)):
+          slots = np.asarray([i for i in np.flatnonzero(~host.done) if pages.shard(slot_row[i]) == lacking[0]])
           victim = slots[np.lexsort((-entered[slots], host.generated[slots]))[0]]  # the least work lost
           if len(slots) == 1 or b != b0:  # neither happens: a row fits the pool, the tail compacts once all fit
             raise RuntimeError(f"the page pool ({pages.num_pages} pages) cannot hold the rows of bucket {b}")
@@ -517,7 +559,7 @@ class Engine:
           st = pool[("drop", b)](st, np.arange(b) == victim)
           host = _Counters.read(st)
           active -= 1
-        for i in slots:
+        for i in np.flatnonzero(~host.done):
           pages.grow(slot_row[i], prompt_lens[slot_row[i]], play_need(i, strategy))
         metrics.peak_pages = max(metrics.peak_pages, pages.held)
       metrics.peak_rows = max(metrics.peak_rows, active)

@@ -182,14 +182,15 @@ class Steps:
     bank = None if st.bank is None else jnp.where(clear_bank[:, None], -1, st.bank)
     return dataclasses.replace(out, cache=st.cache, drafter_cache=st.drafter_cache, bank=bank)
 
-  def _drafter_pass(self, model, drafter, dcache: KVCache, features_BxMxH, tokens_BxM, kv_block):
+  def _drafter_pass(self, model, drafter, dcache: KVCache, features_BxMxH, tokens_BxM, kv_block, attention=None):
     """The drafter over pairs (f_p, x_{p+1}) at positions `dcache.lengths + j`: its outputs [B, M, H]
-    and the cache with their keys/values written (lengths not advanced)."""
+    and the cache with their keys/values written (lengths not advanced). `attention`: the
+    engine's implementation unless given."""
     b, m = tokens_BxM.shape
     positions = dcache.lengths[:, None] + jnp.arange(m)[None]
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((m, m), bool)), (b, m, m))
     return drafter(model, features_BxMxH, tokens_BxM, positions, dcache, causal, kv_block=kv_block,
-                   attention=self.config.attention)
+                   attention=attention or self.config.attention)
 
   def feed_drafter(self, model, drafter, st: RowState, pairs: Pairs, kv_block: int | None) -> RowState:
     """Writes the committed pairs (f_p, x_{p+1}) into the drafter cache and advances its lengths;
@@ -274,7 +275,8 @@ class Steps:
     The prefill starts one slot back, at the prompt's last token, so its outputs are the features
     of every generated token: captured hidden states are written as decoding writes them, and the
     drafter is fed the row's pairs (f_p, x_{p+1}) from there. It runs in chunks of at most
-    `kv_block` tokens with blockwise attention (`xla`), so a long row's prefill never holds more
+    `kv_block` tokens with blockwise attention (`xla`, for target and drafter: one row's view of a
+    pool split over devices is not split like it), so a long row's prefill never holds more
     than a chunk's scores. The row's cache then holds its prompt and all but its last generated
     token, its next input, as if it had never left.
     """
@@ -302,7 +304,7 @@ class Steps:
                                 hidden_layers=layers)
       if drafter is not None:
         features = drafter.target_features(out.hidden, out.aux_hidden)
-        fed, dcache = self._drafter_pass(model, drafter, dcache, features, generated, self.config.kv_block)
+        fed, dcache = self._drafter_pass(model, drafter, dcache, features, generated, self.config.kv_block, "xla")
         dcache = dataclasses.replace(dcache, lengths=dcache.lengths + n)
         last = jnp.where(n[0] > 0, fed[0, jnp.maximum(n[0] - 1, 0)], last)
       return (i + 1, out.cache, dcache, last), out.hidden[0]
