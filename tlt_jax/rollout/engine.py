@@ -397,7 +397,9 @@ class Engine:
     preempted: their pages freed, their tokens kept on the host, back to the front of the queue;
     when a row comes back, its prompt and its tokens are prefilled again (`Steps.resume`) and it
     goes on where it stopped. The tail compacts only once the pool holds every active row to its
-    budget, so a smaller bucket never preempts.
+    budget, so a smaller bucket never preempts. With the pool split over devices (`page_shards`),
+    a slot's row takes pages on the slot's device: admission, preemption and that check count
+    pages per device, and compaction keeps every row on its device.
     """
     cfg, pool = self.config, self.pool
     b = self._bucket(min(len(rows), cfg.batch_buckets[-1]))
