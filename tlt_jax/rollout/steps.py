@@ -194,9 +194,14 @@ class Steps:
 
   def feed_drafter(self, model, drafter, st: RowState, pairs: Pairs, kv_block: int | None) -> RowState:
     """Writes the committed pairs (f_p, x_{p+1}) into the drafter cache and advances its lengths;
-    keeps the last output as `draft_feat` and whether it was finite in `drafter_finite`."""
-    out, dcache = self._drafter_pass(model, drafter, st.drafter_cache, pairs.features, pairs.tokens, kv_block)
-    count_B = pairs.count
+    keeps the last output as `draft_feat` and whether it was finite in `drafter_finite`. Rows
+    without pairs write nothing into a paged cache: a row entering has a stale length until its
+    prefill, which could point into its prompt's shared pages."""
+    dcache, count_B = st.drafter_cache, pairs.count
+    if dcache.pages is not None:
+      dcache = dataclasses.replace(dcache, pages=jnp.where((count_B > 0)[:, None], dcache.pages, dcache.k.shape[1]))
+    out, dcache = self._drafter_pass(model, drafter, dcache, pairs.features, pairs.tokens, kv_block)
+    dcache = dataclasses.replace(dcache, pages=st.drafter_cache.pages)
     last = out[jnp.arange(count_B.shape[0]), jnp.maximum(count_B - 1, 0)]
     finite = jnp.isfinite(last).all(-1) | (count_B == 0)
     # In the state's dtype (the target's): a float32 drafter beside a bfloat16 target feeds its output to
@@ -264,6 +269,50 @@ class Steps:
     dcache = write(st.drafter_cache, shared, last)
     first = Pairs(features[src][rows, last][:, None], acc.tokens[:, :1], sel.astype(jnp.int32))
     return self.feed_drafter(model, drafter, dataclasses.replace(st, drafter_cache=dcache), first, None)
+
+  def prefill_tail(self, params, drafter_params, st: RowState, slot, tokens_P, start, count, sibling,
+                   pages_BxM) -> RowState:
+    """`prefill` of one row (slot `slot`, int32 scalar) whose prompt's shared pages, slots below
+    `start`, a sibling in flight (slot `sibling`) already wrote: only the prompt's tail, its
+    `count` tokens from `start` on (`tokens_P`, padded to a page), runs through the target,
+    attending to the shared pages, and the drafter is fed the tail's pairs. The row gets what a
+    prefill gives it: its prompt's keys and values, its first token, its drafter feed, and with
+    captured hidden states the prompt's (the shared part copied from the sibling's)."""
+    model, drafter = self.models(params, drafter_params)
+    st = with_pages(st, pages_BxM)
+    b = st.last_token.shape[0]
+    sel = jnp.arange(b) == slot
+    layers = drafter.feature_layers if drafter is not None else ()
+
+    def view(cache: KVCache, length) -> KVCache:  # the slot's view of the pool, `length` slots filled
+      return dataclasses.replace(cache, pages=cache.pages[slot][None], lengths=jnp.reshape(length, (1,)))
+
+    def put(cache: KVCache, written: KVCache, length) -> KVCache:  # the pool the view wrote, the slot's length
+      return dataclasses.replace(written, pages=cache.pages, lengths=cache.lengths.at[slot].set(length))
+
+    out = transformer.prefill(model, tokens_P[None], count[None], view(st.cache, start),
+                              kv_block=self.config.kv_block, attention="xla", hidden_layers=layers)
+    st = dataclasses.replace(st, cache=put(st.cache, out.cache, start + count))
+    if st.prompt_hidden is not None:
+      j = jnp.arange(st.prompt_hidden.shape[1])
+      tail = st.prompt_hidden[slot].at[start + jnp.arange(tokens_P.shape[0])].set(
+          out.hidden[0].astype(st.prompt_hidden.dtype), mode="drop")
+      st = dataclasses.replace(st, prompt_hidden=st.prompt_hidden.at[slot].set(
+          jnp.where((j < start)[:, None], st.prompt_hidden[sibling], tail)))
+    logits = jnp.broadcast_to(out.logits, (b, out.logits.shape[-1]))[:, None]
+    acc = speculative.accept(logits, speculative.root_only(st.last_token), sel, st.num_generated, st.max_new,
+                             st.prompt_index, st.sample_index, self.sampling, 0)
+    last = out.hidden[0, count - 1]
+    st = record(st, jnp.zeros_like(sel), acc, jnp.broadcast_to(last, (b, last.shape[-1]))[:, None])
+    if drafter is None:
+      return st
+    features = drafter.target_features(out.hidden, out.aux_hidden)  # [1, P, H]
+    shifted = jnp.concatenate([tokens_P[1:], jnp.zeros((1,), jnp.int32)])[None]
+    _, written = self._drafter_pass(model, drafter, view(st.drafter_cache, start), features, shifted, None, "xla")
+    st = dataclasses.replace(st, drafter_cache=put(st.drafter_cache, written, start + count - 1))
+    feature = features[0, count - 1]
+    first = Pairs(jnp.broadcast_to(feature, (b, feature.shape[-1]))[:, None], acc.tokens[:, :1], sel.astype(jnp.int32))
+    return self.feed_drafter(model, drafter, st, first, None)
 
   def resume(self, params, drafter_params, st: RowState, slot, tokens_R1, logprobs_R, count, pages_BxM) -> RowState:
     """Brings a preempted row back where it stopped (a paged cache): slot `slot` (int32 scalar) was
