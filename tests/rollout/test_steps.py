@@ -8,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from tests.rollout.conftest import CONFIG, STOP, configured, prompts, with_sd
@@ -206,42 +207,46 @@ def test_resume_brings_a_preempted_row_back_as_it_was(models):
         np.testing.assert_allclose(u, v, atol=1e-5, err_msg=f"{name} row {row}")
 
 
-def test_a_late_sibling_prefills_only_its_prompt_tail(models):
+@pytest.mark.parametrize("page", [16, 32])  # the tail padded to the page; to a bucket below it
+def test_a_late_sibling_prefills_only_its_prompt_tail(models, page):
   """A sample entering while a sibling holds its prompt's shared page runs only the prompt's tail
-  after it, and gets what a prefill of its prompt gives it: its first token and log-prob exactly,
-  its target and drafter caches (read through its pages), drafter output and captured hidden
-  states up to float noise."""
+  after it, and gets what a prefill of its prompt gives it: its first token exactly, its log-prob,
+  target and drafter caches (read through its pages), drafter output and captured hidden states
+  up to float noise."""
   model = models["qwen3"]
   drafter = Drafter(model.config, rngs=nnx.Rngs(7))
-  config = configured(CONFIG, strategies=(Strategy.parse("2_2_4"),), capture_hidden=True, page_size=16, num_pages=12)
+  config = configured(CONFIG, strategies=(Strategy.parse("2_2_4"),), capture_hidden=True, page_size=page,
+                      num_pages=12, max_prompt_len=40, kv_block=16)
   params = SamplingParams(temperature=1.0, max_new_tokens=64, seed=9)
   graphdef, weights = nnx.split(model)
   drafter_graphdef, drafter_weights = nnx.split(drafter)
   steps = steps_lib.Steps(config, params, model.config, graphdef, drafter_graphdef, jnp.float32)
   m = config.pages_per_row
   table = np.stack([np.arange(m), np.concatenate([[0], np.arange(m, 2 * m - 1)])]).astype(np.int32)  # page 0 shared
-  prompt = np.random.RandomState(5).randint(2, 60, 21).tolist()  # 16 slots in the shared page, 5 in each row's own
-  tokens, lengths = padded([prompt])
+  prompt = np.random.RandomState(5).randint(2, 60, page + 5).tolist()  # a page shared, 5 slots in each row's own
+  tokens, lengths = padded([prompt], 40)
   rows = SlotRows(prompt_index=np.zeros((2,), np.int32), sample_index=np.arange(2, dtype=np.int32),
                   row_id=np.arange(2, dtype=np.int32), max_new=np.full((2,), 64, np.int32),
                   bank_row=np.zeros((2,), np.int32),
-                  bank_offset=CONFIG.max_prompt_len + 64 * np.arange(2, dtype=np.int32),
+                  bank_offset=40 + 64 * np.arange(2, dtype=np.int32),
                   bank_room=np.full((2,), 64, np.int32))
   init, prefill = jax.jit(steps.init), jax.jit(steps.prefill)
   history = np.zeros((1, 0), np.int32)
   # Both samples in one prefill (the second writes from its own page on) ...
   a = jax.device_get(prefill(weights, drafter_weights, init(rows, table), tokens, lengths, np.zeros((2,), np.int32),
-                             history, np.asarray([0, 16], np.int32), table))
+                             history, np.asarray([0, page], np.int32), table))
   # ... or the first, then the second's tail after the page the first wrote.
   st = prefill(weights, drafter_weights, init(rows, table), tokens, lengths, np.asarray([0, -1], np.int32), history,
                np.zeros((2,), np.int32), table)
-  tail = np.zeros((16,), np.int32)
-  tail[:5] = prompt[16:]
-  b = jax.device_get(jax.jit(steps.prefill_tail)(weights, drafter_weights, st, np.int32(1), tail, np.int32(16),
+  tail = np.zeros((config.tail_bucket(5),), np.int32)
+  assert len(tail) == 16
+  tail[:5] = prompt[page:]
+  b = jax.device_get(jax.jit(steps.prefill_tail)(weights, drafter_weights, st, np.int32(1), tail, np.int32(page),
                                                   np.int32(5), np.int32(0), table))
-  for name in ("tokens", "logprobs", "num_generated", "last_token", "done", "bank"):
+  for name in ("tokens", "num_generated", "last_token", "done", "bank"):
     np.testing.assert_array_equal(getattr(b, name), getattr(a, name), err_msg=name)
-  np.testing.assert_allclose(b.prompt_hidden[:, :21], a.prompt_hidden[:, :21], atol=1e-5)
+  np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
+  np.testing.assert_allclose(b.prompt_hidden[:, :page + 5], a.prompt_hidden[:, :page + 5], atol=1e-5)
   np.testing.assert_allclose(b.hidden[:, :1], a.hidden[:, :1], atol=1e-5)
   for name in ("cache", "drafter_cache"):
     x, y = getattr(a, name), getattr(b, name)
@@ -249,6 +254,6 @@ def test_a_late_sibling_prefills_only_its_prompt_tail(models):
     for row in (0, 1):
       s = np.arange(x.lengths[row])
       for u, v in ((y.k, x.k), (y.v, x.v)):
-        np.testing.assert_allclose(u[:, table[row, s // 16], s % 16], v[:, table[row, s // 16], s % 16], atol=1e-5,
-                                   err_msg=f"{name} row {row}")
+        np.testing.assert_allclose(u[:, table[row, s // page], s % page], v[:, table[row, s // page], s % page],
+                                   atol=1e-5, err_msg=f"{name} row {row}")
   np.testing.assert_allclose(b.draft_feat, a.draft_feat, atol=1e-5)

@@ -216,9 +216,9 @@ class Engine:
     if cfg.paged:
       self._compile(("drop", b0), steps.drop, [state(b0), jax.ShapeDtypeStruct((b0,), jnp.bool_)], state(b0),
                     donate=(0,))
-      self._compile(("tail", b0), self.steps.prefill_tail,
-                    [*params, state(b0), i32(), i32(cfg.page_size), i32(), i32(), i32(), table(b0)], state(b0),
-                    donate=(2,))
+      for t in cfg.tail_buckets:
+        self._compile(("tail", b0, t), self.steps.prefill_tail,
+                      [*params, state(b0), i32(), i32(t), i32(), i32(), i32(), table(b0)], state(b0), donate=(2,))
       for r in cfg.resume_buckets:
         self._compile(("resume", b0, r), self.steps.resume,
                       [*params, state(b0), i32(), i32(r + 1), jax.ShapeDtypeStruct((r,), jnp.float32), i32(),
@@ -459,12 +459,12 @@ class Engine:
       st = self._prefill_slots(st, prompts, rows, full, history, write_from, table(), self._refills(len(rows)))
       for slot, r in tails:
         prompt, start = prompts[rows[r][0]], int(write_from[slot])
-        tokens = np.zeros((cfg.page_size,), np.int32)
+        tokens = np.zeros((cfg.tail_bucket(len(prompt) - start),), np.int32)
         tokens[:len(prompt) - start] = prompt[start:]
         sibling = next(s for s, q in enumerate(slot_row)
                        if q >= 0 and new[s] < 0 and rows[q][0] == rows[r][0] and pages.holds(q))
-        st = pool[("tail", b)](self.params, self.drafter_params, st, np.int32(slot), tokens, np.int32(start),
-                               np.int32(len(prompt) - start), np.int32(sibling), table())
+        st = pool[("tail", b, len(tokens))](self.params, self.drafter_params, st, np.int32(slot), tokens,
+                                            np.int32(start), np.int32(len(prompt) - start), np.int32(sibling), table())
       back = [(slot, r) for slot, r in enumerate(new) if r in kept]
       for slot, r in back:
         tokens, logprobs = kept.pop(r)

@@ -157,6 +157,18 @@ class EngineConfig:
     return next(t for t in self.resume_buckets if t >= n)
 
   @property
+  def tail_buckets(self) -> tuple[int, ...]:
+    """Padded lengths of a prompt's tail after its shared pages (`Steps.prefill_tail`; a paged
+    cache): powers of two from 16 below page_size, then page_size (a tail fills one page at most)."""
+    if not self.paged:
+      return ()
+    return tuple(t for t in (1 << i for i in range(4, self.page_size.bit_length())) if t < self.page_size) + (
+        self.page_size,)
+
+  def tail_bucket(self, n: int) -> int:
+    return next(t for t in self.tail_buckets if t >= n)
+
+  @property
   def refill_chunk(self) -> int:
     """Free slots at which waiting rows are refilled into the largest bucket."""
     return self.refill_rows or max(1, self.batch_buckets[-1] // 4)

@@ -274,7 +274,7 @@ class Steps:
                    pages_BxM) -> RowState:
     """`prefill` of one row (slot `slot`, int32 scalar) whose prompt's shared pages, slots below
     `start`, a sibling in flight (slot `sibling`) already wrote: only the prompt's tail, its
-    `count` tokens from `start` on (`tokens_P`, padded to a page), runs through the target,
+    `count` tokens from `start` on (`tokens_P`, padded to a tail bucket), runs through the target,
     attending to the shared pages, and the drafter is fed the tail's pairs. The row gets what a
     prefill gives it: its prompt's keys and values, its first token, its drafter feed, and with
     captured hidden states the prompt's (the shared part copied from the sibling's)."""
