@@ -33,6 +33,14 @@ from tlt_jax.rollout.speculative import Strategy
 FINISH_REASONS = ("running", "stop", "length")  # `RowState.finish` indexes it
 
 
+def _padded_lengths(limit: int) -> tuple[int, ...]:
+  """Powers of two from 16, the last one `limit` itself."""
+  sizes = [16]
+  while sizes[-1] < limit:
+    sizes.append(sizes[-1] * 2)
+  return tuple(min(s, limit) for s in sizes)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """What an `Engine` compiles for: its shapes, buckets and draft strategies (each field says what it sets).
@@ -134,10 +142,7 @@ class EngineConfig:
   @property
   def prompt_buckets(self) -> tuple[int, ...]:
     """Padded prompt lengths: powers of two from 16, the last one max_prompt_len itself."""
-    sizes = [16]
-    while sizes[-1] < self.max_prompt_len:
-      sizes.append(sizes[-1] * 2)
-    return tuple(min(s, self.max_prompt_len) for s in sizes)
+    return _padded_lengths(self.max_prompt_len)
 
   def bucket(self, rows: int) -> int:
     """The smallest batch bucket that holds `rows` rows."""
@@ -159,11 +164,8 @@ class EngineConfig:
   @property
   def tail_buckets(self) -> tuple[int, ...]:
     """Padded lengths of a prompt's tail after its shared pages (`Steps.prefill_tail`; a paged
-    cache): powers of two from 16 below page_size, then page_size (a tail fills one page at most)."""
-    if not self.paged:
-      return ()
-    return tuple(t for t in (1 << i for i in range(4, self.page_size.bit_length())) if t < self.page_size) + (
-        self.page_size,)
+    cache): powers of two from 16, the last one page_size (a tail fills one page at most)."""
+    return _padded_lengths(self.page_size) if self.paged else ()
 
   def tail_bucket(self, n: int) -> int:
     return next(t for t in self.tail_buckets if t >= n)
