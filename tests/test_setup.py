@@ -76,7 +76,9 @@ def test_requirements_admit_the_accelerator_stack():
 def test_an_installed_copy_finds_its_default_config(tmp_path):
   """`pip install .` (not editable) copies the package alone: `python -m tlt_jax.main` run from
   elsewhere with only that copy importable defaults to the copy's config file, and loads and
-  checks it (then fails on the workdir it is given, a file)."""
+  checks it (then fails on the workdir it is given, a file). The default config's dry run sizes it
+  there (its vocabulary is its procedural tokenizer's); a dry run of a policy directory that is not
+  there and no vocabulary size is one line naming the key."""
   source = tmp_path / "source"  # a copy: building in the checkout would leave build/ and *.egg-info there
   shutil.copytree(os.path.join(REPO, "tlt_jax"), source / "tlt_jax", ignore=shutil.ignore_patterns("__pycache__"))
   for name in ("setup.py", "README.md"):
@@ -99,6 +101,17 @@ def test_an_installed_copy_finds_its_default_config(tmp_path):
                        capture_output=True, text=True, timeout=300)
   assert run.returncode == 1 and run.stderr.strip().endswith("error: config.workdir='a_file': not a directory"), \
       run.stderr[-3000:]
+  dry = subprocess.run([sys.executable, "-m", "tlt_jax.main", "--config.dry_run=True"], cwd=work,
+                       env={**env, "XLA_FLAGS": FAST_COMPILE_FLAGS}, capture_output=True, text=True, timeout=600)
+  assert dry.returncode == 0, dry.stderr[-3000:]
+  report = json.loads(dry.stdout)
+  assert report["model"] == "config.model" and report["fits"] and report["parameters_b"] > 0
+  missing = subprocess.run([sys.executable, "-m", "tlt_jax.main", "--config.dry_run=True",
+                            f"--config.policy.path={work / 'no_model'}"], cwd=work, env=env, capture_output=True,
+                           text=True, timeout=300)
+  assert missing.returncode == 1 and "Traceback" not in missing.stderr and missing.stderr.strip().splitlines()[-1] == (
+      f"error: dry run: config.model.vocab_size: {work / 'no_model' / 'config.json'} is not there, so a dry run "
+      "takes the architecture from config.model and needs the vocabulary size"), missing.stderr[-3000:]
 
 
 def test_readme_python_example_runs(tiny_policy_dir, tmp_path, monkeypatch):

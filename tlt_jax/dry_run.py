@@ -35,6 +35,7 @@ from tlt_jax.drafter.buffer import BufferConfig
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, ModelConfig
 from tlt_jax.rl import actor as actor_lib
+from tlt_jax.rl import bootstrap
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.state import EngineConfig
 
@@ -47,9 +48,13 @@ def model_config(config) -> tuple[ModelConfig, str]:
   if path and os.path.exists(path):
     with open(path, encoding="utf-8") as f:
       return ModelConfig.from_hf(json.load(f), source=path), path
-  if not config.model.vocab_size:
-    raise ValueError("config.model.vocab_size: a dry run without a policy directory needs the vocabulary size")
-  return config_lib.model_config(config), "config.model"
+  if config.policy.path:  # a real model's directory that is not here (e.g. sizing a cluster run on a laptop)
+    if not config.model.vocab_size:
+      raise ValueError(f"config.model.vocab_size: {path} is not there, so a dry run takes the architecture from "
+                       "config.model and needs the vocabulary size")
+    return config_lib.model_config(config), "config.model"
+  # The tiny world: its tokenizer (procedural, or the one SFT saved with the policy) gives the vocabulary.
+  return config_lib.model_config(config, bootstrap.load_tokenizer(config)), "config.model"
 
 
 def _abstract(build, mesh):

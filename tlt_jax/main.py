@@ -84,10 +84,17 @@ def main(argv):
     config_lib.check(config)
   except ValueError as e:
     cli.fail(str(e))
-  config_lib.setup_devices(config)
+  try:
+    config_lib.setup_devices(config)
+  except (RuntimeError, ValueError) as e:  # jax.distributed could not start (config.distributed.*)
+    cli.fail(f"config.distributed: {e}")
   if config.dry_run:
     from tlt_jax import dry_run  # pylint: disable=import-outside-toplevel
-    print(json.dumps(dry_run.run(config), indent=2))
+    try:
+      report = dry_run.run(config)
+    except (OSError, ValueError) as e:  # a missing vocabulary size, an executable that does not fit, ...
+      cli.fail(f"dry run: {e}")
+    print(json.dumps(report, indent=2))
     return
   check_outputs(config)
   from tlt_jax.rl import bootstrap  # pylint: disable=import-outside-toplevel
@@ -102,7 +109,7 @@ def main(argv):
     cli.fail(str(e))
   try:
     records = trainer.run(stop=lambda: stop.reason)
-  except NonFiniteUpdates as e:
+  except (NonFiniteUpdates, OSError) as e:  # diverged; a checkpoint or metrics write failed; a rollout timed out
     cli.fail(str(e))
   finally:
     trainer.close()
