@@ -38,6 +38,9 @@ BAD_CONFIGS = [
      "--config.rollout.strategies=\"('3_1_4','4_2_6')\""),
     (["--config.drafter.warmup_steps=3"], "config.drafter.warmup_steps is now config.drafter.distill.steps"),
     (["--config.kernels.attention=xla"], "config.kernels.attention is now config.rollout.engine.attention"),
+    (["--config.distributed.enabled=True", "--config.distributed.coordinator_address=localhost:1",
+      "--config.distributed.num_processes=1", "--config.distributed.process_id=3"],
+     "error: config.distributed: process_id and num_processes must be nonnegative"),
 ]
 
 
