@@ -18,7 +18,8 @@ beyond its largest batch bucket run in consecutive waves instead of refilling fi
 `suffix`: tail SD with suffix drafts alone (`rollout.drafter=suffix`, no drafter model), and
 `suffix_history`: the same with each prompt's responses of earlier steps in its bank (with a small
 `--config.data.size` prompts come back every few steps: epochs).
-Writes steps.csv (one row per trainer and step), curves.png (reward and step time per step) and
+Writes steps.csv (one row per trainer and step), curves.png (tlt_jax.report.figure: reward, response
+length, rollout time and acceptance per step, one line per arm) and
 summary.json, and prints the summary: step-time ratios (`--reference` / arm, first step excluded:
 it compiles) and the mean reward of each over the run.
 """
@@ -29,16 +30,13 @@ import csv
 import json
 import os
 
-import matplotlib
+from absl import app, flags
+from ml_collections import config_flags
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
-from absl import app, flags  # pylint: disable=wrong-import-position
-from ml_collections import config_flags  # pylint: disable=wrong-import-position
-
-import side_by_side  # pylint: disable=wrong-import-position
-import starting_point  # pylint: disable=wrong-import-position
-from tlt_jax import config as config_lib  # pylint: disable=wrong-import-position
+import side_by_side
+import starting_point
+from tlt_jax import config as config_lib
+from tlt_jax import report
 
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "..", "configs",
                                                                  "tiny.py"), "Experiment config.")
@@ -70,18 +68,7 @@ def main(argv):
   with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2)
 
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-  for name in arms:
-    rs = [r for r in rows if r["trainer"] == name]
-    steps = [r["step"] for r in rs]
-    axes[0].plot(steps, [r["reward/mean"] for r in rs], marker="o", label=name)
-    axes[1].plot(steps, [r["time/step_s"] for r in rs], marker="o", label=name)
-  axes[0].set(xlabel="RL step", ylabel="mean reward", title="reward")
-  axes[1].set(xlabel="RL step", ylabel="seconds", title="step time", yscale="log")
-  for ax in axes:
-    ax.legend()
-  fig.tight_layout()
-  fig.savefig(os.path.join(out, "curves.png"), dpi=120)
+  report.figure({name: [r for r in rows if r["trainer"] == name] for name in arms}, os.path.join(out, "curves.png"))
   print(json.dumps(summary, indent=2))
 
 

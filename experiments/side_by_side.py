@@ -21,9 +21,9 @@ ARMS = {"tlt": {"rollout.speculative": True, "rollout.tlt.enabled": True},
         "suffix": {"rollout.speculative": True, "rollout.drafter": "suffix", "rollout.strategies": SUFFIX},
         "suffix_history": {"rollout.speculative": True, "rollout.drafter": "suffix", "rollout.strategies": SUFFIX,
                            "rollout.engine.suffix_history_len": 1024}}
-KEYS = ("reward/mean", "reward/accuracy", "response_length/median", "response_length/max", "time/step_s",
-        "time/rollout_s", "time/train_s", "rollout/tail_share", "rollout/accept_len", "rollout/refills",
-        "rollout/idle_slot_fraction", "rollout/compilations")
+KEYS = ("reward/mean", "reward/accuracy", "response_length/median", "response_length/p90", "response_length/max",
+        "time/step_s", "time/rollout_s", "time/train_s", "rollout/tail_share", "rollout/sd_share",
+        "rollout/accept_len", "rollout/refills", "rollout/idle_slot_fraction", "rollout/compilations")
 
 
 def check_arms(arms, reference: str) -> None:

@@ -216,15 +216,22 @@ def test_sigkill_and_sigterm_at_random_points_resume_exactly(tmp_path, straight,
   records = metrics.read(str(workdir / "metrics.jsonl"))
   assert [r["step"] for r in records] == list(range(STEPS + 1))  # 0: the held-out evaluation before step 1
   # The closing summary covers the whole run, the parts before the restarts included.
-  log = (tmp_path / "run3.log").read_text()
-  summary, _ = json.JSONDecoder().raw_decode(log, log.rindex('{\n  "steps"'))
+  summary = json.loads((workdir / "summary.json").read_text())
   window = max(1, min(5, STEPS // 2))
-  assert summary["steps"] == STEPS and summary["reward_window"] == window
-  assert summary["reward_first_steps"] == pytest.approx(np.mean([r["reward/mean"] for r in records[1:1 + window]]))
-  assert summary["reward_last_steps"] == pytest.approx(np.mean([r["reward/mean"] for r in records[-window:]]))
+  assert summary["steps"] == STEPS and summary["training_reward"]["window"] == window
+  assert summary["training_reward"]["first_steps"] == pytest.approx(
+      np.mean([r["reward/mean"] for r in records[1:1 + window]]))
+  assert summary["training_reward"]["last_steps"] == pytest.approx(
+      np.mean([r["reward/mean"] for r in records[-window:]]))
   evals = [r for r in records if "eval/reward" in r]
-  assert summary["eval_reward_first"] == evals[0]["eval/reward"]
-  assert summary["eval_reward_last"] == evals[-1]["eval/reward"]
+  held_out = summary["held_out"]
+  assert held_out["first"]["reward"] == evals[0]["eval/reward"] and held_out["first"]["step"] == 0
+  assert held_out["last"]["reward"] == evals[-1]["eval/reward"] and held_out["last"]["step"] == STEPS
+  assert held_out["change_interval"] == f"paired over {len(evals[0]['eval/prompt_rewards'])} prompts"
+  # The terminal's summary leads with the held-out reward and names the outputs, the run's figure among them.
+  log = (tmp_path / "run3.log").read_text()
+  assert f"RL: {STEPS} steps" in log and "  held-out reward (95% interval): " in log
+  assert f"  figure:      {workdir / 'run.png'}" in log and (workdir / "run.png").is_file()
   strip = lambda r: {k: v for k, v in r.items() if not _timing(k)}
   straight_dir, params, expected = straight
   assert all("drafter/loss" in r and r["drafter/steps"] == 2 for r in expected[1:])

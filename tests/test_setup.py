@@ -53,8 +53,11 @@ def test_readme_first_command_on_a_fresh_environment(tmp_path):
   run = subprocess.run(f"{RUN} --config={REPO}/configs/tiny.py:smoke", shell=True, cwd=work,
                        env={**env, "XLA_FLAGS": FAST_COMPILE_FLAGS}, capture_output=True, text=True, timeout=1200)
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-  summary = json.loads(run.stdout[run.stdout.rindex('{\n  "steps"'):])
+  assert run.stdout.startswith("RL: 1 step ("), run.stdout[-3000:]
+  summary = json.loads((work / "runs" / "tiny" / "summary.json").read_text())
   assert summary["steps"] == 1
+  # matplotlib is not among the package's requirements: the run says so in one line, and draws no figure.
+  assert "no figure of the run: matplotlib is not installed" in run.stderr and "figure" not in summary["outputs"]
   for output in ("policy/config.json", "drafter/drafter_config.json", "export/policy/model.safetensors",
                  "export/drafter/model.safetensors", "metrics.jsonl"):
     assert (work / "runs" / "tiny" / output).is_file(), output

@@ -21,6 +21,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 
 from absl import flags, logging
 
@@ -28,6 +29,7 @@ from tlt_jax import cli
 from tlt_jax import config as config_lib
 from tlt_jax import files
 from tlt_jax import metrics
+from tlt_jax import report
 
 _CONFIG = cli.define_config(config_lib.__file__)  # its get_config(): the tiny world, found in an installed copy too
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Same as --config.dry_run=True.")
@@ -77,6 +79,7 @@ def check_outputs(config) -> None:
 
 def main(argv):
   del argv
+  start = time.perf_counter()
   config = cli.config_value(_CONFIG)
   if _DRY_RUN.value:
     config.dry_run = True
@@ -91,10 +94,10 @@ def main(argv):
   if config.dry_run:
     from tlt_jax import dry_run  # pylint: disable=import-outside-toplevel
     try:
-      report = dry_run.run(config)
+      sizes = dry_run.run(config)
     except (OSError, ValueError) as e:  # a missing vocabulary size, an executable that does not fit, ...
       cli.fail(f"dry run: {e}")
-    print(json.dumps(report, indent=2))
+    print(json.dumps(sizes, indent=2))
     return
   check_outputs(config)
   from tlt_jax.rl import bootstrap  # pylint: disable=import-outside-toplevel
@@ -119,18 +122,13 @@ def main(argv):
     return
   if records and trainer.metrics is not None:  # process 0 of several
     history = metrics.read(trainer.metrics.path)  # the whole run, resumed parts included
-    # A step's training reward swings with its prompts' difficulty: means over the first and the
-    # last few steps.
-    steps = [r for r in history if "reward/mean" in r]
-    window = max(1, min(5, len(steps) // 2))
-    mean = lambda part: sum(r["reward/mean"] for r in part) / len(part)
-    summary = {"steps": trainer.step, "reward_first_steps": mean(steps[:window]),
-               "reward_last_steps": mean(steps[-window:]), "reward_window": window}
-    evals = [r for r in history if "eval/reward" in r]
-    if evals:  # the held-out reward
-      summary.update(eval_reward_first=evals[0]["eval/reward"], eval_reward_last=evals[-1]["eval/reward"],
-                     eval_steps=[r["step"] for r in evals])
-    print(json.dumps({**summary, "metrics": trainer.metrics.path}, indent=2))
+    plot = report.figure({"TLT" if config.rollout.speculative else "plain": history},
+                         os.path.join(config.workdir, report.FIGURE))
+    summary = report.summary(history, config.workdir, figure=plot, wall_s=time.perf_counter() - start)
+    path = os.path.join(config.workdir, "summary.json")
+    with files.atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+      json.dump(summary, f, indent=2)
+    print(report.text(summary) + f"\n  {'summary:':13s}{path}")
 
 
 if __name__ == "__main__":

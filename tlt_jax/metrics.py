@@ -9,8 +9,22 @@ from __future__ import annotations
 import json
 import math
 import os
+from typing import Sequence
 
+import numpy as np
 from tensorboardX import SummaryWriter
+
+
+def group_means(scores: Sequence[float], groups: Sequence[int]) -> list[float]:
+  """The mean score of each group (e.g. a prompt's samples), in the groups' sorted order."""
+  _, index = np.unique(np.asarray(groups), return_inverse=True)
+  return (np.bincount(index, np.asarray(scores, np.float64)) / np.bincount(index)).tolist()
+
+
+def ci95(values: Sequence[float]) -> float:
+  """Half-width of the normal 95% interval of the mean of independent `values` (0 for fewer than two)."""
+  values = np.asarray(values, np.float64)
+  return float(1.96 * values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else 0.0
 
 
 def read(path: str) -> list[dict]:

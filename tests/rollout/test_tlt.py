@@ -69,6 +69,8 @@ def test_idle_groups_train_one_drafter_losslessly(policy, tmp_path):
     assert metrics["rollout/refills"] >= 0 and metrics["rollout/preemptions"] == 0  # contiguous caches
     assert 0 < metrics["rollout/peak_rows"] <= 8 and metrics["rollout/peak_pages"] == 0
     assert 0 <= metrics["rollout/tail_share"] <= 1 and 0 <= metrics["rollout/idle_slot_fraction"] <= 1
+    assert 0 <= metrics["rollout/sd_share"] <= 1
+    assert metrics["rollout/tokens_per_s"] == pytest.approx(metrics["rollout/tokens"] / (end - rollout.last["start"]))
     # One merged drafter, pushed to every group's engine.
     master = jax.tree.map(np.asarray, trainer.params)
     pointer = lambda x: x.addressable_shards[0].data.unsafe_buffer_pointer()

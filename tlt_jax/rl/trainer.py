@@ -50,7 +50,7 @@ from tlt_jax.drafter import export
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, hf
 from tlt_jax.rl import actor as actor_lib
-from tlt_jax.rl import datasets, grpo, rewards, rollouts
+from tlt_jax.rl import datasets, grpo, rewards, rollouts, tasks
 from tlt_jax.rollout import profile
 
 _EVAL_OFFSET = 1 << 30  # held-out sampling keys: prompt indices training never reaches
@@ -150,9 +150,11 @@ class Trainer:
 
   # ---- held-out evaluation ----
 
-  def evaluate(self) -> dict[str, float]:
+  def evaluate(self) -> dict[str, float | list[float]]:
     """Reward of the current policy on the held-out prompts (fixed sampling keys: evaluations at
-    different steps differ only by the policy)."""
+    different steps differ only by the policy), with its 95% interval over prompts, each prompt's
+    mean (for paired comparisons of evaluations), accuracy, the share of responses with an answer
+    line and the median response length."""
     start, e = time.perf_counter(), self.config.eval
     examples = list(self.eval_prompts)
     samples, _ = self.eval_rollout.generate([ex.prompt_ids for ex in examples], num_samples=e.num_samples,
@@ -161,7 +163,12 @@ class Trainer:
     truth = [examples[s.prompt_index] for s in samples]
     scores, _ = rewards.score_batch(examples[0].reward, texts, [ex.ground_truth for ex in truth],
                                     [ex.metadata for ex in truth])
-    return {"eval/reward": float(scores.mean()), "eval/accuracy": float((scores >= 1.0).mean()),
+    # A prompt's samples are not independent of each other: the interval is over prompts.
+    per_prompt = metrics_lib.group_means(scores, [s.prompt_index for s in samples])
+    return {"eval/reward": float(scores.mean()), "eval/reward_ci95": metrics_lib.ci95(per_prompt),
+            "eval/prompt_rewards": [round(x, 4) for x in per_prompt],
+            "eval/accuracy": float((scores >= 1.0).mean()),
+            "eval/answered": float(np.mean([tasks.extract_answer(t) is not None for t in texts])),
             "eval/response_length": float(np.median([len(s.tokens) for s in samples])),
             "time/eval_s": time.perf_counter() - start}
 

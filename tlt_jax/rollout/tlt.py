@@ -27,8 +27,9 @@ features), so every process returns all samples. A process whose groups are all 
 `poll_s`; asynchronous per-process rounds would save those round trips but let the copies drift.
 
 Metrics (`generate`'s): drafter/{steps,loss,loss_last,top1,eval_loss,version,version_used,restored},
-rollout/{accept_len,tokens,refills,preemptions,resumed_tokens (summed over groups),tail_share,
-idle_slot_fraction (group means),peak_rows,peak_pages (the busiest group's)},
+rollout/{accept_len,tokens,refills,preemptions,resumed_tokens (summed over groups),tokens_per_s (over the
+rollout's wall time),sd_share (of the groups' summed time),tail_share,idle_slot_fraction (group means),
+peak_rows,peak_pages (the busiest group's)},
 spot/{groups,idle_device_s,harvested_device_s,train_rounds,overrun_s,gap_s,checkpoint_s,wall_s}.
 The state (`state_dict`) is the drafter trainer's (params, optimizer, data buffer, version, RL
 step) and the bandits'. Executables (every group's engine and gradient step, the update, the
@@ -243,7 +244,7 @@ class TLTRollout(BaseRollout):
     faults = [g for g, r in enumerate(results) if r.metrics.drafter_nonfinite]
     restored, checkpoint_s = trainer.end_step(
         bool(rounds), f"non-finite outputs in the rollouts of groups {faults}" if faults else None)
-    self.last = {"finished": finished, "end": end, "rounds": rounds, "checkpoint_s": checkpoint_s,
+    self.last = {"start": start, "finished": finished, "end": end, "rounds": rounds, "checkpoint_s": checkpoint_s,
                  "restored": restored}
     samples = sorted((s for r in results for s in r.samples), key=lambda s: (s.prompt_index, s.sample_index))
     return samples, self._metrics(results, rounds, finished, start, end, stop, gap_s, version_used)
@@ -269,6 +270,10 @@ class TLTRollout(BaseRollout):
         "drafter/restored": float(self.last["restored"]),
         "rollout/accept_len": spec_tokens / max(passes, 1),
         "rollout/tokens": float(sum(r.metrics.tokens for r in results)),
+        # The rollout's tokens over its wall time (until the last group finished); time in speculative
+        # plays over the groups' summed rollout time.
+        "rollout/tokens_per_s": sum(r.metrics.tokens for r in results) / max(end - start, 1e-9),
+        "rollout/sd_share": sum(r.metrics.sd_s for r in results) / max(sum(r.metrics.wall_s for r in results), 1e-9),
         "rollout/refills": float(sum(r.metrics.refills for r in results)),
         "rollout/preemptions": float(sum(r.metrics.preemptions for r in results)),
         "rollout/resumed_tokens": float(sum(r.metrics.resumed_tokens for r in results)),
