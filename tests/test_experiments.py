@@ -67,6 +67,27 @@ def test_accelerator_smoke_measures_every_figure(tmp_path):
       "choose another --out"), refused.stderr[-3000:]
 
 
+def test_seeds_runs_the_config_once_per_seed_and_reports_the_spread(tmp_path):
+  """`seeds.py` on the tiny smoke config with evaluations: a run per seed, each its own summary and
+  metrics, the ranges over seeds and a figure with a line per seed; a second call keeps the runs."""
+  out = tmp_path / "seeds"
+  env = {**os.environ, "XLA_FLAGS": xla_flags_without_device_count()}
+  run = lambda: subprocess.run([sys.executable, "seeds.py", "--seeds=0,1", f"--out={out}",
+                                "--config=../configs/tiny.py:smoke", "--config.eval.every=1", "--config.eval.size=4",
+                                "--config.rollout.compilation_cache_dir="], cwd=EXPERIMENTS, env=env,
+                               capture_output=True, text=True, timeout=900)
+  done = run()
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = json.loads((out / "seeds.json").read_text())
+  assert [r["seed"] for r in result["runs"]] == [0, 1]
+  assert all(r["steps"] == 1 and r["held_out"]["first"]["step"] == 0 for r in result["runs"])
+  firsts = [r["held_out"]["first"]["reward"] for r in result["runs"]]
+  assert result["held_out_first"] == {"min": min(firsts), "max": max(firsts), "mean": sum(firsts) / 2}
+  assert (out / "seeds.png").stat().st_size > 0 and (out / "seed1" / "metrics.jsonl").is_file()
+  again = run()
+  assert again.returncode == 0 and "+ " not in again.stdout and json.loads((out / "seeds.json").read_text()) == result
+
+
 def test_bench_kernels_smoke_checks_every_implementation(tmp_path):
   """On CPU: the kernels in their interpreters (Triton's too: tests/conftest.py sets TRITON_INTERPRET=1)
   against the reference at R1-7B's heads; timings flagged meaningless; JSON, CSV and the plot written."""
