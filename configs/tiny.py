@@ -11,7 +11,7 @@ with TLT rollouts. Response lengths are long-tailed (heavy-tailed number of term
 reasoning RL.
 
 What RL has to learn here: the SFT solutions come from a sloppy teacher that leaves off the final
-`Answer:` line in 30% of them (`sft.unanswered`), as truncated or unformatted traces do in real
+`Answer:` line in half of them (`sft.unanswered`), as truncated or unformatted traces do in real
 distillation data. The reward reads that line, so the SFT policy copies a habit that costs it
 reward, and GRPO unlearns it: the held-out reward rises within the 20 steps. Without the slip
 (`--config.sft.unanswered=0`) a 0.8M-parameter policy this briefly trained has no headroom that

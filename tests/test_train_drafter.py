@@ -88,7 +88,13 @@ def test_reduced_vocabulary_drafter(hf_dirs, tmp_path):
   drafter = checkpoint.load_drafter(str(out), hf.read_config(model_dir)[0])
   assert len(drafter.draft_vocab) == 24 and list(drafter.draft_vocab) == sorted(drafter.draft_vocab)
   proc = run_cli(f"--model={model_dir}", f"--prompts={prompts}", f"--output={tmp_path / 'd'}", "--draft_vocab_size=97")
-  assert proc.returncode != 0 and "--draft_vocab_size=97 is larger than the target's vocabulary of 96" in proc.stderr
+  assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
+      "error: --draft_vocab_size=97 is larger than the target's vocabulary of 96"), proc.stderr[-3000:]
+  for coverage in ("0", "1.5"):
+    proc = run_cli(f"--model={model_dir}", f"--prompts={prompts}", f"--output={tmp_path / 'd'}",
+                   f"--draft_vocab_coverage={coverage}")
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"error: flag --draft_vocab_coverage={float(coverage)}: --draft_vocab_coverage must lie in (0, 1]"]
   assert not os.path.exists(tmp_path / "d")
 
 

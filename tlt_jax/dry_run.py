@@ -117,8 +117,9 @@ def run(config) -> dict:
   group_policy = _abstract(build_policy, group_mesh)
   strategies = config_lib.strategies(config) if config.rollout.speculative else ()
   eagle = any(not s.suffix for s in strategies)  # an EAGLE drafter (else suffix arms alone, or none)
-  # A reduced head's ids come from the warm-up data; any N ids size the executables alike.
-  vocab = range(min(config.drafter.draft_vocab_size, cfg.vocab_size))
+  # A reduced head's ids come from the warm-up data; any N ids size the executables alike. One chosen
+  # by coverage (-1) is sized as the whole vocabulary, its largest.
+  vocab = range(min(max(config.drafter.draft_vocab_size, 0), cfg.vocab_size))
   build_drafter = lambda: Drafter(cfg, feature_layers=config.drafter.feature_layers, draft_vocab=vocab, dtype=dtype,
                                   rngs=nnx.Rngs(0))
   drafter = _abstract(build_drafter, group_mesh) if eagle else None

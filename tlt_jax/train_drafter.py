@@ -3,7 +3,8 @@
   python -m tlt_jax.train_drafter --model=DIR --output=DIR [--overwrite] \\
       [--prompts=FILE.jsonl | --task=basic_arithmetic --num_prompts=512] \\
       [--num_samples=4 --temperature=1.0 --max_new_tokens=256 --steps=400 --batch_rows=16 \\
-       --row_len=256 --learning_rate=3e-3 --draft_vocab_size=0 --eagle3_layers= --eval_fraction=0.1 --seed=0]
+       --row_len=256 --learning_rate=3e-3 --draft_vocab_size=-1 --draft_vocab_coverage=0.99 --eagle3_layers= \\
+       --eval_fraction=0.1 --seed=0]
 
 Samples responses from the target with the rollout engine, distils a fresh drafter on them
 (`tlt_jax.drafter.warmup`), saves it to --output (`tlt_jax.drafter.checkpoint`), reloads it to
@@ -17,9 +18,11 @@ of the prompts is held out for the reported top-1 agreement.
 The target's features come from the sampling rollout itself (captured while decoding, no
 recomputation, as the online trainer gets them); an EAGLE-3 drafter, which reads three target
 layers the rollout does not keep, recomputes them with one forward pass over each sequence.
-`--draft_vocab_size=N` gives the drafter a reduced-vocabulary head over the N most frequent
-response tokens of its training samples (0: the target's whole vocabulary); the summary reports
-how many of the held-out response tokens it covers.
+The drafter's head is reduced to the most frequent response tokens of its training samples: by
+default the fewest that cover --draft_vocab_coverage (99%) of them, rounded up to a multiple of 256
+and at most 32768 (the whole vocabulary when that is not smaller); `--draft_vocab_size=N` takes N of
+them, `--draft_vocab_size=0` the target's whole vocabulary. The summary reports the head's size and
+how many of the training and held-out response tokens it covers.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from tqdm import tqdm
 
 from tlt_jax import cli
 from tlt_jax.cli import InputError
-from tlt_jax.drafter import checkpoint, warmup
+from tlt_jax.drafter import checkpoint, train, warmup
 from tlt_jax.drafter.model import check_feature_layers
 from tlt_jax.models import hf
 from tlt_jax.prompts import read_prompts
@@ -61,9 +64,13 @@ _BATCH_ROWS = flags.DEFINE_integer("batch_rows", 16, "Packed rows per training s
 _ROW_LEN = flags.DEFINE_integer("row_len", 256, "Tokens per packed row; longer sequences are truncated.",
                                 lower_bound=2)
 _LR = flags.DEFINE_float("learning_rate", 3e-3, "Peak learning rate (warmup, then cosine decay).", lower_bound=0.0)
-_DRAFT_VOCAB = flags.DEFINE_integer("draft_vocab_size", 0, "Tokens of a reduced-vocabulary draft head (the most "
-                                    "frequent of the training responses); 0 = the target's vocabulary.",
-                                    lower_bound=0)
+_DRAFT_VOCAB = flags.DEFINE_integer("draft_vocab_size", -1, "Tokens of the draft head, the most frequent of the "
+                                    "training responses: -1 = the fewest covering --draft_vocab_coverage of them "
+                                    f"(rounded up to a multiple of {train.HEAD_MULTIPLE}, at most {train.HEAD_CAP}); "
+                                    "0 = the target's whole vocabulary.", lower_bound=-1)
+_COVERAGE = flags.DEFINE_float("draft_vocab_coverage", train.HEAD_COVERAGE, "Share of the training response tokens "
+                               "a head chosen by coverage (--draft_vocab_size=-1) holds, in (0, 1].")
+flags.register_validator("draft_vocab_coverage", lambda v: 0 < v <= 1, "--draft_vocab_coverage must lie in (0, 1]")
 _EAGLE3 = flags.DEFINE_list("eagle3_layers", [], "Three target layer indices (low,mid,high) for an EAGLE-3 "
                             "drafter; empty = EAGLE-1.")
 _EVAL_FRACTION = flags.DEFINE_float("eval_fraction", 0.1, "Fraction of the prompts held out for evaluation.",
@@ -135,7 +142,8 @@ def run() -> dict:
 
     drafter, distilled = warmup.distil(model, own, steps=_STEPS.value, batch_rows=_BATCH_ROWS.value,
                                        row_len=_ROW_LEN.value, lr=_LR.value, feature_layers=layers,
-                                       draft_vocab_size=_DRAFT_VOCAB.value, seed=_SEED.value, on_step=on_step)
+                                       draft_vocab_size=_DRAFT_VOCAB.value, head_coverage=_COVERAGE.value,
+                                       seed=_SEED.value, on_step=on_step)
 
   checkpoint.save_drafter(drafter, _OUTPUT.value)
   reloaded = checkpoint.load_drafter(_OUTPUT.value, model.config)

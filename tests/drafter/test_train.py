@@ -95,6 +95,30 @@ def test_frequent_tokens_are_the_draft_vocabulary():
     train.frequent_tokens(sequences, 64, 65)
 
 
+def test_a_head_chosen_by_coverage_is_the_fewest_frequent_tokens_reaching_it(monkeypatch):
+  monkeypatch.setattr(train, "HEAD_MULTIPLE", 2)
+  monkeypatch.setattr(train, "HEAD_CAP", 6)
+  # 10 response tokens: 5 x4, 9 x3, 7 x2, 3 x1.
+  sequences = [([60, 61], [5, 5, 5, 9, 9, 3]), ([62], [9, 7, 7, 5])]
+  assert train.head_for_coverage(sequences, 64, 0.4) == ((5, 9), pytest.approx(0.7))  # 1 token, rounded up to 2
+  assert train.head_for_coverage(sequences, 64, 0.7) == ((5, 9), pytest.approx(0.7))  # exactly reached
+  assert train.head_for_coverage(sequences, 64, 0.71) == ((3, 5, 7, 9), 1.0)  # 3 tokens, rounded up to 4
+  assert train.head_for_coverage(sequences, 64, 1.0) == ((3, 5, 7, 9), 1.0)
+  monkeypatch.setattr(train, "HEAD_MULTIPLE", 16)
+  monkeypatch.setattr(train, "HEAD_CAP", 64)
+  assert train.head_for_coverage(sequences, 10, 0.71) == ((), 1.0)  # 16 tokens, not fewer than the vocabulary's 10
+  monkeypatch.setattr(train, "HEAD_MULTIPLE", 2)
+  monkeypatch.setattr(train, "HEAD_CAP", 2)
+  assert train.head_for_coverage(sequences, 64, 1.0) == ((5, 9), pytest.approx(0.7))  # capped: less than asked
+  for share in (0.0, 1.5):
+    with pytest.raises(ValueError, match=r"coverage must lie in \(0, 1\]"):
+      train.head_for_coverage(sequences, 64, share)
+  # draft_head: -1 by coverage, 0 the whole vocabulary, N the N most frequent.
+  assert train.draft_head(sequences, 64, -1, 0.4) == ((5, 9), pytest.approx(0.7))
+  assert train.draft_head(sequences, 64, 0) == ((), 1.0)
+  assert train.draft_head(sequences, 64, 3) == ((5, 7, 9), pytest.approx(0.9))
+
+
 def test_reduced_vocabulary_distillation_learns(target):
   sequences = random_sequences(12)
   drafter = Drafter(target.config, draft_vocab=train.frequent_tokens(sequences, 64, 24), rngs=nnx.Rngs(1))

@@ -115,6 +115,46 @@ def frequent_tokens(sequences: Sequences, vocab_size: int, n: int) -> tuple[int,
   return tuple(int(i) for i in np.sort(order[:n]))
 
 
+HEAD_COVERAGE = 0.99  # share of the response tokens a head chosen by coverage holds
+HEAD_MULTIPLE = 256  # its size is rounded up to a multiple of this (whole lanes of a matmul) ...
+HEAD_CAP = 32768  # ... and capped (fastrl's default head size)
+
+
+def head_for_coverage(sequences: Sequences, vocab_size: int,
+                      share: float = HEAD_COVERAGE) -> tuple[tuple[int, ...], float]:
+  """A reduced head chosen by its data: the smallest N whose most frequent response tokens of
+  `sequences` cover `share` of them, rounded up to a multiple of HEAD_MULTIPLE and capped at HEAD_CAP;
+  () (the whole vocabulary) when that is not smaller than `vocab_size`. Returns the head's ids and the
+  share of the response tokens they cover."""
+  if not 0 < share <= 1:
+    raise ValueError(f"a head's coverage must lie in (0, 1], got {share}")
+  counts = np.zeros((vocab_size,), np.int64)
+  for _, response in sequences:
+    np.add.at(counts, np.asarray(response, np.int64), 1)
+  total = counts.sum()
+  if not total:
+    return (), 1.0
+  covered = np.cumsum(np.sort(counts)[::-1]) / total
+  needed = int(np.searchsorted(covered, share - 1e-12)) + 1  # the first N reaching the share
+  n = min(-(-needed // HEAD_MULTIPLE) * HEAD_MULTIPLE, HEAD_CAP)
+  if n >= vocab_size:
+    return (), 1.0
+  return frequent_tokens(sequences, vocab_size, n), float(covered[n - 1])
+
+
+def draft_head(sequences: Sequences, vocab_size: int, size: int = -1,
+               share: float = HEAD_COVERAGE) -> tuple[tuple[int, ...], float]:
+  """A drafter's head for its training `sequences`: `size` -1 chooses it by coverage
+  (`head_for_coverage` of `share`), 0 is the whole vocabulary, N the N most frequent response tokens.
+  Returns its ids (() for the whole vocabulary) and the share of the response tokens they cover."""
+  if size == -1:
+    return head_for_coverage(sequences, vocab_size, share)
+  if size == 0:
+    return (), 1.0
+  vocab = frequent_tokens(sequences, vocab_size, size)
+  return vocab, coverage(sequences, vocab)
+
+
 def coverage(sequences: Sequences, draft_vocab: Sequence[int]) -> float:
   """Fraction of the response tokens of `sequences` inside `draft_vocab`."""
   tokens = np.concatenate([np.asarray(r, np.int64) for _, r in sequences] or [np.zeros((0,), np.int64)])

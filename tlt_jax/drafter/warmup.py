@@ -68,14 +68,15 @@ def sample(model: CausalLM, prompts: Sequence[Sequence[int]], *, stop_ids: Seque
 
 
 def distil(model: CausalLM, own: OwnSamples, *, steps: int, batch_rows: int, row_len: int, lr: float,
-           feature_layers: Sequence[int] = (), draft_vocab_size: int = 0, seed: int = 0,
-           on_step: Callable[[int, dict[str, float]], None] | None = None) -> tuple[Drafter, dict]:
+           feature_layers: Sequence[int] = (), draft_vocab_size: int = -1, head_coverage: float = train.HEAD_COVERAGE,
+           seed: int = 0, on_step: Callable[[int, dict[str, float]], None] | None = None) -> tuple[Drafter, dict]:
   """A fresh drafter distilled on `own`'s training samples, and a summary: its shape, the loss curve's
-  ends, top-1 agreement (held out when `own` holds prompts out) and a reduced head's held-out coverage."""
+  ends, top-1 agreement (held out when `own` holds prompts out) and a reduced head's coverage of the
+  training and held-out response tokens. `draft_vocab_size`: -1 chooses the head by `head_coverage`,
+  0 is the whole vocabulary, N the N most frequent training response tokens (`train.draft_head`)."""
   train_samples, eval_samples = own.split()
   train_seqs, eval_seqs = own.sequences(train_samples), own.sequences(eval_samples)
-  vocab = (train.frequent_tokens(train_seqs, model.config.vocab_size, draft_vocab_size) if draft_vocab_size
-           else ())
+  vocab, covered = train.draft_head(train_seqs, model.config.vocab_size, draft_vocab_size, head_coverage)
   if feature_layers:  # EAGLE-3 features: recomputed
     data, eval_data = train_seqs, eval_seqs
   else:
@@ -91,5 +92,6 @@ def distil(model: CausalLM, own: OwnSamples, *, steps: int, batch_rows: int, row
     summary["top1_heldout"] = result.eval["top1"]
     summary["loss_heldout"] = result.eval["loss"]
   if vocab:
+    summary["draft_vocab_coverage"] = round(covered, 4)
     summary["draft_vocab_coverage_heldout"] = round(train.coverage(eval_seqs or train_seqs, vocab), 4)
   return drafter, summary

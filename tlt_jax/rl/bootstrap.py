@@ -103,12 +103,14 @@ def load_drafter(config, policy: CausalLM, tok) -> Drafter:
   examples = datasets.from_tasks(config.task.family, tok, size=2048, seed=config.seed + 3,
                                  difficulty=sft.difficulty(config))
   sequences = sft.sequences(examples, tok)
-  vocab = ()
-  if config.drafter.draft_vocab_size:
-    try:
-      vocab = drafter_train.frequent_tokens(sequences, policy.config.vocab_size, config.drafter.draft_vocab_size)
-    except ValueError as e:
-      raise ValueError(f"config.drafter.draft_vocab_size: {e}") from None
+  try:
+    vocab, covered = drafter_train.draft_head(sequences, policy.config.vocab_size, config.drafter.draft_vocab_size,
+                                              config.drafter.draft_vocab_coverage)
+  except ValueError as e:
+    raise ValueError(f"config.drafter.draft_vocab_size: {e}") from None
+  if vocab:
+    logging.info("drafter head: %d of %d tokens, covering %.2f%% of the warm-up's response tokens", len(vocab),
+                 policy.config.vocab_size, 100 * covered)
   drafter = Drafter(policy.config, feature_layers=config.drafter.feature_layers, draft_vocab=vocab,
                     rngs=nnx.Rngs(config.seed))
   d = config.drafter.distill
