@@ -47,7 +47,12 @@ def test_resume_continues_exactly(tmp_path, tiny_policy_dir, xla_cache):
   assert [strip(r) for r in a] == [strip(r) for r in b]
   # Held-out evaluations before the first step and every 2 steps, identical after the resume.
   assert [r["step"] for r in a if "eval/reward" in r] == [0, 2, 4] and set(a[0]) == {"step", "eval/reward",
-      "eval/accuracy", "eval/response_length", "time/eval_s"}
+      "eval/reward_ci95", "eval/prompt_rewards", "eval/accuracy", "eval/answered", "eval/response_length",
+      "time/eval_s"}
+  # The interval is over the held-out prompts' means (3 prompts: `tiny_rl_config`'s eval.size).
+  assert len(a[0]["eval/prompt_rewards"]) == 3 and a[0]["eval/reward"] == pytest.approx(
+      np.mean(a[0]["eval/prompt_rewards"]), abs=1e-4)
+  assert a[0]["eval/reward_ci95"] == pytest.approx(metrics.ci95(a[0]["eval/prompt_rewards"]), abs=1e-3)
   a = a[1:]
   # The policy did train: rewards varied in some groups, so there were gradients and the parameters moved.
   assert all(r["train/updates"] == 2 for r in a) and any(r["train/grad_norm"] > 0 for r in a)

@@ -6,6 +6,7 @@ from flax import nnx
 
 from tlt_jax import sharding
 from tlt_jax.models import CausalLM, ModelConfig
+from tlt_jax.rollout import profile
 from tlt_jax.rollout.bandit import Bandit
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.state import EngineConfig
@@ -49,6 +50,17 @@ def test_plain_rollout_samples_as_its_engine_takes_params_and_checkpoints_its_ba
   rollout.engine.bandit = Bandit((), seed=2)
   rollout.load_state_dict({}, meta)
   assert rollout.engine.bandit.state_dict() == meta["bandits"][0] and rollout.drafter_model() is None
+
+
+def test_a_later_rollout_compiles_nothing_whatever_its_prompt_lengths():
+  """The RL loop's rollouts prepare every prompt length's prefill before the first: a later step whose
+  prompts are longer than any before (another padded length) compiles nothing."""
+  rollout = PlainRollout(CausalLM(CFG, rngs=nnx.Rngs(0)), EngineConfig(**{**ENGINE.__dict__, "max_prompt_len": 40}),
+                         SAMPLING)
+  rollout.generate(PROMPTS, 2)
+  with profile.count_compilations() as compiled:
+    rollout.generate([list(range(2, 38)), [5, 6]], 2)  # 36 tokens: padded to 40, the first rollout's to 16
+  assert compiled == []
 
 
 def test_history_banks_earlier_responses_and_survives_a_checkpoint():

@@ -14,6 +14,7 @@ from tlt_jax.drafter.buffer import BufferConfig, DataBuffer
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.drafter.trainer import DrafterTrainerConfig
 from tlt_jax.models import CausalLM, ModelConfig
+from tlt_jax.rollout import profile
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.state import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
@@ -21,14 +22,15 @@ from tlt_jax.rollout.tlt import TLTConfig, TLTRollout
 
 CFG = ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                   num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, tie_word_embeddings=True)
-ENGINE = EngineConfig(batch_buckets=(1, 2, 4), max_prompt_len=16, max_new_tokens=96, kv_block=16, segment_steps=4,
+ENGINE = EngineConfig(batch_buckets=(1, 2, 4), max_prompt_len=24, max_new_tokens=96, kv_block=16, segment_steps=4,
                       compact=False, capture_hidden=True)  # no speculation: every group compiles its own engine
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=96, seed=7)
 
 
 def prompts_and_limits(seed):
   rng = np.random.default_rng(seed)
-  prompts = [rng.integers(2, 64, rng.integers(3, 10)).tolist() for _ in range(8)]
+  # Later steps' prompts run longer than step 0's: to another padded length (24 tokens, not 16).
+  prompts = [rng.integers(2, 64, rng.integers(3, 10) + 10 * (seed > 0)).tolist() for _ in range(8)]
   # Groups 0-2 (prompts 0-5) stop after 6 tokens; group 3 runs the long tail.
   return prompts, [len(p) + (6 if i < 6 else 96) for i, p in enumerate(prompts)]
 
@@ -53,7 +55,9 @@ def test_idle_groups_train_one_drafter_losslessly(policy, tmp_path):
   plain = Engine(policy, EngineConfig(**{**ENGINE.__dict__, "capture_hidden": False}), SAMPLING)
   for step in range(2):
     prompts, limits = prompts_and_limits(step)
-    samples, metrics = rollout.generate(prompts, 2, limits)
+    with profile.count_compilations() as compiled:
+      samples, metrics = rollout.generate(prompts, 2, limits)
+    assert bool(compiled) == (step == 0)  # the first rollout compiles every prompt length's prefill
     # Lossless: exactly what one plain engine samples, whatever the drafter and the sharding.
     assert tokens(samples) == tokens(plain.generate(prompts, 2, limits).samples)
     finished, end, rounds = rollout.last["finished"], rollout.last["end"], rollout.last["rounds"]

@@ -179,10 +179,13 @@ class DrafterTrainer:
       grads[g] = self._grad.lower(like(self.on_group(g, self.params)), like(policy_params[g]),
                                   shaped(pairs, self._batch_sharding(g, pairs))).compile()
     apply = self._apply.lower(like(self.params), like(self.opt_state), like(self.params)).compile()
+    weight = jax.ShapeDtypeStruct((), jnp.float32)
+    scale = _scale.lower(like(self.params), weight).compile()
+    accumulate = _accumulate.lower(like(self.params), like(self.params), weight).compile()
     pairs = self._abstract_pairs(self.config.eval_rows)
     evaluate = self._eval.lower(like(self.params), like(policy_params[self.home]),
                                 shaped(pairs, self._batch_sharding(self.home, pairs))).compile()
-    self._compiled = {"grad": grads, "apply": apply, "eval": evaluate}
+    self._compiled = {"grad": grads, "apply": apply, "eval": evaluate, "scale": scale, "accumulate": accumulate}
 
   # ---- one RL step ----
 
@@ -223,8 +226,10 @@ class DrafterTrainer:
     outs = [local[g] for g in groups]
     weights = np.asarray([float(m["pairs"]) for _, m in outs])
     total = max(weights.sum(), 1.0)
-    grads = jax.tree.map(lambda *gs: sum(w / total * x for w, x in zip(weights, gs)),
-                         *[jax.device_put(g, self._home) for g, _ in outs])
+    grads = None  # the pair-weighted mean, by executables compiled ahead (however many groups a round holds)
+    for w, (g, _) in zip(weights, outs):
+      g, w = jax.device_put(g, self._home), np.float32(w / total)
+      grads = compiled["scale"](g, w) if grads is None else compiled["accumulate"](grads, g, w)
     self.params, self.opt_state = compiled["apply"](self.params, self.opt_state, grads)
     metrics = {k: float(np.dot(weights, [float(m[k]) for _, m in outs]) / total) for k in ("loss", "top1")}
     jax.block_until_ready(self.params)
@@ -315,3 +320,13 @@ class DrafterTrainer:
   def wait_for_checkpoints(self) -> None:
     if self._checkpointer is not None:
       self._checkpointer.wait()
+
+
+@jax.jit
+def _scale(grads, weight):
+  return jax.tree.map(lambda x: weight * x, grads)
+
+
+@jax.jit
+def _accumulate(total, grads, weight):
+  return jax.tree.map(lambda t, x: t + weight * x, total, grads)

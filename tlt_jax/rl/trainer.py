@@ -96,6 +96,7 @@ class Trainer:
     self.ref_params = jax.tree.map(jnp.copy, self.actor.params) if self.actor.uses_ref else None
     self._push_policy()
     self.step = 0
+    self._rolled_out = False  # whether this process has run a step's rollout (compiling every executable)
     self.stopped: str | None = None  # why the last run() ended early
     self.skipped_in_a_row = 0  # policy updates skipped for a non-finite loss / gradient, since the last good one
     self.checkpoints = checkpoint_lib.Checkpoints(os.path.join(c.workdir, "checkpoints"), c.checkpoint.every,
@@ -197,6 +198,10 @@ class Trainer:
     with profile.count_compilations() as compiled:  # the first step's prepares the engines; later ones: none
       samples, rollout_metrics = self.rollout.generate([ex.prompt_ids for ex in examples], g, prompt_offset=offset)
     rollout_s = time.perf_counter() - start
+    if compiled and self._rolled_out:  # this process's first rollout compiles every executable; later ones none
+      logging.warning("%d executables compiled during step %d's rollout: %s", len(compiled), self.step + 1,
+                      sorted(set(compiled)))
+    self._rolled_out = True
 
     texts = [self.tok.decode(s.tokens, skip_special_tokens=True) for s in samples]
     scores, reward_stats = rewards.score_batch(

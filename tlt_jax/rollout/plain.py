@@ -40,6 +40,7 @@ class PlainRollout(BaseRollout):
   def _generate(self, prompts: Sequence[Sequence[int]], num_samples: int, max_total_len, prompt_offset: int,
                 history) -> tuple[list[Sample], dict[str, float]]:
     """See `BaseRollout.generate`; the metrics are the engine's `RolloutMetrics.summary()`."""
+    self.engine.prepare(len(prompts) * num_samples)  # every prompt length: a later step's prompts compile nothing
     out = self.engine.generate(prompts, num_samples, max_total_len, prompt_offset=prompt_offset, history=history)
     samples = [dataclasses.replace(s, prompt_index=s.prompt_index - prompt_offset) for s in out.samples]
     return samples, out.metrics.summary()

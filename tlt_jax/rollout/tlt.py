@@ -161,9 +161,8 @@ class TLTRollout(BaseRollout):
     rl_step = trainer.next_step()
     bounds = np.linspace(0, len(prompts), G + 1).astype(int)
     limit = lambda a, b: list(max_total_len[a:b]) if isinstance(max_total_len, Sequence) else max_total_len
-    def prepare(g, engine):
-      a, b = bounds[g], bounds[g + 1]
-      engine.prepare((b - a) * num_samples, [len(p) for p in prompts[a:b]])  # refill or waves included
+    def prepare(g, engine):  # refill or waves included; every prompt length: a later step's prompts compile nothing
+      engine.prepare((bounds[g + 1] - bounds[g]) * num_samples)
     # Each group compiles its own executables (they are bound to its devices): in parallel, since
     # XLA compiles one module per thread.
     with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as pool:
