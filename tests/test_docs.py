@@ -2,6 +2,7 @@
 command in the README's `bash` blocks names flags its tool defines and config keys that exist, and
 the README stays short."""
 
+import json
 import os
 import re
 
@@ -94,3 +95,23 @@ def test_readme_commands_name_flags_and_keys_that_exist():
 def test_readme_is_short_and_the_docs_are_a_results_page():
   assert len(_read("README.md").encode()) <= 10 * 1024
   assert sum(len(_read(d).encode()) for d in DOCS if d.startswith("docs")) < 72 * 1024
+
+
+def test_the_tiny_defaults_figures_are_those_recorded():
+  """The README's and BENCHMARKS' figures of the tiny default are the recorded 3-seed run's
+  (docs/figures/tiny_default.json, written from experiments/seeds.py's seeds.json)."""
+  record = json.loads(_read("docs/figures/tiny_default.json"))
+  held = [r["held_out"] for r in record["runs"]]
+  r3 = lambda x: f"{x:.3f}"
+  first, last = [h["first"]["reward"] for h in held], [h["last"]["reward"] for h in held]
+  cell = (f"held-out reward {r3(min(first))}-{r3(max(first))} -> {r3(min(last))}-{r3(max(last))} over "
+          f"{len(held)} seeds, each rise {min(h['change'] / h['change_ci95'] for h in held):.1f}-"
+          f"{max(h['change'] / h['change_ci95'] for h in held):.1f}x its 95% interval")
+  assert cell in _read("README.md")
+  assert all(h["verdict"] == "up" for h in held)
+  benchmarks = _read("docs/BENCHMARKS.md")
+  for run, h in zip(record["runs"], held):
+    row = (f"| {run['seed']} | {r3(h['first']['reward'])} +- {r3(h['first']['ci95'])} | {r3(h['last']['reward'])} +- "
+           f"{r3(h['last']['ci95'])} | **{h['change']:+.3f} +- {r3(h['change_ci95'])}** | "
+           f"{h['first']['answered']:.0%} -> {h['last']['answered']:.0%} |")
+    assert row in benchmarks

@@ -164,12 +164,13 @@ def figure(histories: dict[str, list[dict]], path: str) -> str | None:
     sd = [r for r in steps if (r.get("rollout/sd_share") or 0) > 0]  # NaN (not recorded) is not > 0
     if sd:
       axes[3].plot([r["step"] for r in sd], [r.get("rollout/accept_len") for r in sd], marker=".", label=name)
-  titles = ("reward", "response length (tokens)", "rollout time (s)",
+  titles = ("reward", "response length (tokens)", "rollout time (s; a first step compiles)",
             "acceptance length (tokens per verify)")
   for ax, title in zip(axes, titles):
     ax.set(title=title, xlabel="RL step")
     if ax.has_data():
       ax.legend(fontsize=7)
+  axes[2].set_yscale("log")
   fig.tight_layout()
   with files.atomic_file(path) as tmp:
     fig.savefig(tmp, dpi=100, format="png")
