@@ -71,6 +71,9 @@ _DRAFT_VOCAB = flags.DEFINE_integer("draft_vocab_size", -1, "Tokens of the draft
 _COVERAGE = flags.DEFINE_float("draft_vocab_coverage", train.HEAD_COVERAGE, "Share of the training response tokens "
                                "a head chosen by coverage (--draft_vocab_size=-1) holds, in (0, 1].")
 flags.register_validator("draft_vocab_coverage", lambda v: 0 < v <= 1, "--draft_vocab_coverage must lie in (0, 1]")
+_DRAFT_STEPS = flags.DEFINE_integer("draft_steps", 1, "Draft steps trained (EAGLE-3's training-time test): step k "
+                                    "feeds the drafter its own step k-1 features, as drafting a chain does.",
+                                    lower_bound=1)
 _EAGLE3 = flags.DEFINE_list("eagle3_layers", [], "Three target layer indices (low,mid,high) for an EAGLE-3 "
                             "drafter; empty = EAGLE-1.")
 _EVAL_FRACTION = flags.DEFINE_float("eval_fraction", 0.1, "Fraction of the prompts held out for evaluation.",
@@ -143,6 +146,7 @@ def run() -> dict:
     drafter, distilled = warmup.distil(model, own, steps=_STEPS.value, batch_rows=_BATCH_ROWS.value,
                                        row_len=_ROW_LEN.value, lr=_LR.value, feature_layers=layers,
                                        draft_vocab_size=_DRAFT_VOCAB.value, head_coverage=_COVERAGE.value,
+                                       draft_steps=_DRAFT_STEPS.value,
                                        seed=_SEED.value, on_step=on_step)
 
   checkpoint.save_drafter(drafter, _OUTPUT.value)

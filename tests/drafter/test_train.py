@@ -1,5 +1,7 @@
 """EAGLE distillation: pairing, masking, frozen target, packing isolation, and that it learns."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,6 +70,38 @@ def test_pairing_is_feature_t_and_token_t_plus_1(target):
   _, off_by_one = train.loss_fn(Oracle(pad(f)), target, pairs)  # outputs f_t: the reference's bug
   assert float(exact["feature_loss"]) < 1e-10 and float(exact["top1"]) == 1.0
   assert float(off_by_one["feature_loss"]) > 0.05 and float(off_by_one["logit_loss"]) > float(exact["logit_loss"])
+
+
+def test_training_time_test_steps_are_what_a_draft_chain_computes(target):
+  """Step k of training-time test at position t equals the k-th node of a draft chain rooted at
+  t - k + 1 (the true pairs up to the root in the drafter's cache, then its own predictions fed back
+  with the true next tokens), computed one node at a time through the drafter's cache as drafting
+  does; step k's loss leaves out the first k - 1 positions of each sample."""
+  prompt, response = [3, 4, 5], [8, 9, 10, 11, 12, 13, 14, 15]
+  pairs = train.sequence_pairs(target, (), packing.pack([(prompt, response)], ROW_LEN))
+  drafter = Drafter(target.config, rngs=nnx.Rngs(1))
+  steps = train.step_predictions(drafter, target, pairs, 3)
+  features = drafter.target_features(pairs.hidden, pairs.aux)
+  for root in (0, 2, 6):
+    n = root + 1
+    causal = jnp.tril(jnp.ones((1, n, n), bool))
+    out, cache = drafter(target, features[:, :n], pairs.tokens[:, :n], pairs.positions[:, :n],
+                         drafter.empty_cache(1, ROW_LEN), causal)
+    np.testing.assert_allclose(out[0, root], steps[0][0, root], atol=1e-5)
+    predicted = out[:, root:root + 1]
+    for k in (2, 3):
+      cache = dataclasses.replace(cache, lengths=cache.lengths + (n if k == 2 else 1))
+      at = root + k - 1
+      predicted, cache = drafter(target, predicted, pairs.tokens[:, at:at + 1], pairs.positions[:, at:at + 1], cache,
+                                 jnp.ones((1, 1, 1), bool))
+      np.testing.assert_allclose(predicted[0, 0], steps[k - 1][0, at], atol=1e-5)
+  # The metrics: the first step's loss, each step's top-1 over the pairs with k - 1 positions before them.
+  loss, metrics = train.loss_fn(drafter, target, pairs, draft_steps=3)
+  first, _ = train.loss_fn(drafter, target, pairs)
+  assert set(metrics) == {"loss", "feature_loss", "logit_loss", "top1", "top1_2", "top1_3", "pairs"}
+  np.testing.assert_allclose(metrics["loss"], first, rtol=1e-6)
+  assert float(metrics["pairs"]) == len(response)  # x_{t+1} a response token: the prompt's last position on
+  assert not np.isclose(float(loss), float(first))  # the objective weighs in the later steps
 
 
 def test_reduced_vocabulary_top1_is_exact_in_evaluation(target):

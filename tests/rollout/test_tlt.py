@@ -50,7 +50,7 @@ def test_idle_groups_train_one_drafter_losslessly(policy, tmp_path):
   rollout = TLTRollout(policy, drafter, ENGINE, SAMPLING, jax.devices(), 4, DataBuffer(BufferConfig(eval_every=4)),
                        TLTConfig(timeout_s=300),
                        DrafterTrainerConfig(learning_rate=1e-2, rows_per_device=1, row_len=32, eval_rows=2,
-                                            checkpoint_dir=str(tmp_path / "ckpt")))
+                                            draft_steps=2, checkpoint_dir=str(tmp_path / "ckpt")))
   trainer = rollout.drafter_trainer
   plain = Engine(policy, EngineConfig(**{**ENGINE.__dict__, "capture_hidden": False}), SAMPLING)
   for step in range(2):
@@ -70,6 +70,7 @@ def test_idle_groups_train_one_drafter_losslessly(policy, tmp_path):
     assert 0 < metrics["spot/harvested_device_s"] <= metrics["spot/idle_device_s"]
     assert np.isfinite(metrics["drafter/loss"])
     assert 0 <= metrics["drafter/top1"] <= 1 and metrics["spot/checkpoint_s"] > 0
+    assert 0 <= metrics["drafter/top1_2"] <= 1 and 0 <= metrics["drafter/top1_3"] <= 1  # later draft steps
     assert metrics["rollout/refills"] >= 0 and metrics["rollout/preemptions"] == 0  # contiguous caches
     assert 0 < metrics["rollout/peak_rows"] <= 8 and metrics["rollout/peak_pages"] == 0
     assert 0 <= metrics["rollout/tail_share"] <= 1 and 0 <= metrics["rollout/idle_slot_fraction"] <= 1

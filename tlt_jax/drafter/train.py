@@ -8,8 +8,12 @@ over pairs whose x_{t+1} is a response token. A drafter with a reduced-vocabular
 to them, renormalised, as EAGLE-3 trains its `draft_vocab_size` head); `frequent_tokens` picks
 the N from the training data. EAGLE-3 drafters (`feature_layers` set) read a
 learned fusion of three target layers, which lives in a different space from f_{t+1}, so their
-feature term has weight 0 (only the logit term trains them; EAGLE-3's multi-step
-"training-time test" is not implemented here).
+feature term has weight 0 (only the logit term trains them).
+
+A drafter trained on true features alone degrades from its second draft step on, where it reads its
+own predictions. `draft_steps` > 1 trains those steps too (EAGLE-3's "training-time test"): step k
+runs the drafter again over every position with its own step-(k-1) features as input and a mask
+that lets each position see what a k-th draft step sees (`step_mask`), in one forward per step.
 
 The target is frozen: gradients are taken with respect to the drafter's parameters only, and the
 embedding and lm_head are read from the target passed in, never copied. `Pairs` is the unit of
@@ -71,36 +75,74 @@ def _sequence_pairs(graphdef, feature_layers, params, tokens, positions, segment
                next_hidden=shift(hidden))
 
 
-def loss_fn(drafter: Drafter, target: CausalLM, pairs: Pairs,
-            exact_top1: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Weighted mean EAGLE loss over the pairs, and metrics (losses, top-1 agreement, pair count).
+def step_mask(segments_BxT: jax.Array, step: int) -> jax.Array:
+  """[B, T, step * T] attention mask of draft step `step` (1: the pairs themselves, `segment_mask`) in
+  training-time test: the query at t stands for the step-th node of a chain rooted at t - step + 1, so
+  it sees the step-1 keys of its sample up to that root (true features) and, of each later step j, the
+  one key at t - (step - j) (the chain's predicted features); every slot sees itself."""
+  t = segments_BxT.shape[1]
+  same = segments_BxT[:, :, None] == segments_BxT[:, None, :]
+  q, p = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+  parts = [same & (p <= q - (step - 1))] + [same & (p == q - (step - j)) for j in range(2, step + 1)]
+  parts[-1] = parts[-1] | (p == q)
+  return jnp.concatenate(parts, axis=-1)
 
-  top1: the drafter's most likely token is the target's. With a reduced vocabulary it is compared
-  within the draft vocabulary (cheap, for training steps) unless `exact_top1`, which compares it
-  with the target's most likely token over its whole vocabulary (a full lm_head pass, for evaluation).
-  """
+
+def step_predictions(drafter: Drafter, target: CausalLM, pairs: Pairs, draft_steps: int = 1) -> list[jax.Array]:
+  """The drafter's predicted next features [B, T, H] (float32) at each of `draft_steps` steps of
+  training-time test: step k feeds position t the step-(k-1) prediction at t - 1 (step 1: the target's
+  features) and the true next token, attending as the k-th node of a draft chain rooted at t - k + 1
+  does (`step_mask`), so step k's prediction at t is what that chain's k-th draft step predicts."""
   b, t = pairs.tokens.shape
   features = drafter.target_features(pairs.hidden, pairs.aux)
-  cache = drafter.empty_cache(b, t, features.dtype)
-  predicted, _ = drafter(target, features, pairs.tokens, pairs.positions, cache, segment_mask(pairs.segments))
-  predicted = predicted.astype(jnp.float32)
+  cache = drafter.empty_cache(b, draft_steps * t, features.dtype)
+  out = []
+  for k in range(1, draft_steps + 1):
+    # With a window of k * T slots the step's keys land in the last T; the earlier steps' stay.
+    predicted, cache = drafter(target, features, pairs.tokens, pairs.positions, cache, step_mask(pairs.segments, k))
+    out.append(predicted.astype(jnp.float32))
+    features = jnp.concatenate([jnp.zeros_like(predicted[:, :1]), predicted[:, :-1]], axis=1).astype(features.dtype)
+  return out
+
+
+def loss_fn(drafter: Drafter, target: CausalLM, pairs: Pairs, exact_top1: bool = False,
+            draft_steps: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Weighted mean EAGLE loss over the pairs, and metrics (the first step's losses and top-1 agreement,
+  later steps' top-1 agreement, pair count).
+
+  `draft_steps` > 1 adds EAGLE-3's training-time test (`step_predictions`): step k's loss is over the
+  pairs with k - 1 earlier positions in their sample, and the loss returned averages the steps' with
+  weights 0.8^(k-1) (metrics' `loss` is the first step's, comparable whatever `draft_steps`).
+  top1 (step 1; top1_k: step k): the drafter's most likely token is the target's. With a reduced
+  vocabulary it is compared within the draft vocabulary (cheap, for training steps) unless
+  `exact_top1`, which compares it with the target's most likely token over its whole vocabulary (a
+  full lm_head pass, for evaluation).
+  """
   true_next = pairs.next_hidden.astype(jnp.float32)
-  feature = optax.huber_loss(predicted, true_next, delta=1.0).mean(-1)  # SmoothL1 with beta 1
   head = drafter.head(target)
   target_logits = drafter.logits(target, head, pairs.next_hidden)
-  logits = drafter.logits(target, head, predicted)
-  logit = -jnp.sum(jax.nn.softmax(target_logits) * jax.nn.log_softmax(logits), axis=-1)
+  target_probs = jax.nn.softmax(target_logits)
+  target_top = jnp.argmax(target.logits(pairs.next_hidden), -1) if exact_top1 and drafter.draft_vocab else None
   feature_weight = 0.0 if drafter.feature_layers else 1.0
-  w = pairs.weights
-  n = jnp.maximum(w.sum(), 1.0)
-  mean = lambda x: jnp.sum(x * w) / n
-  loss = feature_weight * mean(feature) + LOGIT_WEIGHT * mean(logit)
-  if exact_top1 and drafter.draft_vocab:
-    top1 = drafter.target_ids(jnp.argmax(logits, -1)) == jnp.argmax(target.logits(pairs.next_hidden), -1)
-  else:
-    top1 = jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)
-  return loss, {"loss": loss, "feature_loss": mean(feature), "logit_loss": mean(logit), "top1": mean(top1),
-                "pairs": w.sum()}
+  metrics, total, weight_sum = {}, 0.0, 0.0
+  for k, predicted in enumerate(step_predictions(drafter, target, pairs, draft_steps), start=1):
+    feature = optax.huber_loss(predicted, true_next, delta=1.0).mean(-1)  # SmoothL1 with beta 1
+    logits = drafter.logits(target, head, predicted)
+    logit = -jnp.sum(target_probs * jax.nn.log_softmax(logits), axis=-1)
+    w = pairs.weights * (pairs.positions >= k - 1)
+    n = jnp.maximum(w.sum(), 1.0)
+    mean = lambda x, w=w, n=n: jnp.sum(x * w) / n
+    loss = feature_weight * mean(feature) + LOGIT_WEIGHT * mean(logit)
+    if target_top is not None:
+      top1 = drafter.target_ids(jnp.argmax(logits, -1)) == target_top
+    else:
+      top1 = jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)
+    if k == 1:
+      metrics.update(loss=loss, feature_loss=mean(feature), logit_loss=mean(logit), top1=mean(top1), pairs=w.sum())
+    else:
+      metrics[f"top1_{k}"] = mean(top1)
+    total, weight_sum = total + 0.8 ** (k - 1) * loss, weight_sum + 0.8 ** (k - 1)
+  return total / weight_sum, metrics
 
 
 def frequent_tokens(sequences: Sequences, vocab_size: int, n: int) -> tuple[int, ...]:
@@ -173,19 +215,22 @@ def make_optimizer(learning_rate: float | optax.Schedule) -> optax.GradientTrans
                      optax.adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=0.01))
 
 
-def _grads(drafter_def, target_def, drafter_params, target_params, pairs):
+def _grads(drafter_def, target_def, draft_steps, drafter_params, target_params, pairs):
   target_model = nnx.merge(target_def, target_params)
-  grad_fn = jax.grad(lambda p: loss_fn(nnx.merge(drafter_def, p), target_model, pairs), has_aux=True)
+  grad_fn = jax.grad(lambda p: loss_fn(nnx.merge(drafter_def, p), target_model, pairs, draft_steps=draft_steps),
+                     has_aux=True)
   return grad_fn(drafter_params)
 
 
-def make_train_step(drafter: Drafter, target: CausalLM, optimizer: optax.GradientTransformation) -> Callable:
-  """Jitted `step(drafter_params, opt_state, target_params, pairs) -> (drafter_params, opt_state, metrics)`.
+def make_train_step(drafter: Drafter, target: CausalLM, optimizer: optax.GradientTransformation,
+                    draft_steps: int = 1) -> Callable:
+  """Jitted `step(drafter_params, opt_state, target_params, pairs) -> (drafter_params, opt_state, metrics)`
+  (`loss_fn` over `draft_steps` steps).
 
   The graphdefs are captured once; the target's params are an argument, so a live policy's
   new weights go in without recompiling. Drafter params and optimizer state are donated.
   """
-  grads = functools.partial(_grads, nnx.graphdef(drafter), nnx.graphdef(target))
+  grads = functools.partial(_grads, nnx.graphdef(drafter), nnx.graphdef(target), draft_steps)
 
   def step(drafter_params, opt_state, target_params, pairs):
     g, metrics = grads(drafter_params, target_params, pairs)
@@ -194,10 +239,10 @@ def make_train_step(drafter: Drafter, target: CausalLM, optimizer: optax.Gradien
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def make_grad_step(drafter: Drafter, target: CausalLM) -> Callable:
+def make_grad_step(drafter: Drafter, target: CausalLM, draft_steps: int = 1) -> Callable:
   """Jitted `grads(drafter_params, target_params, pairs) -> (grads, metrics)`: the train step's first
   half, for data-parallel training that averages gradients from several device groups."""
-  return jax.jit(functools.partial(_grads, nnx.graphdef(drafter), nnx.graphdef(target)))
+  return jax.jit(functools.partial(_grads, nnx.graphdef(drafter), nnx.graphdef(target), draft_steps))
 
 
 def apply_gradients(optimizer: optax.GradientTransformation, params, opt_state, grads):
@@ -206,11 +251,15 @@ def apply_gradients(optimizer: optax.GradientTransformation, params, opt_state, 
   return optax.apply_updates(params, updates), opt_state
 
 
+EVAL_STEPS = 3  # draft steps an evaluation measures (top1, top1_2, top1_3)
+
+
 def make_eval_step(drafter: Drafter, target: CausalLM) -> Callable:
-  """Jitted `evaluate(drafter_params, target_params, pairs) -> metrics` (no update)."""
+  """Jitted `evaluate(drafter_params, target_params, pairs) -> metrics` (no update): exact top-1 at
+  each of EVAL_STEPS draft steps (training-time test)."""
   drafter_def, target_def = nnx.graphdef(drafter), nnx.graphdef(target)
   return jax.jit(lambda dp, tp, pairs: loss_fn(nnx.merge(drafter_def, dp), nnx.merge(target_def, tp), pairs,
-                                               exact_top1=True)[1])
+                                               exact_top1=True, draft_steps=EVAL_STEPS)[1])
 
 
 @dataclasses.dataclass
@@ -244,9 +293,10 @@ def all_pairs(target: CausalLM, feature_layers, data: Sequences | Pairs, *, row_
 
 def distill(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, steps: int, batch_rows: int,
             row_len: int, lr: float, seed: int = 0, eval_data: Sequences | Pairs = (), warmup_steps: int | None = None,
-            on_step: Callable[[int, dict[str, float]], None] | None = None) -> DistillResult:
+            draft_steps: int = 1, on_step: Callable[[int, dict[str, float]], None] | None = None) -> DistillResult:
   """Trains `drafter` in place for `steps` steps of `batch_rows` packed rows of `data`: the target's
-  sequences (features recomputed) or `Pairs` of captured features (see `all_pairs`)."""
+  sequences (features recomputed) or `Pairs` of captured features (see `all_pairs`); `draft_steps`:
+  the training-time test's steps (`loss_fn`)."""
   if steps < 1 or batch_rows < 1:
     raise ValueError(f"steps and batch_rows must be positive, got steps={steps}, batch_rows={batch_rows}")
   # One host array per field, from which each step gathers its rows.
@@ -259,7 +309,8 @@ def distill(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, step
   # Compiled ahead of time: a plain jit would compile again at step 2, once the fresh (uncommitted)
   # drafter state has come back committed to the target's mesh.
   abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((batch_rows, *x.shape[1:]), x.dtype), pairs)
-  step = make_train_step(drafter, target, optimizer).lower(params, opt_state, target_params, abstract_batch).compile()
+  step = make_train_step(drafter, target, optimizer, draft_steps).lower(params, opt_state, target_params,
+                                                                        abstract_batch).compile()
   rng = np.random.default_rng(seed)
   order = np.empty(0, np.int64)
   losses, metrics = [], []

@@ -51,11 +51,12 @@ class DrafterTrainerConfig:
   rows_per_device: int = 2  # packed rows per device in a gradient step
   row_len: int = 128  # pairs per packed row
   eval_rows: int = 8  # packed rows of held-out samples for drafter/top1
+  draft_steps: int = 1  # training-time test steps per update (`train.loss_fn`)
   seed: int = 0
   checkpoint_dir: str | None = None  # async selective checkpoints (params + optimizer) of each new version
 
   def __post_init__(self):
-    fields.at_least(self, 1, "rows_per_device", "eval_rows")
+    fields.at_least(self, 1, "rows_per_device", "eval_rows", "draft_steps")
     fields.at_least(self, 2, "row_len")  # a pair needs a token and the next
     fields.at_least(self, 0, "learning_rate", "warmup_steps")
 
@@ -99,7 +100,7 @@ class DrafterTrainer:
     self.graphdef = nnx.graphdef(drafter)
     self.optimizer = train.make_optimizer(optax.linear_schedule(0.0, config.learning_rate,
                                                                 max(config.warmup_steps, 1)))
-    self._grad = train.make_grad_step(drafter, policy)
+    self._grad = train.make_grad_step(drafter, policy, config.draft_steps)
     self._eval = train.make_eval_step(drafter, policy)
     self._apply = jax.jit(lambda p, s, g: train.apply_gradients(self.optimizer, p, s, g), donate_argnums=(0, 1))
     self._all_finite = jax.jit(
@@ -259,14 +260,15 @@ class DrafterTrainer:
     return False, time.perf_counter() - t0  # the write goes on in the background
 
   def evaluate(self, policy_params: nnx.State) -> dict[str, float]:
-    """drafter/eval_loss and drafter/top1 on this process's held-out samples (none yet: {}), with
-    the policy params on the home group."""
+    """drafter/eval_loss and drafter/top1 (top1_2, top1_3: the second and third draft steps') on this
+    process's held-out samples (none yet: {}), with the policy params on the home group."""
     held = self.buffer.eval_batch(self.config.eval_rows, self.config.row_len)
     if held is None:
       return {}
     held = jax.device_put(held, self._batch_sharding(self.home, held))
     m = self._compiled["eval"](self.params, policy_params, held)
-    return {"drafter/eval_loss": float(m["loss"]), "drafter/top1": float(m["top1"])}
+    return {"drafter/eval_loss": float(m["loss"]), "drafter/top1": float(m["top1"]),
+            **{f"drafter/top1_{k}": float(m[f"top1_{k}"]) for k in range(2, train.EVAL_STEPS + 1)}}
 
   # ---- checkpoints ----
 

@@ -115,7 +115,7 @@ def load_drafter(config, policy: CausalLM, tok) -> Drafter:
                     rngs=nnx.Rngs(config.seed))
   d = config.drafter.distill
   result = drafter_train.distill(policy, drafter, sequences, steps=d.steps, batch_rows=d.batch_rows,
-                                 row_len=d.row_len, lr=d.learning_rate, seed=config.seed)
+                                 row_len=d.row_len, lr=d.learning_rate, seed=config.seed, draft_steps=d.draft_steps)
   logging.info("drafter warm-up: loss %.3f -> %.3f, top-1 %.2f", result.losses[0], result.losses[-1],
                result.metrics[-1]["top1"])
   drafter_checkpoint.save_drafter(drafter, path)
