@@ -34,18 +34,13 @@ sys.path.insert(0, REPO_DIR)  # the configs/ directory
 print("tlt_jax from", REPO_DIR, "| JAX", jax.__version__)'''
 
 PLOT = '''\
-import matplotlib.pyplot as plt
+from IPython.display import Image, display
+from tlt_jax import report
 
-fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-for arm, rs in records.items():
-  steps = [r["step"] for r in rs]
-  axes[0].plot(steps, [r["reward/mean"] for r in rs], "o-", label=arm)
-  axes[1].plot(steps, [r["time/step_s"] for r in rs], "o-", label=arm)
-axes[0].set(xlabel="RL step", ylabel="mean reward", title="reward")
-axes[1].set(xlabel="RL step", ylabel="seconds", title="step time (step 1 compiles)", yscale="log")
-for ax in axes:
-  ax.legend()
-plt.show()'''
+# Reward (training, and held-out where evaluated), response length, rollout time and acceptance per step.
+figure = report.figure(records, os.path.join(WORKDIR, "run.png"))
+if figure:
+  display(Image(figure))'''
 
 
 def tiny_notebook():
