@@ -34,11 +34,12 @@ def run_bench(*args):
 
 
 def test_bench_writes_the_grid(tmp_path):
+  """A cell of batch size b rolls out b rows, or --rows: batch 1 over 3 prompts one after another."""
   out = tmp_path / "grid.json"
   run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--batch_sizes=1,2", "--strategies=2_1_3",
-            "--max_new_tokens=12")
+            "--max_new_tokens=12", "--rows=3")
   records = json.loads(out.read_text())
-  assert [(r["batch_size"], r["strategy"]) for r in records] == [(1, "2_1_3"), (2, "2_1_3")]
+  assert [(r["batch_size"], r["rows"], r["strategy"]) for r in records] == [(1, 3, "2_1_3"), (2, 3, "2_1_3")]
   for r in records:
     assert set(r) == {"batch_size", "rows", "strategy", "tokens_per_s", "baseline_tokens_per_s", "speedup",
                       "accept_len"}

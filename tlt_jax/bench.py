@@ -19,7 +19,9 @@ train_drafter reads them), else procedural `--task` problems.
 
 Grid mode: prompts are procedural problems with at least `--min_terms` terms, so responses are
 long (the tail's regime); rows stop at EOS or `--max_new_tokens`. Compaction is off, so every step runs at
-the cell's batch size. Each cell times one rollout after a warm-up rollout (compilation excluded). Writes a JSON list of
+the cell's batch size; a cell of batch size b rolls out b rows, or `--rows` (the same batch size over more
+prompts, b at once, refilled). Each cell times one rollout after a warm-up rollout (compilation excluded). Writes a
+JSON list of
 {batch_size, rows, strategy, tokens_per_s, baseline_tokens_per_s, speedup, accept_len} and the same
 table as CSV next to it. The counterpart of the reference's bench_sd. With `--num_samples` N, a
 cell of batch size b rolls out ceil(b / N) prompts x N samples, b rows at once at most (siblings
@@ -103,7 +105,8 @@ _PHASES = flags.DEFINE_bool("phases", False,
 _MIN_TERMS = flags.DEFINE_integer("min_terms", 16, "Fewest terms per problem (longer problems, longer responses).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of prompts and sampling.")
 _ADAPTIVE = flags.DEFINE_bool("adaptive", False, "Bandit vs every fixed strategy vs SD off on a long-tail rollout.")
-_ROWS = flags.DEFINE_integer("rows", 64, "Rows of the adaptive mode's rollout.", lower_bound=1)
+_ROWS = flags.DEFINE_integer("rows", 64, "Rows of the adaptive mode's rollout; in grid mode, when given, the rows "
+                             "of each cell, at most its batch size at once (default: the batch size).", lower_bound=1)
 _SD_MAX_BATCH = flags.DEFINE_integer("sd_max_batch", 32, "Adaptive mode: speculate at most this many active rows.",
                                      lower_bound=1)
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Adaptive and refill modes: timed rounds after the warm-up round.",
@@ -177,7 +180,8 @@ def main(argv):
     cfg, _ = hf.read_config(_MODEL.value)
     tokenizer = hf.load_tokenizer(_MODEL.value)
   rollout_modes = _ADAPTIVE.value or _REFILL.value or _PAGED.value
-  prompts = _prompts(tokenizer, cfg, _ROWS.value if rollout_modes else max(batch_sizes))
+  grid_rows = _ROWS.value if flags.FLAGS["rows"].present and not rollout_modes else 0
+  prompts = _prompts(tokenizer, cfg, _ROWS.value if rollout_modes else max(*batch_sizes, grid_rows))
   for flag in (_BUCKET, _PAGED_BUCKET):
     if flag.value & (flag.value - 1):
       raise cli.InputError(f"--{flag.name}={flag.value}: must be a power of two")
@@ -209,7 +213,7 @@ def main(argv):
                                      _SD_MAX_BATCH.value, _REPEATS.value, _NUM_SAMPLES.value)
   else:
     records = benchmark.run_grid(model, drafter, prompts, batch_sizes, strategies, temperature, max_new, seed,
-                                 sorted(stop), _NUM_SAMPLES.value, _HISTORY_LEN.value)
+                                 sorted(stop), _NUM_SAMPLES.value, _HISTORY_LEN.value, grid_rows)
   with files.atomic_file(_OUTPUT.value) as tmp_json, files.atomic_file(csv_path) as tmp_csv:
     with open(tmp_json, "w", encoding="utf-8") as f:
       json.dump(records, f, indent=2)

@@ -179,9 +179,10 @@ def run_paged(model, prompts, num_samples, bucket, paged_bucket, page_size, temp
 
 
 def run_grid(model, drafter: Drafter | None, prompts, batch_sizes, strategies, temperature, max_new_tokens, seed,
-             stop_ids, num_samples: int = 1, history_len: int = 0):
+             stop_ids, num_samples: int = 1, history_len: int = 0, rows: int = 0):
   """SD vs plain decoding per batch size b and strategy (compaction off): the rollout of
-  ceil(b / num_samples) prompts x `num_samples` samples with at most b rows at once (refilled).
+  ceil(max(b, rows) / num_samples) prompts x `num_samples` samples with at most b rows at once
+  (refilled): `rows` beyond b measure a batch size over more prompts.
 
   With `history_len`, each suffix strategy is also timed with each prompt's history (`suffix.History`)
   holding its responses of an earlier rollout sampled with another seed (an earlier epoch of an
@@ -198,7 +199,7 @@ def run_grid(model, drafter: Drafter | None, prompts, batch_sizes, strategies, t
   with tqdm(total=len(batch_sizes) * (len(arms) + 1), desc="bench", file=sys.stderr) as bar:
     for b in batch_sizes:
       sized = lambda config: EngineConfig(**{**config.__dict__, "batch_buckets": buckets[:(b - 1).bit_length() + 1]})
-      batch = prompts[:-(-b // num_samples)]
+      batch = prompts[:-(-max(b, rows) // num_samples)]
       baseline, _ = _rollout_speed(Engine(model, sized(base), params), batch, num_samples=num_samples)
       bar.update()
       banked = None
