@@ -5,6 +5,7 @@
 
   # where a command may run 10 minutes at most: each run continues where the last one stopped
   for i in 1 2 3 4 5; do timeout 590 python experiments/accelerator.py --out=runs/accelerator && break; done
+  python experiments/accelerator.py --out=runs/accelerator --time_limit_s=400   # starts nothing new after 400 s
 
 One process builds a target and measures it, part by part into --out; a part whose results are
 there is skipped, so a killed run continues (the persistent compilation cache, <out>/xla_cache
@@ -33,7 +34,8 @@ against its goal (GOALS). The first step of each trainer compiles and is left ou
 --smoke: the config is --smoke_config (configs/accelerator.py:smoke) instead of --config, and each
 measurement flag not given takes its smoke value (SMOKE): seconds-sized shapes, figures that are no
 results. --out keeps the settings of its first run (settings.json); a run there with other settings
-is refused.
+is refused. --time_limit_s: no part and no grid batch size starts after that many seconds of the run
+(the target is always built); the summary names what was left, and a later run continues there.
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ _DRAFTER_PROMPTS = flags.DEFINE_integer("drafter_prompts", 256, "Problems the dr
                                         "one at least, held out).", lower_bound=2)
 _DRAFTER_SAMPLES = flags.DEFINE_integer("drafter_samples", 4, "The policy's samples per problem for the drafter.",
                                         lower_bound=1)
+_TIME_LIMIT = flags.DEFINE_float("time_limit_s", 0.0, "Start no part or grid batch size after this many seconds of "
+                                 "the run (0: no limit); a later run continues there.", lower_bound=0.0)
+_STARTED = time.perf_counter()
 SMOKE = {"batch_sizes": ["1", "2"], "grid_min_terms": 2, "bandit_rows": 2, "repeats": 1, "rl_steps": 2,
          "drafter_prompts": 4, "drafter_samples": 1}
 GOALS = {"sd_batch1": ("SD / plain tokens/s at batch 1, best strategy", ">=", 2.0),
@@ -87,6 +92,11 @@ GOALS = {"sd_batch1": ("SD / plain tokens/s at batch 1, best strategy", ">=", 2.
          "bandit": ("bandit / its best arm alone, tokens/s", ">=", 0.95),
          "rl_step": ("plain / TLT RL step time, rewards identical", ">=", 1.3),
          "compilations": ("executables compiled inside rollouts after warm-up", "==", 0)}
+
+
+def out_of_time() -> bool:
+  """Whether --time_limit_s has passed since the process started."""
+  return bool(_TIME_LIMIT.value) and time.perf_counter() - _STARTED > _TIME_LIMIT.value
 
 
 def value(holder: flags.FlagHolder):
@@ -174,8 +184,9 @@ def target(config, out: str):
 
 # ---- the measurements ----
 
-def grid(config, out: str, model, tok, drafter) -> None:
-  """SD vs plain per batch size (the reduced head) and at batch 1 the full head too; saved per batch size."""
+def grid(config, out: str, model, tok, drafter) -> list[str]:
+  """SD vs plain per batch size (the reduced head) and at batch 1 the full head too; saved per batch size.
+  Returns the cells --time_limit_s left unmeasured."""
   path = os.path.join(out, "grid.json")
   records = read_json(path) or []
   sizes = [int(b) for b in value(_BATCH_SIZES)]
@@ -188,15 +199,20 @@ def grid(config, out: str, model, tok, drafter) -> None:
   heads = [("reduced" if drafter.draft_vocab else "full", drafter, sizes)]
   if drafter.draft_vocab:
     heads.append(("full", drafter.with_full_vocab(), [min(sizes)]))
+  left = []
   for head, d, batch_sizes in heads:
     for b in batch_sizes:
       if any(r["head"] == head and r["batch_size"] == b for r in records):
+        continue
+      if out_of_time():
+        left.append(f"grid {head} head batch {b}")
         continue
       cell = benchmark.run_grid(model, d, prompts, [b], strategies, config.rollout.sampling.temperature,
                                 config.rollout.sampling.max_new_tokens, config.seed, stop_ids(model, tok))
       records += [{"head": head, "draft_vocab": d.vocab_size, **r} for r in cell]
       write_json(path, records)
   write_csv(os.path.join(out, "grid.csv"), records)
+  return left
 
 
 def bandit(config, out: str, model, tok, drafter) -> None:
@@ -305,10 +321,10 @@ def plot(out: str, grid_records, bandit_records, rl_result) -> None:
     plt.close(fig)
 
 
-def report(out: str, target_record, grid_records, bandit_records, rl_result) -> dict:
+def report(out: str, target_record, grid_records, bandit_records, rl_result, left: list[str]) -> dict:
   device = jax.devices()[0]
   summary = {"device": f"{len(jax.devices())} x {device.device_kind} ({device.platform})",
-             "jax": jax.__version__, "smoke": _SMOKE.value, "target": target_record,
+             "jax": jax.__version__, "smoke": _SMOKE.value, "target": target_record, "time_limit_left": left,
              **headlines(grid_records, bandit_records, rl_result)}
   write_json(os.path.join(out, "summary.json"), summary)
   plot(out, grid_records, bandit_records, rl_result)
@@ -329,6 +345,8 @@ def report(out: str, target_record, grid_records, bandit_records, rl_result) -> 
     lines.append(f"  rl: rollout share of the step {shares}; rewards identical: {r['rewards_identical']}")
   if "sd_best_speedup_by_batch" in summary:
     lines.append("  sd: " + ", ".join(f"b{b} {s:.2f}x" for b, s in summary["sd_best_speedup_by_batch"].items()))
+  if left:
+    lines.append(f"  --time_limit_s left for a later run: {', '.join(left)}")
   print("\n".join(lines), flush=True)
   return summary
 
@@ -359,19 +377,23 @@ def main(argv):
 
   policy_dir, drafter_dir, model, tok, drafter, target_record = target(config, out)
   results = {"grid": "grid.json", "bandit": "bandit.json", "rl": "rl.json"}
+  left = []
   for part in PARTS:
     done = read_json(os.path.join(out, results[part])) is not None
     if part not in _PARTS.value or (done and part != "grid"):  # the grid continues batch size by batch size
       continue
+    if out_of_time() and part != "grid":  # the grid names the batch sizes it leaves
+      left.append(part)
+      continue
     start = time.perf_counter()
     if part == "grid":
-      grid(config, out, model, tok, drafter)
+      left += grid(config, out, model, tok, drafter)
     elif part == "bandit":
       bandit(config, out, model, tok, drafter)
     else:
       rl(config, out, policy_dir, drafter_dir)
     logging.info("%s: %.1f s", part, time.perf_counter() - start)
-  report(out, target_record, *(read_json(os.path.join(out, results[part])) for part in PARTS))
+  report(out, target_record, *(read_json(os.path.join(out, results[part])) for part in PARTS), left)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ float32 sweep runs the kernels in their interpreters (Pallas', and Triton's wher
 with TRITON_INTERPRET=1): the checks hold, the timings mean nothing and are flagged so.
 
 Writes results.json, results.csv and bandwidth.png under --out and prints one JSON line per
-measurement; exits 1 if any implementation failed or missed the reference.
+measurement; exits 1 if any implementation failed or missed the reference. --time_limit_s: no
+measurement starts after that many seconds of the sweep; what was measured is written as usual and
+results.json says how many of the sweep's measurements were left (`left`).
 """
 
 from __future__ import annotations
@@ -57,10 +59,12 @@ _BLOCK = flags.DEFINE_integer("block", None, "Attention block (default: the conf
 _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "float16", "bfloat16"], "Query and cache dtype (default: "
                            "the config's policy dtype; smoke float32).")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per measurement (median reported).")
+_TIME_LIMIT = flags.DEFINE_float("time_limit_s", 0.0, "Start no measurement after this many seconds of the sweep "
+                                 "(0: no limit).", lower_bound=0.0)
 
 # Peak HBM bandwidth (bytes/s) by a substring of jax's device_kind.
-PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 SXM": 3.35e12, "A100-SXM4-80GB": 2.0e12,
-                  "A100 80GB": 2.0e12}
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12,
+                  "H100 PCIe": 2.0e12, "A100-SXM4-80GB": 2.0e12, "A100 80GB": 2.0e12}
 SWEEP = dict(batch=[1, 4, 16, 64], tree=[1, 8, 16, 32, 64], filled=[512, 1024, 2048, 4096, 8192, 16384, 32768])
 SMOKE = dict(batch=[2], tree=[1, 8], filled=[16, 40], block=16, dtype="float32")
 ATOL = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 2e-2}  # float32: XLA may take TF32 matmuls on a GPU
@@ -99,14 +103,18 @@ def timed(fn, *args, repeats: int) -> tuple[jax.Array, float]:
   return out, statistics.median(times)
 
 
-def sweep(model, impls, sizes, block, dtype, repeats, backend, peak, smoke):
-  """One record per (batch, tree, filled, implementation)."""
+def sweep(model, impls, sizes, block, dtype, repeats, backend, peak, smoke, time_limit_s=0.0):
+  """(one record per (batch, tree, filled, implementation), the measurements `time_limit_s` left out)."""
   heads, kv_heads, d = model.num_heads, model.num_kv_heads, model.head_dim
   capacity = -(-(max(sizes["filled"]) + max(sizes["tree"])) // block) * block
   layer, records = jnp.int32(1), []
+  deadline = time.perf_counter() + time_limit_s if time_limit_s else float("inf")
+  planned = len(impls) * len(sizes["batch"]) * len(sizes["tree"]) * len(sizes["filled"])
   fns = {impl: attention_fn(impl, block, backend) for impl in impls}
   reference = jax.jit(lambda q, k, v, lengths, mask: tree_attention.reference(q, k, v, 0, lengths, mask, block=block))
   for b in sizes["batch"]:
+    if time.perf_counter() > deadline:
+      break
     keys = jax.random.split(jax.random.key(b), 3)
     k, v = (jax.random.normal(key, (LAYERS, b, capacity, kv_heads, d), dtype) for key in keys[:2])
     k32, v32 = (x[1:2].astype(jnp.float32) for x in (k, v))  # the measured layer
@@ -114,6 +122,8 @@ def sweep(model, impls, sizes, block, dtype, repeats, backend, peak, smoke):
       q = jax.random.normal(keys[2], (b, t, heads, d), dtype)
       mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
       for filled in sizes["filled"]:
+        if time.perf_counter() > deadline:
+          break
         lengths = jnp.full((b,), filled, jnp.int32)
         want = np.asarray(reference(q.astype(jnp.float32), k32, v32, lengths, mask))
         moved = (2 * b * (filled + t) * kv_heads + 2 * b * t * heads) * d * jnp.dtype(dtype).itemsize
@@ -132,7 +142,7 @@ def sweep(model, impls, sizes, block, dtype, repeats, backend, peak, smoke):
           records.append(record)
           print(json.dumps(record), flush=True)
     del k, v, k32, v32
-  return records
+  return records, planned - len(records)
 
 
 def plot(records, path, title, fraction):
@@ -175,22 +185,23 @@ def main(_):
     sys.exit(1)
   device = jax.devices()[0]
   peak = peak_bandwidth(device.device_kind)
-  records = sweep(_CONFIG.value.model, impls, sizes, block, dtype, 1 if smoke else _REPEATS.value, backend, peak,
-                  smoke)
+  records, left = sweep(_CONFIG.value.model, impls, sizes, block, dtype, 1 if smoke else _REPEATS.value, backend,
+                        peak, smoke, _TIME_LIMIT.value)
 
   os.makedirs(_OUT.value, exist_ok=True)
   summary = dict(backend=backend, device_kind=device.device_kind, peak_bytes_per_s=peak, smoke=smoke,
                  jax=jax.__version__, heads=_CONFIG.value.model.num_heads, kv_heads=_CONFIG.value.model.num_kv_heads,
-                 head_dim=_CONFIG.value.model.head_dim, results=records)
+                 head_dim=_CONFIG.value.model.head_dim, left=left, results=records)
   with open(os.path.join(_OUT.value, "results.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=1)
   with open(os.path.join(_OUT.value, "results.csv"), "w", newline="", encoding="utf-8") as f:
-    writer = csv.DictWriter(f, fieldnames=list(records[0]))
+    writer = csv.DictWriter(f, fieldnames=list(records[0]) if records else [])
     writer.writeheader()
     writer.writerows(records)
   title = f"tree attention on {device.device_kind} ({dtype.name}, block {block})"
-  plot(records, os.path.join(_OUT.value, "bandwidth.png"),
-       title + (": smoke, timings meaningless" if smoke else ""), peak is not None)
+  if records:
+    plot(records, os.path.join(_OUT.value, "bandwidth.png"),
+         title + (": smoke, timings meaningless" if smoke else ""), peak is not None)
   failed = [r for r in records if not r["ok"]]
   if failed:
     print(f"error: {len(failed)} of {len(records)} measurements failed or missed the reference "

@@ -2,13 +2,14 @@
 script and in a module it imports, fails at import), and its --helpshort lists its own flags. Running
 them takes minutes each (docs/BENCHMARKS.md records what they measured); experiments/accelerator.py
 runs end to end at its smoke size, and bench_kernels' smoke, which checks every tree-attention
-implementation in its interpreter, in seconds."""
+implementation in its interpreter, in seconds; gpu_check.py's smoke runs every part of the GPU check."""
 
 import csv
 import json
 import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -65,6 +66,49 @@ def test_accelerator_smoke_measures_every_figure(tmp_path):
   assert refused.returncode == 1 and refused.stderr.strip().splitlines()[-1] == (
       f"error: --out={out} holds a run with other settings (differing: bandit_rows; see its settings.json); "
       "choose another --out"), refused.stderr[-3000:]
+
+
+def test_gpu_check_smoke_runs_every_part_and_continues(tmp_path):
+  """`gpu_check.py --smoke` on the CPU: every part runs (or says why not) within its deadline, every goal
+  gets a verdict, the results fit what a device run sends back (a few files, no folders), and a second
+  run with the same --out skips what is done."""
+  out, work = tmp_path / "out", tmp_path / "work"
+  env = {**os.environ, "XLA_FLAGS": xla_flags_without_device_count()}
+  run = lambda: subprocess.run([sys.executable, "gpu_check.py", f"--out={out}", f"--work={work}", "--smoke",
+                                "--budget_s=600"], cwd=EXPERIMENTS, env=env, capture_output=True, text=True,
+                               timeout=900)
+  done = run()
+  assert done.returncode == 0, done.stderr[-3000:]
+  summary = json.loads((out / "summary.json").read_text())
+  parts = summary["parts"]
+  assert list(parts) == ["env", "kernels", "parity", "figures"]
+  assert all(p["status"] == "done" and p["seconds"] <= p["deadline_s"] for p in parts.values()), parts
+  assert "bandit and rl not run" in parts["figures"]["reason"]  # test_accelerator_smoke runs them
+  env_result = parts["env"]["result"]
+  assert env_result["main_smoke"]["ok"] and env_result["device"]["backend"] == "cpu"
+  assert all(r["ok"] for r in env_result["requirements"]) and env_result["pycosat_solves"]
+  runs = parts["parity"]["result"]["runs"]
+  assert [(r["attention"], "skipped" in r) for r in runs] == [("xla", False), ("pallas_gpu", False), ("triton", True)]
+  goals = summary["goals"]
+  assert list(goals) == ["kernel_accuracy", "decode_bandwidth", "verify_16", "engine_parity", "sd_batch1",
+                         "sd_up_to_16", "bandit", "rl_step", "compilations"]
+  status = {name: g["status"] for name, g in goals.items()}
+  assert set(status.values()) <= {"MET", "NOT MET", "NOT RUN"}
+  assert [status[n] for n in ("kernel_accuracy", "engine_parity", "compilations")] == ["MET"] * 3, goals
+  assert goals["sd_batch1"]["value"] is not None and status["bandit"] == status["rl_step"] == "NOT RUN"
+  assert status["decode_bandwidth"] == "NOT RUN"  # no peak bandwidth for a CPU
+  plan = parts["figures"]["result"]["plan"]  # the full-size plan on an H100, sized to the budget left
+  assert plan["sizes"]["sft_steps"] >= 20 and plan["fits"]["grid_b1"] in ("fits", "does not fit")
+  files = sorted(f.name for f in out.iterdir())
+  assert files == sorted(summary["files"]) and len(files) <= 8 and all(f.is_file() for f in out.iterdir())
+  assert {"summary.json", "summary.txt", "details.tar.gz", "kernels.png", "sd_grid.png"} <= set(files)
+  with tarfile.open(out / "details.tar.gz") as tar:
+    assert {"env/main.log", "kernels/result.json", "parity/reference.json", "figures/plan.json"} <= set(tar.getnames())
+  assert all(f"{g['status']:<8} {name}" in done.stdout for name, g in goals.items())
+  again = run()
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert all(f"[gpu_check] {name}: done before, skipped" in again.stdout for name in parts)
+  assert json.loads((out / "summary.json").read_text())["parts"] == parts
 
 
 def test_seeds_runs_the_config_once_per_seed_and_reports_the_spread(tmp_path):
