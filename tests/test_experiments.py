@@ -113,12 +113,13 @@ def test_gpu_check_smoke_runs_every_part_and_continues(tmp_path):
 
 def test_seeds_runs_the_config_once_per_seed_and_reports_the_spread(tmp_path):
   """`seeds.py` on the tiny smoke config with evaluations: a run per seed, each its own summary and
-  metrics, the ranges over seeds and a figure with a line per seed; a second call keeps the runs."""
+  metrics, the ranges over seeds and a figure with a line per seed; a second call keeps the runs.
+  The seeds share a compilation cache (the second seed compiles nothing new)."""
   out = tmp_path / "seeds"
   env = {**os.environ, "XLA_FLAGS": xla_flags_without_device_count()}
   run = lambda: subprocess.run([sys.executable, "seeds.py", "--seeds=0,1", f"--out={out}",
                                 "--config=../configs/tiny.py:smoke", "--config.eval.every=1", "--config.eval.size=4",
-                                "--config.rollout.compilation_cache_dir="], cwd=EXPERIMENTS, env=env,
+                                f"--config.rollout.compilation_cache_dir={tmp_path / 'xla'}"], cwd=EXPERIMENTS, env=env,
                                capture_output=True, text=True, timeout=900)
   done = run()
   assert done.returncode == 0, done.stderr[-3000:]

@@ -80,8 +80,8 @@ def test_reduced_vocabulary_drafter(hf_dirs, tmp_path):
                                      {"prompt_ids": [11, 12]}, {"prompt_ids": [30]}])
   out = tmp_path / "drafter"
   proc = run_cli(f"--model={model_dir}", f"--prompts={prompts}", f"--output={out}", "--num_samples=2",
-                 "--max_new_tokens=16", "--steps=3", "--batch_rows=2", "--row_len=32", "--eval_fraction=0.25",
-                 "--draft_vocab_size=24")
+                 "--temperature=1", "--max_new_tokens=16", "--steps=3", "--batch_rows=2", "--row_len=32",
+                 "--eval_fraction=0.25", "--draft_vocab_size=24")
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = json.loads(proc.stdout.strip().splitlines()[-1])
   assert summary["draft_vocab_size"] == 24 and 0 < summary["draft_vocab_coverage_heldout"] <= 1
@@ -95,6 +95,10 @@ def test_reduced_vocabulary_drafter(hf_dirs, tmp_path):
                    f"--draft_vocab_coverage={coverage}")
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
         f"error: flag --draft_vocab_coverage={float(coverage)}: --draft_vocab_coverage must lie in (0, 1]"]
+  proc = run_cli(f"--model={model_dir}", f"--prompts={prompts}", f"--output={tmp_path / 'd'}", "--num_samples=2")
+  assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+      "error: flags num_samples=2, temperature=0.0: --num_samples > 1 needs --temperature > 0 (greedy draws one "
+      "response)"], proc.stderr[-3000:]
   assert not os.path.exists(tmp_path / "d")
 
 

@@ -92,9 +92,9 @@ def define_config(default: str) -> flags.FlagHolder:
 
 def define_scan_layers() -> flags.FlagHolder:
   """`--scan_layers` of the tools that load a Hugging Face model (`ModelConfig.scan_layers`)."""
-  return flags.DEFINE_bool("scan_layers", True, "Run the decoder layers by one lax.scan over stacked parameters "
-                           "(False: unrolled; on a CPU it decodes a weight-bound batch about 2x faster, but "
-                           "compiles every layer).")
+  return flags.DEFINE_bool("scan_layers", None, "Run the decoder layers by one lax.scan over stacked parameters "
+                           "(False: unrolled, which compiles every layer but decodes a weight-bound batch about 2x "
+                           "faster on a CPU). Default: unrolled on a CPU, scanned on a GPU or TPU.")
 
 
 def config_value(holder: flags.FlagHolder) -> ml_collections.ConfigDict:

@@ -2,8 +2,8 @@
 
   python -m tlt_jax.train_drafter --model=DIR --output=DIR [--overwrite] \\
       [--prompts=FILE.jsonl | --task=basic_arithmetic --num_prompts=512] \\
-      [--num_samples=4 --temperature=1.0 --max_new_tokens=256 --steps=400 --batch_rows=16 \\
-       --row_len=256 --learning_rate=3e-3 --draft_vocab_size=-1 --draft_vocab_coverage=0.99 --eagle3_layers= \\
+      [--num_samples=1 --temperature=0 --max_new_tokens=256 --steps=1200 --batch_rows=8 \\
+       --row_len=512 --learning_rate=3e-3 --draft_vocab_size=-1 --draft_vocab_coverage=0.99 --eagle3_layers= \\
        --eval_fraction=0.1 --seed=0]
 
 Samples responses from the target with the rollout engine, distils a fresh drafter on them
@@ -54,14 +54,19 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the drafter checkpoi
 _PROMPTS = flags.DEFINE_string("prompts", None, "Prompts JSONL file (exclusive with --task).")
 _TASK = flags.DEFINE_string("task", None, "Procedural task family, e.g. basic_arithmetic (exclusive with --prompts).")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 512, "Prompts generated for --task.", lower_bound=1)
-_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 4, "Samples per prompt.", lower_bound=1)
-_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 = greedy.")
+_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Samples per prompt (more than one: give --temperature > 0).",
+                                    lower_bound=1)
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature of the responses the drafter learns "
+                                  "from; 0 = greedy (the states greedy decoding visits).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens generated at most per sample (fewer for a prompt "
                                 "that leaves fewer of the model's positions).")
 cli.check_sampling_flags(temperature=_TEMPERATURE, max_new_tokens=_MAX_NEW)
-_STEPS = flags.DEFINE_integer("steps", 400, "Training steps.", lower_bound=1)
-_BATCH_ROWS = flags.DEFINE_integer("batch_rows", 16, "Packed rows per training step.", lower_bound=1)
-_ROW_LEN = flags.DEFINE_integer("row_len", 256, "Tokens per packed row; longer sequences are truncated.",
+flags.register_multi_flags_validator(["num_samples", "temperature"],
+                                     lambda f: f["num_samples"] == 1 or f["temperature"] > 0,
+                                     "--num_samples > 1 needs --temperature > 0 (greedy draws one response)")
+_STEPS = flags.DEFINE_integer("steps", 1200, "Training steps.", lower_bound=1)
+_BATCH_ROWS = flags.DEFINE_integer("batch_rows", 8, "Packed rows per training step.", lower_bound=1)
+_ROW_LEN = flags.DEFINE_integer("row_len", 512, "Tokens per packed row; longer sequences are truncated.",
                                 lower_bound=2)
 _LR = flags.DEFINE_float("learning_rate", 3e-3, "Peak learning rate (warmup, then cosine decay).", lower_bound=0.0)
 _DRAFT_VOCAB = flags.DEFINE_integer("draft_vocab_size", -1, "Tokens of the draft head, the most frequent of the "

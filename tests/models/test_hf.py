@@ -43,6 +43,15 @@ def test_save_pretrained_round_trip(family, hf_dirs, tmp_path):
   assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp")]  # no temp dir left behind
 
 
+def test_layers_unrolled_by_default_on_a_cpu(hf_dirs):
+  """A CPU loads the layers unrolled unless told (a scanned loop copies each layer's weights per step);
+  accelerators scan."""
+  path, _ = hf_dirs["qwen2_untied"]
+  loaded = [hf.from_pretrained(path, scan_layers=s).config.scan_layers for s in (None, True, False)]
+  assert loaded == [False, True, False]
+  assert [hf.default_scan_layers(p) for p in ("cpu", "gpu", "tpu")] == [False, True, True]
+
+
 def test_sharded_checkpoint_with_index(hf_dirs, tmp_path):
   """Both layer forms write the same files (a layer's tensors together, layer by layer) and read them."""
   path, ref = hf_dirs["qwen2_untied"]
