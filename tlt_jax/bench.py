@@ -197,7 +197,7 @@ def main(argv):
     with cli.named("drafter", _DRAFTER.value):
       drafter = checkpoint.load_drafter(_DRAFTER.value, cfg)
   with cli.named("model", _MODEL.value):
-    model = hf.from_pretrained(_MODEL.value, scan_layers=_SCAN_LAYERS.value)
+    model = hf.from_pretrained(_MODEL.value, scan_layers=cli.scan_layers(_SCAN_LAYERS))
   stop = set(model.config.stop_token_ids) | ({tokenizer.eos_token_id} if tokenizer is not None else set())
   temperature, max_new, seed = _TEMPERATURE.value, _MAX_NEW.value, _SEED.value
   if _REFILL.value:

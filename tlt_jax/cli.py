@@ -97,6 +97,13 @@ def define_scan_layers() -> flags.FlagHolder:
                            "faster on a CPU). Default: unrolled on a CPU, scanned on a GPU or TPU.")
 
 
+def scan_layers(holder: flags.FlagHolder) -> bool:
+  """`--scan_layers` as given, else `hf.default_scan_layers` of the default backend (unrolled on a CPU)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from tlt_jax.models import hf  # pylint: disable=import-outside-toplevel
+  return holder.value if holder.value is not None else hf.default_scan_layers(jax.default_backend())
+
+
 def config_value(holder: flags.FlagHolder) -> ml_collections.ConfigDict:
   """The config `define_config` defined; a file that does not load is an error naming it."""
   config = holder.value

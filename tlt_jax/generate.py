@@ -101,7 +101,7 @@ def main(argv):
     with cli.named("drafter", _DRAFTER.value):
       drafter = checkpoint.load_drafter(_DRAFTER.value, cfg)
   with cli.named("model", _MODEL.value):
-    model = hf.from_pretrained(_MODEL.value, dtype=_DTYPE.value, scan_layers=_SCAN_LAYERS.value)
+    model = hf.from_pretrained(_MODEL.value, dtype=_DTYPE.value, scan_layers=cli.scan_layers(_SCAN_LAYERS))
   stop = set(cfg.stop_token_ids)
   if tokenizer is not None and tokenizer.eos_token_id is not None:
     stop.add(tokenizer.eos_token_id)

@@ -132,7 +132,7 @@ def run() -> dict:
     raise InputError(f"--row_len={_ROW_LEN.value} cannot hold prompt {longest} ({len(prompts[longest])} tokens as "
                      "encoded) and a response token; raise it above the longest prompt")
   with cli.named("model", _MODEL.value):
-    model = hf.from_pretrained(_MODEL.value, scan_layers=_SCAN_LAYERS.value)
+    model = hf.from_pretrained(_MODEL.value, scan_layers=cli.scan_layers(_SCAN_LAYERS))
   stop = set(cfg.stop_token_ids) | ({tokenizer.eos_token_id} if tokenizer is not None and
                                     tokenizer.eos_token_id is not None else set())
   max_new, _ = cli.token_budgets(prompts, _MAX_NEW.value, cfg.max_position_embeddings)

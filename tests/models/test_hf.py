@@ -10,7 +10,10 @@ import safetensors.torch
 import torch
 import transformers
 
+from absl import flags
+
 from tests.conftest import VOCAB, build_hf_model
+from tlt_jax import cli
 from tlt_jax.models import KVCache, hf, transformer
 from tlt_jax.models.config import ConfigError
 
@@ -43,13 +46,17 @@ def test_save_pretrained_round_trip(family, hf_dirs, tmp_path):
   assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp")]  # no temp dir left behind
 
 
-def test_layers_unrolled_by_default_on_a_cpu(hf_dirs):
-  """A CPU loads the layers unrolled unless told (a scanned loop copies each layer's weights per step);
-  accelerators scan."""
-  path, _ = hf_dirs["qwen2_untied"]
-  loaded = [hf.from_pretrained(path, scan_layers=s).config.scan_layers for s in (None, True, False)]
-  assert loaded == [False, True, False]
+def test_tools_unroll_layers_on_a_cpu(hf_dirs):
+  """The tools' default: layers unrolled on a CPU (a scanned loop copies each layer's weights per step),
+  scanned on accelerators; --scan_layers overrides; the library keeps the config's form unless told."""
   assert [hf.default_scan_layers(p) for p in ("cpu", "gpu", "tpu")] == [False, True, True]
+  for argv, expected in (([], False), (["--scan_layers"], True), (["--noscan_layers"], False)):
+    values = flags.FlagValues()
+    holder = flags.DEFINE_bool("scan_layers", None, "", flag_values=values)
+    values(["tool", *argv])
+    assert cli.scan_layers(holder) is expected
+  path, _ = hf_dirs["qwen2_untied"]
+  assert [hf.from_pretrained(path, scan_layers=s).config.scan_layers for s in (None, False)] == [True, False]
 
 
 def test_sharded_checkpoint_with_index(hf_dirs, tmp_path):

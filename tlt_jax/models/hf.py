@@ -122,14 +122,14 @@ def from_pretrained(model_dir: str, dtype=None, mesh: jax.sharding.Mesh | None =
   """Loads a HF model directory into a `CausalLM`, sharded over `mesh` (default: one device).
 
   `dtype` (a jnp dtype or 'float32' / 'bfloat16' / 'float16') defaults to the checkpoint's;
-  `scan_layers` (`ModelConfig.scan_layers`) to `default_scan_layers` of the mesh's platform.
+  `scan_layers` (`ModelConfig.scan_layers`) to the config's default (the command-line tools pass
+  `default_scan_layers` of the platform).
   """
   cfg, raw = read_config(model_dir)
+  if scan_layers is not None:
+    cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
   if mesh is None:
     mesh = sharding.make_mesh({}, devices=jax.local_devices()[:1])
-  if scan_layers is None:
-    scan_layers = default_scan_layers(mesh.devices.flat[0].platform)
-  cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
   config_path = os.path.join(model_dir, "config.json")
   dtype = _dtype(dtype, "dtype argument") or _dtype(raw.get("torch_dtype") or raw.get("dtype") or "float32",
                                                       config_path)
