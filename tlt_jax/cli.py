@@ -18,6 +18,7 @@ import sys
 import traceback
 from typing import Callable, Iterator, NoReturn
 
+import jax
 import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -98,10 +99,10 @@ def define_scan_layers() -> flags.FlagHolder:
 
 
 def scan_layers(holder: flags.FlagHolder) -> bool:
-  """`--scan_layers` as given, else `hf.default_scan_layers` of the default backend (unrolled on a CPU)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from tlt_jax.models import hf  # pylint: disable=import-outside-toplevel
-  return holder.value if holder.value is not None else hf.default_scan_layers(jax.default_backend())
+  """`--scan_layers` as given; by default unrolled on a CPU, where XLA copies each layer's weights out of
+  the stack at every step of a scan (a weight-bound decode step at about half the speed: docs/BENCHMARKS.md,
+  "Scanned vs unrolled layers"), and scanned on a GPU or TPU, which compiles one layer body for all."""
+  return holder.value if holder.value is not None else jax.default_backend() != "cpu"
 
 
 def config_value(holder: flags.FlagHolder) -> ml_collections.ConfigDict:

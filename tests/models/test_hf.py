@@ -46,15 +46,19 @@ def test_save_pretrained_round_trip(family, hf_dirs, tmp_path):
   assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp")]  # no temp dir left behind
 
 
-def test_tools_unroll_layers_on_a_cpu(hf_dirs):
+def test_tools_unroll_layers_on_a_cpu(hf_dirs, monkeypatch):
   """The tools' default: layers unrolled on a CPU (a scanned loop copies each layer's weights per step),
   scanned on accelerators; --scan_layers overrides; the library keeps the config's form unless told."""
-  assert [hf.default_scan_layers(p) for p in ("cpu", "gpu", "tpu")] == [False, True, True]
-  for argv, expected in (([], False), (["--scan_layers"], True), (["--noscan_layers"], False)):
+  def resolved(*argv):
     values = flags.FlagValues()
     holder = flags.DEFINE_bool("scan_layers", None, "", flag_values=values)
     values(["tool", *argv])
-    assert cli.scan_layers(holder) is expected
+    return cli.scan_layers(holder)
+
+  assert [resolved(), resolved("--scan_layers"), resolved("--noscan_layers")] == [False, True, False]
+  for backend in ("gpu", "tpu"):
+    monkeypatch.setattr(cli.jax, "default_backend", lambda backend=backend: backend)
+    assert [resolved(), resolved("--scan_layers"), resolved("--noscan_layers")] == [True, True, False]
   path, _ = hf_dirs["qwen2_untied"]
   assert [hf.from_pretrained(path, scan_layers=s).config.scan_layers for s in (None, False)] == [True, False]
 

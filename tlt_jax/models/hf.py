@@ -109,31 +109,23 @@ def _open_safetensors(path: str):
     raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
-def default_scan_layers(platform: str) -> bool:
-  """Whether a model loaded for `platform` ('cpu', 'gpu', 'tpu') runs its layers by one scan by default:
-  not on a CPU, where XLA copies each layer's weights out of the stack at every step, so a weight-bound
-  decode step runs at about half the speed of the unrolled layers (docs/BENCHMARKS.md, "Scanned vs
-  unrolled layers"); elsewhere scanned, which compiles one layer body for all."""
-  return platform != "cpu"
-
-
 def from_pretrained(model_dir: str, dtype=None, mesh: jax.sharding.Mesh | None = None,
                     scan_layers: bool | None = None) -> CausalLM:
   """Loads a HF model directory into a `CausalLM`, sharded over `mesh` (default: one device).
 
   `dtype` (a jnp dtype or 'float32' / 'bfloat16' / 'float16') defaults to the checkpoint's;
   `scan_layers` (`ModelConfig.scan_layers`) to the config's default (the command-line tools pass
-  `default_scan_layers` of the platform).
+  `cli.scan_layers`: unrolled on a CPU).
   """
   cfg, raw = read_config(model_dir)
   if scan_layers is not None:
     cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
-  if mesh is None:
-    mesh = sharding.make_mesh({}, devices=jax.local_devices()[:1])
   config_path = os.path.join(model_dir, "config.json")
   dtype = _dtype(dtype, "dtype argument") or _dtype(raw.get("torch_dtype") or raw.get("dtype") or "float32",
                                                       config_path)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+  if mesh is None:
+    mesh = sharding.make_mesh({}, devices=jax.local_devices()[:1])
   files = _weight_files(model_dir)
   cpu = jax.local_devices(backend="cpu")[0]
 
