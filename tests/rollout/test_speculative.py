@@ -23,7 +23,7 @@ DEPTH = 3
 N = 10  # target vocabulary
 
 jit_accept = jax.jit(speculative.accept, static_argnames=("params", "max_depth"))
-jit_draft_tree = jax.jit(speculative.draft_tree, static_argnums=(0, 1, 5))
+jit_draft_tree = jax.jit(speculative.draft_tree, static_argnums=(0, 1, 5), static_argnames="params")
 
 
 # ---- strategies and masks ----
@@ -135,6 +135,43 @@ def test_draft_tree_is_the_best_valid_tree(name):
     assert set(paths.values()) - {()} == set(ranked[:v - 1])
   if strategy.top_k == 1:
     np.testing.assert_array_equal(parents, np.broadcast_to(np.arange(-1, v - 1), (b, v)))
+
+
+def position_draft_fn(cache, feats_BxKxH, tokens_BxK, positions_BxK, mask_BxKxW):
+  """A drafter whose prediction depends on the position alone (every node of a level: the same q)."""
+  return jnp.broadcast_to(position_features(positions_BxK), feats_BxKxH.shape), cache
+
+
+def position_features(positions):
+  return jnp.tanh(jnp.cos(positions.astype(jnp.float32))[..., None] * jnp.asarray(A[0], jnp.float32) * 3)
+
+
+@pytest.mark.parametrize("name", ["4_1_5", "3_2_6"])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, seed=3),
+                                    SamplingParams(temperature=0.7, top_p=0.9, seed=5)], ids=["t1", "t0.7_p0.9"])
+def test_sampled_drafts_of_the_targets_distribution_are_all_accepted(name, params):
+  # The drafter's distribution at each depth IS the target's there: a draft coupled to the uniforms
+  # the target draws with is accepted at every depth. Ranked by the drafter's most likely tokens
+  # (`uniforms_BxD` None), the chain is accepted with the probability of those tokens only.
+  strategy, b = Strategy.parse(name), 64
+  rng = np.random.RandomState(6)
+  feat = jnp.asarray(rng.normal(0, 1, (b, H)), jnp.float32)
+  lengths = jnp.asarray(rng.randint(0, 20, b), jnp.int32)
+  prompt, sample, generated = (jnp.asarray(rng.randint(0, 50, b)) for _ in range(3))
+  zeros = jnp.zeros((1, b, 64, 1, 1))
+  # Target logits at a depth-j node: the drafter's for depth j + 1 (level 1 from feat, level d from position).
+  level_logits = [logits_fn(feat)] + [logits_fn(position_features(lengths + d - 2)) for d in range(2, strategy.depth + 2)]
+  counts = {}
+  for coupled in (True, False):
+    u = speculative.draft_uniforms(params, prompt, sample, generated, strategy.depth) if coupled else None
+    tree, _ = jit_draft_tree(position_draft_fn, logits_fn, feat, jnp.zeros((b,), jnp.int32),
+                             KVCache(zeros, zeros, lengths), strategy, params=params, uniforms_BxD=u)
+    target = jnp.stack(level_logits, 1)[jnp.arange(b)[:, None], tree.depths]
+    acc = jit_accept(target, tree, jnp.ones((b,), bool), generated, generated + 100, prompt, sample,
+                     params=params, max_depth=strategy.depth)
+    counts[coupled] = np.asarray(acc.count)
+  np.testing.assert_array_equal(counts[True], strategy.depth + 1)
+  assert (counts[False] < strategy.depth + 1).mean() > 0.2
 
 
 # ---- acceptance ----

@@ -90,13 +90,7 @@ def phase_times(engine: Engine, prompts: Sequence[Sequence[int]], strategy: Stra
 
   def draft(p, d, st):
     model, drafter = steps.models(p, d)
-    head = drafter.head(model)
-
-    def draft_fn(cache, feats, tokens, positions, mask):
-      return drafter(model, feats, tokens, positions, cache, mask, kv_block=cfg.kv_block, attention=cfg.attention)
-
-    return speculative.draft_tree(draft_fn, lambda f: drafter.logits(model, head, f), st.draft_feat, st.last_token,
-                                  st.drafter_cache, strategy, drafter.target_ids)
+    return steps.draft(model, drafter, drafter.head(model), st, strategy)
 
   def verify(p, d, st, tree, dcache):
     model, drafter = steps.models(p, d)

@@ -101,9 +101,20 @@ def sample(logp_BxV: jax.Array, keys_B: jax.Array, params: SamplingParams):
   if params.greedy:
     tokens = jnp.argmax(logp_BxV, axis=-1).astype(jnp.int32)
   else:
-    cdf_BxV = jnp.cumsum(jnp.exp(logp_BxV), axis=-1)
-    total_B = cdf_BxV[:, -1]
-    # u * total, kept below total (rounding): the count stops before the trailing zero-mass tokens.
-    x_B = jnp.minimum(jax.vmap(jax.random.uniform)(keys_B) * total_B, jnp.nextafter(total_B, 0))
-    tokens = jnp.sum(cdf_BxV <= x_B[:, None], axis=-1).astype(jnp.int32)
+    tokens = inverse_cdf(logp_BxV, uniforms(keys_B))
   return tokens, jnp.take_along_axis(logp_BxV, tokens[:, None], axis=-1)[:, 0]
+
+
+def uniforms(keys_B: jax.Array) -> jax.Array:
+  """The uniform in [0, 1) that `sample` draws a row's token with, one per key."""
+  return jax.vmap(jax.random.uniform)(keys_B)
+
+
+def inverse_cdf(logp_xV: jax.Array, u_x: jax.Array) -> jax.Array:
+  """The token `sample` draws from `logp_xV` (any leading shape) with uniforms `u_x`: the first whose
+  cumulative mass, in vocabulary order, exceeds u times the total."""
+  cdf_xV = jnp.cumsum(jnp.exp(logp_xV), axis=-1)
+  total_x = cdf_xV[..., -1]
+  # u * total, kept below total (rounding): the count stops before the trailing zero-mass tokens.
+  x_x = jnp.minimum(u_x * total_x, jnp.nextafter(total_x, 0))
+  return jnp.sum(cdf_xV <= x_x[..., None], axis=-1).astype(jnp.int32)

@@ -376,6 +376,18 @@ class Steps:
                                draft_feat=st.draft_feat.at[slot].set(last.astype(st.draft_feat.dtype)),
                                drafter_finite=st.drafter_finite.at[slot].set(jnp.isfinite(last).all()))
 
+  def draft(self, model, drafter, head, st: RowState, strategy: Strategy):
+    """The EAGLE drafter's tree for every row (`speculative.draft_tree`, coupled to the rows' sampling
+    uniforms) and its cache with the levels written; `head` is `drafter.head(model)`."""
+    def draft_fn(cache, feats, tokens, positions, mask):
+      return drafter(model, feats, tokens, positions, cache, mask, kv_block=self.config.kv_block,
+                     attention=self.config.attention)
+
+    uniforms = speculative.draft_uniforms(self.sampling, st.prompt_index, st.sample_index, st.num_generated,
+                                          strategy.depth)
+    return speculative.draft_tree(draft_fn, lambda f: drafter.logits(model, head, f), st.draft_feat, st.last_token,
+                                  st.drafter_cache, strategy, drafter.target_ids, self.sampling, uniforms)
+
   def verify_step(self, model, drafter, st: RowState, tree: speculative.Tree, depth: int) -> Verified:
     """Verifies `tree` (paths at most `depth` below the root) for every active row and commits the
     accepted path; with the one-node tree (depth 0) this is a plain step. Returns the state and,
@@ -432,13 +444,8 @@ class Steps:
       else:
         head = drafter.head(model)  # gathered once per play, outside the loop
 
-        def draft_fn(cache, feats, tokens, positions, mask):
-          return drafter(model, feats, tokens, positions, cache, mask, kv_block=kv_block,
-                         attention=self.config.attention)
-
         def draft(st):
-          tree, dcache = speculative.draft_tree(draft_fn, lambda f: drafter.logits(model, head, f), st.draft_feat,
-                                                st.last_token, st.drafter_cache, strategy, drafter.target_ids)
+          tree, dcache = self.draft(model, drafter, head, st, strategy)
           return tree, dataclasses.replace(st, drafter_cache=dcache)
 
       def speculate(c: _Carry) -> _Carry:
