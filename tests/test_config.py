@@ -110,7 +110,8 @@ def assign(config, key: str, value) -> None:
   config[name] = value
 
 
-@pytest.mark.parametrize("name", ["base", "tiny", "r1_7b", "qwen2_5_0_5b", "qwen2_5_7b", "qwen2_5_32b", "accelerator"])
+@pytest.mark.parametrize("name", ["base", "tiny", "r1_7b", "qwen2_5_0_5b", "qwen2_5_7b", "qwen2_5_32b", "accelerator",
+                                  "smollm2"])
 def test_shipped_configs_pass(name):
   config_lib.check(config_lib.base() if name == "base" else __import__(f"configs.{name}", fromlist=["_"]).get_config())
 
@@ -159,7 +160,7 @@ def test_bad_suffix_settings_are_named(changes, message):
   assert [s.name for s in config_lib.strategies(config)] == ["s3_1_4", "s4_1_5"]
 
 
-@pytest.mark.parametrize("name", ["base", "tiny", "r1_7b", "qwen2_5_0_5b"])
+@pytest.mark.parametrize("name", ["base", "tiny", "r1_7b", "qwen2_5_0_5b", "smollm2"])
 def test_subtrees_build_the_dataclasses_they_mirror(name):
   """Each dataclass subtree holds its fields by their names, nothing else (`Dataclass(**subtree)`)."""
   c = config_lib.base() if name == "base" else __import__(f"configs.{name}", fromlist=["_"]).get_config()

@@ -1,4 +1,4 @@
-"""Both Colab notebooks execute in smoke mode (offline, seconds-sized shapes, one RL step).
+"""The Colab notebooks execute in smoke mode (offline, seconds-sized shapes, one RL step).
 
 Each notebook's "parameters" cell gets `SMOKE = True` appended. The kernels run in one shared
 directory with one persistent XLA cache, so the second notebook reuses the first one's executables.
@@ -54,3 +54,10 @@ def test_qwen_notebook_smoke_mode_trains_and_benches(run_dir):
   text = outputs(execute("tlt_qwen2_5_0_5b.ipynb", run_dir))
   assert re.search(r"step 1: reward [\d.]+, acceptance length [\d.]+", text)
   assert re.search(r"batch   1 2_1_3   acceptance length [\d.]+  speedup [\d.]+x", text)
+
+
+def test_smollm2_notebook_smoke_mode_warms_up_and_trains_both_arms(run_dir):
+  text = outputs(execute("tlt_smollm2.ipynb", run_dir))
+  assert re.search(r"draft head: \d+ of \d+ tokens", text)
+  assert "TLT " in text and "baseline " in text
+  assert os.path.exists(run_dir / "runs" / "colab_smollm2" / "drafter" / "drafter_config.json")

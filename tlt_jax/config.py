@@ -164,12 +164,13 @@ def base() -> ml_collections.ConfigDict:
   # N the N most frequent tokens.
   c.drafter.draft_vocab_size = -1
   c.drafter.draft_vocab_coverage = 0.99
-  c.drafter.distill = ml_collections.ConfigDict()  # offline distillation on the SFT data when no drafter exists
+  c.drafter.distill = ml_collections.ConfigDict()  # the warm-up when no drafter exists (bootstrap.load_drafter)
   c.drafter.distill.steps = 200
   c.drafter.distill.learning_rate = 3e-3
   c.drafter.distill.batch_rows = 16
   c.drafter.distill.row_len = 256  # packed row length
   c.drafter.distill.draft_steps = 1  # training-time test: draft steps trained on the drafter's own features
+  c.drafter.distill.prompts = 256  # a pretrained policy's warm-up: its responses to this many training prompts
   c.drafter.trainer = ml_collections.ConfigDict()  # DrafterTrainerConfig: online training on idle rollout groups
   c.drafter.trainer.learning_rate = 1e-3
   c.drafter.trainer.warmup_steps = 20  # learning-rate warm-up
@@ -381,6 +382,7 @@ _AT_LEAST = {
     "rollout.prompts_per_step": 1, "rollout.num_samples": 1, "rollout.groups": 1, "rollout.mean_response_len": 0,
     "drafter.draft_vocab_size": -1, "drafter.distill.steps": 0, "drafter.distill.learning_rate": 0,
     "drafter.distill.batch_rows": 1, "drafter.distill.row_len": 2, "drafter.distill.draft_steps": 1,
+    "drafter.distill.prompts": 1,
     "rl.mini_batches": 1, "rl.max_skipped_updates": 1, "rl.row_len": 2, "rl.overlong_buffer": 0,
     "rl.optimizer.learning_rate": 0, "rl.optimizer.warmup_steps": 0, "rl.optimizer.weight_decay": 0,
     "rl.actor.micro_batch_rows": 1, "rl.actor.logits_chunk": 1, "rl.actor.attention_block": 0,

@@ -69,7 +69,11 @@ def test_resume_continues_exactly(tmp_path, tiny_policy_dir, xla_cache):
     Trainer(c, *bootstrap.load(c), devices=jax.devices()[:2])
 
 
-def test_tlt_step_trains_the_drafter_on_idle_groups_and_checkpoints_it(tmp_path, tiny_policy_dir, xla_cache):
+def test_tlt_step_trains_the_drafter_on_idle_groups_and_checkpoints_it(tmp_path, tiny_policy_dir, xla_cache,
+                                                                       monkeypatch):
+  sampled = []
+  sample = bootstrap.warmup.sample
+  monkeypatch.setattr(bootstrap.warmup, "sample", lambda *a, **k: sampled.append((a, k)) or sample(*a, **k))
   policy_dir = tiny_policy_dir
   c = tiny_rl_config(tmp_path / "tlt", 2, xla_cache)
   c.policy.path = policy_dir
@@ -77,16 +81,12 @@ def test_tlt_step_trains_the_drafter_on_idle_groups_and_checkpoints_it(tmp_path,
   c.rollout.groups = 2
   c.rollout.strategies = ("2_1_3",)
   c.rollout.engine.sd_max_batch = 4
-  c.drafter.path = str(tmp_path / "drafter")  # absent: distilled on the tiny task, then saved there
-  c.drafter.distill.steps = 4
+  c.drafter.path = str(tmp_path / "drafter")  # absent: distilled on the policy's own samples, then saved there
+  c.drafter.distill.steps, c.drafter.distill.prompts = 4, 8
   c.drafter.distill.row_len = c.drafter.trainer.row_len = 64
   c.drafter.trainer.rows_per_device = 1
   c.drafter.trainer.warmup_steps = 1
   c.checkpoint.every = 1
-  # A random policy's drafter warm-up needs the tiny world's tokenizer; policy.path holds it.
-  c.policy.path = ""
-  os.makedirs(tmp_path / "tlt", exist_ok=True)
-  os.symlink(policy_dir, tmp_path / "tlt" / "policy")
   trainer = Trainer(c, *bootstrap.load(c), devices=jax.devices()[:2])
   try:
     records = trainer.run()
@@ -94,7 +94,10 @@ def test_tlt_step_trains_the_drafter_on_idle_groups_and_checkpoints_it(tmp_path,
     drafter = trainer.rollout.drafter_trainer.state_dict()[0]["params"]
   finally:
     trainer.close()
-  assert os.path.exists(tmp_path / "drafter" / "drafter_config.json")
+  # The warm-up sampled the policy's responses to the first 8 training prompts as the rollout samples.
+  (args, kwargs), = sampled
+  assert len(args[1]) == 8 and kwargs["temperature"] == c.rollout.sampling.temperature
+  assert kwargs["max_new_tokens"] == c.rollout.sampling.max_new_tokens and kwargs["num_samples"] == 1
   assert version >= 1 and records[-1]["drafter/version"] == version
   assert all(r["spot/groups"] == 2 for r in records)
   # The first rollout compiles the group engines and the drafter trainer; the next one nothing.

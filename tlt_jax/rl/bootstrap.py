@@ -13,11 +13,13 @@ from typing import NamedTuple
 
 from absl import logging
 from flax import nnx
+from tqdm import tqdm
 
 from tlt_jax import config as config_lib
 from tlt_jax import distributed
 from tlt_jax.drafter import checkpoint as drafter_checkpoint
 from tlt_jax.drafter import train as drafter_train
+from tlt_jax.drafter import warmup
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, hf
 from tlt_jax.rl import datasets, rollouts, sft, tokenizer as tokenizer_lib
@@ -42,7 +44,7 @@ def load(config) -> Loaded:
   prompts = load_prompts(config, tok)
   eval_prompts = load_eval_prompts(config, tok) if config.eval.every else None
   policy, tok = load_policy(config)
-  drafter = load_drafter(config, policy, tok) if rollouts.uses_drafter(config) else None
+  drafter = load_drafter(config, policy, tok, prompts) if rollouts.uses_drafter(config) else None
   return Loaded(policy, tok, drafter, prompts, eval_prompts)
 
 
@@ -89,20 +91,31 @@ def _missing(path: str) -> bool:
   return distributed.allgather(not os.path.exists(path))[0]
 
 
-def load_drafter(config, policy: CausalLM, tok) -> Drafter:
-  """`drafter.path` or <workdir>/drafter; else a new drafter distilled on the SFT data (warm-up), saved there."""
+def load_drafter(config, policy: CausalLM, tok, prompts: datasets.Dataset | None = None) -> Drafter:
+  """`drafter.path` or <workdir>/drafter; else a new drafter distilled (the warm-up), saved there: on
+  the tiny world's SFT data, or, for a pretrained policy, on its own responses to the first
+  `drafter.distill.prompts` training prompts (`prompts`, else `load_prompts`), sampled as the rollout samples."""
   path = config.drafter.path or os.path.join(config.workdir, "drafter")
   if not _missing(path):
     return drafter_checkpoint.load_drafter(path, policy.config)
-  if config.policy.path:
-    raise FileNotFoundError(f"config.drafter.path: no drafter at {path}; warm one up on the policy's own samples "
-                            f"with python -m tlt_jax.train_drafter --model={config.policy.path} --output={path}")
   if not distributed.primary():
-    distributed.barrier("tiny drafter")
+    distributed.barrier("warm-up drafter")
     return drafter_checkpoint.load_drafter(path, policy.config)
-  examples = datasets.from_tasks(config.task.family, tok, size=2048, seed=config.seed + 3,
-                                 difficulty=sft.difficulty(config))
-  sequences = sft.sequences(examples, tok)
+  d = config.drafter.distill
+  if config.policy.path:
+    prompts = prompts or load_prompts(config, tok)
+    logging.info("drafter warm-up: sampling the policy's responses to %d training prompts", d.prompts)
+    warm_prompts = [e.prompt_ids for e in prompts.examples[:d.prompts]]
+    with tqdm(total=len(warm_prompts), desc="drafter warm-up samples", unit="sample") as bar:
+      own = warmup.sample(policy, warm_prompts, stop_ids=(tok.eos_token_id,), num_samples=1,
+                          temperature=config.rollout.sampling.temperature,
+                          max_new_tokens=config.rollout.sampling.max_new_tokens, seed=config.seed,
+                          capture_hidden=False, on_progress=lambda done, _: bar.update(done))
+    sequences = [(p, s.tokens) for p, s in zip(own.prompts, own.samples)]
+  else:
+    examples = datasets.from_tasks(config.task.family, tok, size=2048, seed=config.seed + 3,
+                                   difficulty=sft.difficulty(config))
+    sequences = sft.sequences(examples, tok)
   try:
     vocab, covered = drafter_train.draft_head(sequences, policy.config.vocab_size, config.drafter.draft_vocab_size,
                                               config.drafter.draft_vocab_coverage)
@@ -113,13 +126,14 @@ def load_drafter(config, policy: CausalLM, tok) -> Drafter:
                  policy.config.vocab_size, 100 * covered)
   drafter = Drafter(policy.config, feature_layers=config.drafter.feature_layers, draft_vocab=vocab,
                     rngs=nnx.Rngs(config.seed))
-  d = config.drafter.distill
-  result = drafter_train.distill(policy, drafter, sequences, steps=d.steps, batch_rows=d.batch_rows,
-                                 row_len=d.row_len, lr=d.learning_rate, seed=config.seed, draft_steps=d.draft_steps)
+  with tqdm(total=d.steps, desc="drafter warm-up", unit="step") as bar:
+    result = drafter_train.distill(policy, drafter, sequences, steps=d.steps, batch_rows=d.batch_rows,
+                                   row_len=d.row_len, lr=d.learning_rate, seed=config.seed, draft_steps=d.draft_steps,
+                                   on_step=lambda *_: bar.update(1))
   logging.info("drafter warm-up: loss %.3f -> %.3f, top-1 %.2f", result.losses[0], result.losses[-1],
                result.metrics[-1]["top1"])
   drafter_checkpoint.save_drafter(drafter, path)
-  distributed.barrier("tiny drafter")
+  distributed.barrier("warm-up drafter")
   return drafter
 
 
