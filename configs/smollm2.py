@@ -16,9 +16,11 @@ The run: the drafter warm-up first (the policy's own responses to 256 training p
 the rollout samples, then a distilled EAGLE drafter with a reduced head; saved to <workdir>/drafter
 and reused; ~9 minutes on 2 cores), then 12 GRPO steps of 8 prompts x 8 samples whose long tail
 decodes speculatively where the bandit finds it pays, with the held-out reward (64 prompts x 4
-samples) before the first step and after the last. On a 2-core CPU training bounds a step: the
-recomputed log-probs and the update of 64 responses take ~135 s against ~45 s of rollout. The layers are unrolled (on a CPU a scanned loop copies
-each layer's weights every decode step); on a GPU or TPU set `--config.policy.scan_layers=True`.
+samples) before the first step and after the last: 49 minutes on a 2-core CPU (docs/BENCHMARKS.md,
+"SmolLM2-135M"). There training bounds a step: the recomputed log-probs and the update of 64
+responses take ~120 s against ~35 s of rollout. The layers are unrolled (on a CPU a scanned loop
+copies each layer's weights every decode step); on a GPU or TPU set
+`--config.policy.scan_layers=True`.
 
 `get_config("smoke")`: the same recipe at the tiny world's seconds-sized shapes, for a tiny local
 policy (`--config.policy.path`, with a chat template): the tests and the notebook's smoke mode.

@@ -160,7 +160,8 @@ def test_sampled_drafts_of_the_targets_distribution_are_all_accepted(name, param
   prompt, sample, generated = (jnp.asarray(rng.randint(0, 50, b)) for _ in range(3))
   zeros = jnp.zeros((1, b, 64, 1, 1))
   # Target logits at a depth-j node: the drafter's for depth j + 1 (level 1 from feat, level d from position).
-  level_logits = [logits_fn(feat)] + [logits_fn(position_features(lengths + d - 2)) for d in range(2, strategy.depth + 2)]
+  level_logits = [logits_fn(feat)] + [logits_fn(position_features(lengths + d - 2))
+                                      for d in range(2, strategy.depth + 2)]
   counts = {}
   for coupled in (True, False):
     u = speculative.draft_uniforms(params, prompt, sample, generated, strategy.depth) if coupled else None
