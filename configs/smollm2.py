@@ -12,8 +12,8 @@ temperature 1): the model is right about 20% of the time, half the groups hold b
 wrong responses (GRPO's signal), and it rambles: response lengths have a median of ~76 tokens and
 a p90 at the 256-token cap, a real long tail. What RL has to learn: to state the sum and stop.
 
-The run: the drafter warm-up first (the policy's own responses to 256 training prompts, sampled as
-the rollout samples, then a distilled EAGLE drafter with a reduced head; saved to <workdir>/drafter
+The run: the drafter warm-up first (the policy's own responses to 256 training prompts, sampled at
+the rollout's temperature and budget, then a distilled EAGLE drafter with a reduced head; saved to <workdir>/drafter
 and reused; ~9 minutes on 2 cores), then 12 GRPO steps of 8 prompts x 8 samples whose long tail
 decodes speculatively where the bandit finds it pays, with the held-out reward (64 prompts x 4
 samples) before the first step and after the last: 49 minutes on a 2-core CPU (docs/BENCHMARKS.md,

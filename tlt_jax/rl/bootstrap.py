@@ -94,7 +94,8 @@ def _missing(path: str) -> bool:
 def load_drafter(config, policy: CausalLM, tok, prompts: datasets.Dataset | None = None) -> Drafter:
   """`drafter.path` or <workdir>/drafter; else a new drafter distilled (the warm-up), saved there: on
   the tiny world's SFT data, or, for a pretrained policy, on its own responses to the first
-  `drafter.distill.prompts` training prompts (`prompts`, else `load_prompts`), sampled as the rollout samples."""
+  `drafter.distill.prompts` training prompts (`prompts`, else `load_prompts`), sampled at the rollout's
+  temperature and token budget (no top-k / top-p)."""
   path = config.drafter.path or os.path.join(config.workdir, "drafter")
   if not _missing(path):
     return drafter_checkpoint.load_drafter(path, policy.config)
