@@ -283,8 +283,8 @@ def smollm2_notebook():
       v4.new_markdown_cell(
           "## Drafter warm-up\n\n"
           "The policy answers the first `drafter.distill.prompts` training prompts, sampled at the rollout's "
-          "temperature and budget; a drafter with a reduced head (the tokens covering 99% of those responses) is distilled "
-          "on them and saved, and reused when it is there (~10 minutes on a 2-core CPU)."),
+          "temperature and budget; a drafter with a reduced head (the tokens covering 99% of those "
+          "responses) is distilled on them and saved, and reused when it is there (~10 minutes on a 2-core CPU)."),
       v4.new_code_cell(
           'config.policy.path = POLICY_DIR\n'
           'DRAFTER_DIR = config.drafter.path = os.path.join(WORKDIR, "drafter")\n'
