@@ -256,9 +256,8 @@ def headlines(grid_records, bandit_records, rl_result) -> dict:
   if rl_result:
     rows, s = rl_result["rows"], rl_result["summary"]
     rewards = {arm: [r["reward/mean"] for r in rows if r["trainer"] == arm] for arm in ("tlt", "baseline")}
-    identical = rewards["tlt"] == rewards["baseline"]
     values["rl_step"] = s["step_time_ratio"]["tlt"]
-    details["rl"] = {"rewards_identical": identical, "rewards": rewards,
+    details["rl"] = {"rewards_identical": s["rewards_identical"], "rewards": rewards,
                      "rollout_share_of_step": {arm: s["rollout_s"][arm] / s["step_s"][arm] for arm in rewards},
                      "step_s": s["step_s"], "rollout_s": s["rollout_s"], "accept_len": s["accept_len"]}
     compilations += [r["rollout/compilations"] for r in rows if r["step"] > 1]

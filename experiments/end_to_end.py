@@ -20,8 +20,9 @@ beyond its largest batch bucket run in consecutive waves instead of refilling fi
 `--config.data.size` prompts come back every few steps: epochs).
 Writes steps.csv (one row per trainer and step), curves.png (tlt_jax.report.figure: reward, response
 length, rollout time and acceptance per step, one line per arm) and
-summary.json, and prints the summary: step-time ratios (`--reference` / arm, first step excluded:
-it compiles) and the mean reward of each over the run.
+summary.json, and prints the summary: step- and rollout-time ratios (`--reference` / arm, first step
+excluded: it compiles), the mean reward of each over the run and whether all arms got the same rewards
+and response lengths at every step (`rewards_identical`: lossless rollouts sample the same tokens).
 """
 
 from __future__ import annotations

@@ -69,9 +69,13 @@ def step_alternately(arms: dict[str, Trainer], steps: int) -> list[dict]:
 
 def summary(rows: list[dict], reference: str) -> dict:
   """Means over the steps after the first (it compiles) of each trainer's step and rollout time, their
-  ratios (`reference` / trainer), the mean reward over all steps, and the acceptance length where SD ran."""
+  ratios (`reference` / trainer), the mean reward over all steps, whether every arm got the same rewards
+  and response lengths at every step (lossless rollouts sample the same tokens), and the acceptance
+  length where SD ran."""
   names = list(dict.fromkeys(r["trainer"] for r in rows))
   series = {name: [r for r in rows if r["trainer"] == name] for name in names}
+  outcome = lambda r: tuple(r[k] for k in ("reward/mean", "response_length/median", "response_length/p90",
+                                           "response_length/max"))
   timed = lambda name, key: float(np.mean([r[key] for r in series[name][1:] or series[name]]))
   return {
       "steps": len(series[names[0]]),
@@ -82,6 +86,8 @@ def summary(rows: list[dict], reference: str) -> dict:
                              for name in names},
       "reward_mean": {name: float(np.mean([r["reward/mean"] for r in series[name]])) for name in names},
       "reward_first_last": {name: (series[name][0]["reward/mean"], series[name][-1]["reward/mean"]) for name in names},
+      "rewards_identical": all(len({outcome(r) for r in rows if r["step"] == step}) == 1
+                               for step in {r["step"] for r in rows}),
       # Over the steps where SD ran (the bandit may play SD off for a whole rollout: 0 there).
       "accept_len": {name: float(np.mean([r["rollout/accept_len"] for r in series[name] if r["rollout/accept_len"] > 0]
                                          or [0.0])) for name in names if ARMS[name]["rollout.speculative"]},

@@ -133,6 +133,24 @@ def test_seeds_runs_the_config_once_per_seed_and_reports_the_spread(tmp_path):
   assert again.returncode == 0 and "+ " not in again.stdout and json.loads((out / "seeds.json").read_text()) == result
 
 
+def test_side_by_side_summary_says_whether_every_arm_sampled_alike():
+  """end_to_end's summary: time ratios over the steps after the first, and `rewards_identical` only
+  when every arm got the same rewards and response lengths at every step."""
+  sys.path.insert(0, EXPERIMENTS)
+  import side_by_side  # pylint: disable=import-outside-toplevel
+  sys.path.remove(EXPERIMENTS)
+  row = lambda arm, step, rollout_s, length: {
+      "trainer": arm, "step": step, "reward/mean": 0.25 * step, "response_length/median": 40,
+      "response_length/p90": 80, "response_length/max": length, "time/step_s": rollout_s + 10,
+      "time/rollout_s": rollout_s, "rollout/accept_len": 0.0}
+  rows = [row("tlt", 1, 30, 256), row("baseline", 1, 60, 256), row("tlt", 2, 5, 200), row("baseline", 2, 10, 200)]
+  s = side_by_side.summary(rows, "baseline")
+  assert s["rollout_time_ratio"] == {"tlt": 2.0, "baseline": 1.0} and s["step_time_ratio"]["tlt"] == 20 / 15
+  assert s["rewards_identical"]
+  rows[-1]["response_length/max"] = 201
+  assert not side_by_side.summary(rows, "baseline")["rewards_identical"]
+
+
 def test_bench_kernels_smoke_checks_every_implementation(tmp_path):
   """On CPU: the kernels in their interpreters (Triton's too: tests/conftest.py sets TRITON_INTERPRET=1)
   against the reference at R1-7B's heads; timings flagged meaningless; JSON, CSV and the plot written."""
