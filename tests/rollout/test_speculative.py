@@ -150,9 +150,9 @@ def position_features(positions):
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, seed=3),
                                     SamplingParams(temperature=0.7, top_p=0.9, seed=5)], ids=["t1", "t0.7_p0.9"])
 def test_sampled_drafts_of_the_targets_distribution_are_all_accepted(name, params):
-  # The drafter's distribution at each depth IS the target's there: a draft coupled to the uniforms
+  # The drafter's distribution at each depth IS the target's there: a draft coupled to the keys
   # the target draws with is accepted at every depth. Ranked by the drafter's most likely tokens
-  # (`uniforms_BxD` None), the chain is accepted with the probability of those tokens only.
+  # (`keys_BxD` None), the chain is accepted with the probability of those tokens only.
   strategy, b = Strategy.parse(name), 64
   rng = np.random.RandomState(6)
   feat = jnp.asarray(rng.normal(0, 1, (b, H)), jnp.float32)
@@ -164,9 +164,9 @@ def test_sampled_drafts_of_the_targets_distribution_are_all_accepted(name, param
                                       for d in range(2, strategy.depth + 2)]
   counts = {}
   for coupled in (True, False):
-    u = speculative.draft_uniforms(params, prompt, sample, generated, strategy.depth) if coupled else None
+    keys = speculative.draft_keys(params, prompt, sample, generated, strategy.depth) if coupled else None
     tree, _ = jit_draft_tree(position_draft_fn, logits_fn, feat, jnp.zeros((b,), jnp.int32),
-                             KVCache(zeros, zeros, lengths), strategy, params=params, uniforms_BxD=u)
+                             KVCache(zeros, zeros, lengths), strategy, params=params, keys_BxD=keys)
     target = jnp.stack(level_logits, 1)[jnp.arange(b)[:, None], tree.depths]
     acc = jit_accept(target, tree, jnp.ones((b,), bool), generated, generated + 100, prompt, sample,
                      params=params, max_depth=strategy.depth)

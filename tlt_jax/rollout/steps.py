@@ -378,15 +378,15 @@ class Steps:
 
   def draft(self, model, drafter, head, st: RowState, strategy: Strategy):
     """The EAGLE drafter's tree for every row (`speculative.draft_tree`, coupled to the rows' sampling
-    uniforms) and its cache with the levels written; `head` is `drafter.head(model)`."""
+    keys) and its cache with the levels written; `head` is `drafter.head(model)`."""
     def draft_fn(cache, feats, tokens, positions, mask):
       return drafter(model, feats, tokens, positions, cache, mask, kv_block=self.config.kv_block,
                      attention=self.config.attention)
 
-    uniforms = speculative.draft_uniforms(self.sampling, st.prompt_index, st.sample_index, st.num_generated,
-                                          strategy.depth)
+    keys = speculative.draft_keys(self.sampling, st.prompt_index, st.sample_index, st.num_generated,
+                                  strategy.depth)
     return speculative.draft_tree(draft_fn, lambda f: drafter.logits(model, head, f), st.draft_feat, st.last_token,
-                                  st.drafter_cache, strategy, drafter.target_ids, self.sampling, uniforms)
+                                  st.drafter_cache, strategy, drafter.target_ids, self.sampling, keys)
 
   def verify_step(self, model, drafter, st: RowState, tree: speculative.Tree, depth: int) -> Verified:
     """Verifies `tree` (paths at most `depth` below the root) for every active row and commits the
