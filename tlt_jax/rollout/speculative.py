@@ -132,7 +132,8 @@ def draft_tree(draft_fn, logits_fn, draft_feat_BxH, root_B, cache: KVCache, stra
   Scores are cumulative draft log-probs (`level_scores`): greedy (`keys_BxD` None) the drafter's
   top-k; sampling, `keys_BxD` from `draft_keys` couples each level's first child to the key
   `accept` draws that depth's token with, so a drafter whose distribution matches the target's is
-  accepted at every depth, not with the probability of its most likely token. Returns the tree and the drafter cache (lengths unchanged).
+  accepted at every depth, not with the probability of its most likely token. Returns the tree and
+  the drafter cache (lengths unchanged).
   """
   lengths_B = cache.lengths
   k, depth, v = strategy.top_k, strategy.depth, strategy.verify_tokens
