@@ -48,19 +48,27 @@ def keys_for(n, seed=0):
   return sampling.row_keys(seed, jnp.zeros(n, jnp.int32), jnp.arange(n), jnp.zeros(n, jnp.int32))
 
 
-def long_tail(rng, v=160, big=10, zeros=40):
-  """A distribution over v tokens: `big` likely ones holding half the mass, `zeros` impossible ones,
-  the rest sharing the other half, shuffled: most of it beyond the shortlist."""
+def long_tail(rng, v=1000, big=10):
+  """A distribution over v tokens (blocks of sampling.BLOCK, the last one partial): `big` likely
+  ones holding half the mass, the rest sharing the other half, except impossible tokens at every
+  block's edges and in the whole third block."""
   p = np.zeros(v)
-  p[:big] = rng.dirichlet(np.ones(big)) * 0.5
-  p[big + zeros:] = 0.5 / (v - big - zeros)
-  return rng.permutation(p)
+  p[rng.choice(v, big, replace=False)] = rng.dirichlet(np.ones(big)) * 0.5
+  p[p == 0] = 0.5 / (p == 0).sum()
+  p[impossible(v)] = 0
+  return p / p.sum()
 
 
-def test_draws_beyond_the_shortlist_follow_the_distribution():
-  """The lumped tail (most tokens here) is drawn with the mass it holds, token by token."""
+def impossible(v):
+  """Token ids `long_tail` gives no mass: the first, second and last of every block, and block 2."""
+  ids = np.arange(v)
+  within = ids % sampling.BLOCK
+  return (within <= 1) | (within == sampling.BLOCK - 1) | (ids == v - 1) | (ids // sampling.BLOCK == 2)
+
+
+def test_draws_follow_a_long_tailed_distribution_across_blocks():
   p = long_tail(np.random.RandomState(0))
-  assert (p > 0).sum() > sampling.SHORTLIST
+  assert len(p) > 3 * sampling.BLOCK
   n = 60_000
   with np.errstate(divide="ignore"):
     logp = jnp.broadcast_to(jnp.asarray(np.log(p), jnp.float32), (n, len(p)))
@@ -71,45 +79,32 @@ def test_draws_beyond_the_shortlist_follow_the_distribution():
   np.testing.assert_allclose(np.asarray(lp), np.log(p[np.asarray(tokens)]), rtol=1e-5)
 
 
-def test_zero_probability_tokens_are_never_drawn_even_at_the_edges():
-  """Masked tokens before, between and after the kept ones, in the shortlist and in the lumped
-  tail, whose uniform at 0 and just below 1 draws its first and last possible token."""
+def test_zero_probability_tokens_are_never_drawn_even_when_the_noise_favours_them():
+  """Noise of +1e30 on every impossible block and token (and 0 elsewhere) still draws a possible one."""
   logp = jnp.log(jnp.asarray([[0, 0.5, 0, 0.5, 0, 0]], jnp.float32))
   params = SamplingParams(temperature=1.0)
   n = 4096
   tokens, lp = sampling.sample(jnp.broadcast_to(logp, (n, 6)), keys_for(n, 1), params)
   assert set(np.asarray(tokens).tolist()) == {1, 3} and np.isfinite(np.asarray(lp)).all()
-  possible = np.zeros(200)
-  possible[3:-3:2] = 1  # 97 equal tokens; the shortlist takes the first 32 (ties: lower ids first)
-  logp = jnp.log(jnp.asarray(possible[None] / possible.sum(), jnp.float32))
-  tail = np.flatnonzero(possible)[sampling.SHORTLIST:]
-  for u in (0.0, np.nextafter(np.float32(1), np.float32(0))):  # the tail's extreme uniforms
-    with mock.patch.object(jax.random, "uniform", lambda key: jnp.float32(u)), \
-         mock.patch.object(jax.random, "gumbel", lambda key: jnp.float32(0)):  # the lump (2/3 of the mass) wins
-      token, _ = sampling.sample(logp, keys_for(1), params)
-    assert int(token[0]) == (tail[0] if u == 0 else tail[-1])
-
-
-def test_a_drafter_draws_the_targets_token_when_its_distribution_is_the_targets():
-  """Noise is keyed by token id: a reduced head (its own indices, `token_ids` mapping them to the
-  target's) holding the target's distribution draws the target's token with every key."""
-  rng = np.random.RandomState(1)
-  p = long_tail(rng)
-  head = np.sort(np.concatenate([np.flatnonzero(p > 0), rng.choice(np.flatnonzero(p == 0), 5, replace=False)]))
-  n = 2000
+  p = long_tail(np.random.RandomState(2))
+  favour = lambda mask: (lambda key, shape: jnp.where(jnp.asarray(mask), jnp.float32(1e30), jnp.float32(0)))
+  blocks = -(-len(p) // sampling.BLOCK)
+  zero_block = np.arange(blocks) == 2
+  zero_within = impossible(blocks * sampling.BLOCK)[:sampling.BLOCK]
   with np.errstate(divide="ignore"):
-    logp, logq = (jnp.broadcast_to(jnp.asarray(np.log(x), jnp.float32), (n, len(x))) for x in (p, p[head]))
-  target = sampling.draw(logp, keys_for(n, 2))
-  draft = sampling.draw(logq, keys_for(n, 2), lambda i: jnp.asarray(head)[i])
-  np.testing.assert_array_equal(head[np.asarray(draft)], np.asarray(target))
+    logp = jnp.asarray(np.log(p)[None], jnp.float32)
+  with mock.patch.object(jax.random, "gumbel", side_effect=lambda key, shape: favour(
+      zero_block if shape == (blocks,) else zero_within)(key, shape)) as noise:
+    token, lp = sampling.sample(logp, keys_for(1), params)
+  assert noise.call_count == 2 and p[int(token[0])] > 0 and np.isfinite(float(lp[0]))
 
 
 def test_gumbel_coupling_matches_as_often_as_the_bounds_say():
   """Two distributions drawn with the same keys agree at most 1 - TV(p, q) of the time (any
-  coupling) and, for a Gumbel-max coupling, at least (1 - TV) / (1 + TV): far above what one
-  shared uniform against two cumulative distributions gives here."""
+  coupling) and, here, at least (1 - TV) / (1 + TV) (a Gumbel-max coupling's bound, which the two
+  levels keep): far above what one shared uniform against two cumulative distributions gives."""
   rng = np.random.RandomState(3)
-  v, n = 120, 20_000
+  v, n = 700, 20_000
   p, q = (np.exp(x) / np.exp(x).sum() for x in 2.5 * rng.normal(size=(2, v)))
   q = 0.5 * q + 0.5 * p  # related, as a drafter is to its target
   agree = 1 - 0.5 * np.abs(p - q).sum()

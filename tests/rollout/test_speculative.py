@@ -175,6 +175,26 @@ def test_sampled_drafts_of_the_targets_distribution_are_all_accepted(name, param
   assert (counts[False] < strategy.depth + 1).mean() > 0.2
 
 
+def test_a_reduced_head_holding_the_targets_distribution_couples_to_the_targets_draw():
+  """A head of some target ids (increasing, every possible token and a few impossible ones) holding
+  the target's distribution puts its coupled child (score 0) on the target's draw with every key:
+  the draw is made over the target's vocabulary, noise keyed by block and token id."""
+  rng = np.random.RandomState(1)
+  v, n = 700, 2000
+  p = rng.dirichlet(np.full(v, 0.3))
+  p[rng.choice(v, 300, replace=False)] = 0
+  p /= p.sum()
+  head = np.sort(np.concatenate([np.flatnonzero(p > 0), rng.choice(np.flatnonzero(p == 0), 5, replace=False)]))
+  keys = sampling.row_keys(2, jnp.zeros(n, jnp.int32), jnp.arange(n), jnp.zeros(n, jnp.int32))
+  with np.errstate(divide="ignore"):
+    logp = jnp.broadcast_to(jnp.asarray(np.log(p), jnp.float32), (n, v))
+  target = np.asarray(sampling.draw(logp, keys))
+  scores = speculative.level_scores(logp[:, head], SamplingParams(temperature=1.0), keys,
+                                    lambda i: jnp.asarray(head)[i], v)
+  np.testing.assert_array_equal(head[np.asarray(jnp.argmax(scores, -1))], target)
+  assert (np.asarray(scores) == 0).sum(-1).max() == 1
+
+
 # ---- acceptance ----
 
 

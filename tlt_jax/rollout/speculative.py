@@ -107,28 +107,37 @@ def draft_keys(params: SamplingParams, prompt_index_B, sample_index_B, num_gener
                     for d in range(depth)], axis=1)
 
 
-def level_scores(logits_BxN, params: SamplingParams | None, keys_B, to_target=lambda ids: ids):
+def level_scores(logits_BxN, params: SamplingParams | None, keys_B, to_target=lambda ids: ids,
+                 vocab_size: int | None = None):
   """Draft scores of one tree level's children ([B, N] or [B, K, N]): the drafter's log-probs q;
   sampling (`keys_B` the key of the level's depth, shared by a row's nodes), the child the
-  target's own draw would give if its distribution were q (`sampling.draw` with the same key,
-  noise keyed by target token id) scores 0, before every sibling."""
+  target's own draw would give if its distribution were q (`sampling.draw` with the same key over
+  the target's `vocab_size` tokens, a reduced head's mass at its `to_target` ids) scores 0,
+  before every sibling."""
   if keys_B is None:
     return jax.nn.log_softmax(logits_BxN, axis=-1)
   logq = sampling.log_probs(logits_BxN, params)
+  n = logq.shape[-1]
   keys = jnp.broadcast_to(keys_B.reshape(keys_B.shape + (1,) * (logq.ndim - 2)), logq.shape[:-1])
-  coupled = sampling.draw(logq, keys, to_target)
-  return jnp.where(jnp.arange(logq.shape[-1]) == coupled[..., None], 0.0, logq)
+  ids = to_target(jnp.arange(n))
+  full = logq
+  if vocab_size not in (None, n):
+    full = jnp.full(logq.shape[:-1] + (vocab_size,), -jnp.inf, logq.dtype).at[..., ids].set(logq)
+  coupled = sampling.draw(full, keys)
+  return jnp.where(ids == coupled[..., None], 0.0, logq)
 
 
 def draft_tree(draft_fn, logits_fn, draft_feat_BxH, root_B, cache: KVCache, strategy: Strategy,
-               to_target=lambda ids: ids, params: SamplingParams | None = None, keys_BxD=None):
+               to_target=lambda ids: ids, params: SamplingParams | None = None, keys_BxD=None,
+               vocab_size: int | None = None):
   """EAGLE-2 dynamic tree: expand the top-k frontier level by level, keep the best V-1 nodes.
 
   `draft_feat_BxH` is the drafter's output for the last committed pair (it predicts the root's
   feature); `draft_fn(cache, features_BxKxH, tokens_BxK, positions_BxK, mask_BxKxW)` runs the
   drafter on one frontier, writing the drafter cache past its lengths, and returns (predicted
   features, cache); `logits_fn` maps features to the drafter's vocabulary logits and `to_target`
-  its token ids to the target's (a reduced-vocabulary head, whose ids increase with the target's).
+  its token ids to the target's `vocab_size` ones (a reduced-vocabulary head, whose ids increase
+  with the target's).
   Scores are cumulative draft log-probs (`level_scores`): greedy (`keys_BxD` None) the drafter's
   top-k; sampling, `keys_BxD` from `draft_keys` couples each level's first child to the key
   `accept` draws that depth's token with, so a drafter whose distribution matches the target's is
@@ -140,7 +149,7 @@ def draft_tree(draft_fn, logits_fn, draft_feat_BxH, root_B, cache: KVCache, stra
   b = root_B.shape[0]
   rows = jnp.arange(b)[:, None]
   key = (lambda d: None) if keys_BxD is None else (lambda d: keys_BxD[:, d - 1])
-  score, token = jax.lax.top_k(level_scores(logits_fn(draft_feat_BxH), params, key(1), to_target), k)
+  score, token = jax.lax.top_k(level_scores(logits_fn(draft_feat_BxH), params, key(1), to_target, vocab_size), k)
   token = to_target(token)
   pool_token, pool_score = [token], [score]
   pool_parent, pool_depth = [jnp.full((b, k), -1)], [jnp.ones((b, k), jnp.int32)]
@@ -154,7 +163,7 @@ def draft_tree(draft_fn, logits_fn, draft_feat_BxH, root_B, cache: KVCache, stra
     own = anc.at[:, jnp.arange(k), slots].set(True)
     out, cache = draft_fn(cache, feats, token, lengths_B[:, None] + d - 2 + jnp.zeros((b, k), jnp.int32),
                           own[:, :, :(d - 1) * k])
-    child_score, child_token = jax.lax.top_k(level_scores(logits_fn(out), params, key(d), to_target), k)
+    child_score, child_token = jax.lax.top_k(level_scores(logits_fn(out), params, key(d), to_target, vocab_size), k)
     child_token = to_target(child_token)
     cum = (score[:, :, None] + child_score).reshape(b, k * k)
     pool_token.append(child_token.reshape(b, k * k))

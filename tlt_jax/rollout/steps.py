@@ -386,7 +386,8 @@ class Steps:
     keys = speculative.draft_keys(self.sampling, st.prompt_index, st.sample_index, st.num_generated,
                                   strategy.depth)
     return speculative.draft_tree(draft_fn, lambda f: drafter.logits(model, head, f), st.draft_feat, st.last_token,
-                                  st.drafter_cache, strategy, drafter.target_ids, self.sampling, keys)
+                                  st.drafter_cache, strategy, drafter.target_ids, self.sampling, keys,
+                                  model.config.vocab_size)
 
   def verify_step(self, model, drafter, st: RowState, tree: speculative.Tree, depth: int) -> Verified:
     """Verifies `tree` (paths at most `depth` below the root) for every active row and commits the
