@@ -101,8 +101,9 @@ def test_zero_probability_tokens_are_never_drawn_even_when_the_noise_favours_the
 
 def test_gumbel_coupling_matches_as_often_as_the_bounds_say():
   """Two distributions drawn with the same keys agree at most 1 - TV(p, q) of the time (any
-  coupling) and, here, at least (1 - TV) / (1 + TV) (a Gumbel-max coupling's bound, which the two
-  levels keep): far above what one shared uniform against two cumulative distributions gives."""
+  coupling) and, here, at least (1 - TV) / (1 + TV) (one Gumbel-max draw's bound, which the two
+  levels meet on these distributions): far above what one shared uniform against two cumulative
+  distributions gives."""
   rng = np.random.RandomState(3)
   v, n = 700, 20_000
   p, q = (np.exp(x) / np.exp(x).sum() for x in 2.5 * rng.normal(size=(2, v)))
