@@ -396,7 +396,12 @@ def test_bandit_picks_strategies_losslessly_without_compiling(models):
   assert len(probes) >= 4 and all(s.tail for s in probes)  # each arm's first play explores
   summaries = [r.metrics.summary() for r in rollouts]
   assert summaries[0]["rollout/sd_s"] > 0  # unseen arms first: the first rollout speculates
-  assert sum(v for s in summaries for k, v in s.items() if k.startswith("bandit/")) == sum(plays.values())
+  segments = [s for r in rollouts for s in r.metrics.segments]
+  assert sum(v for s in summaries for k, v in s.items() if k.startswith("bandit/")) == sum(s.tail for s in segments)
+  # An executable's first run (XLA's one-time setup) is no reward; every later tail play is one.
+  assert [(s.bucket, s.strategy) for s in segments if s.first_run] == list(dict.fromkeys(
+      (s.bucket, s.strategy) for s in segments))
+  assert sum(plays.values()) == sum(s.tail and not s.first_run for s in segments)
   for r, summary in zip(rollouts, summaries):
     m = r.metrics
     assert summary["rollout/tokens"] == sum(len(s.tokens) for s in r.samples)

@@ -1,7 +1,8 @@
 """BEG-MAB: a bucketed epsilon-greedy bandit choosing the decoding strategy per active-batch bucket.
 
 Active batch sizes fall into buckets (TLT: [1], [2, 4], [5, 20], [21, ...]). A play's reward is
-the tokens it emitted per second of wall time, measured after a device sync. Each bucket keeps
+the tokens it emitted per second of wall time, measured after a device sync (the engine gives
+none for a play that is its executable's first run: one-time setup). Each bucket keeps
 a sliding window of rewards: each arm's last `window` rewards, among the bucket's last
 `window x arms` plays. `choose` plays arms with no reward in the window first, then explores a
 uniformly random arm with probability epsilon, else exploits the arm with the highest MEDIAN

@@ -13,7 +13,9 @@ finished rows along.
 In the tail (at most `sd_max_batch` active rows) the arm, SD off or a strategy, is chosen
 before every play, and a play is one segment of that arm: one executable per (bucket, strategy);
 a play the bandit explores with runs a quarter of the iterations (`EngineConfig.probe_steps`).
-The host syncs after each play, so its wall time and emitted tokens give the bandit a reward.
+The host syncs after each play, so its wall time and emitted tokens give the bandit a reward,
+except on an executable's first run (XLA:CPU sets up its library fusions then: ~0.1 s per
+executable on SmolLM2-135M, which would make that arm look several times slower than it is).
 
 Paged (`EngineConfig.page_size`): the caches are a pool of pages shared by the rows through
 page tables the host keeps (`tlt_jax.rollout.pages`) and hands to every play; rows enter when the
@@ -118,6 +120,7 @@ class Engine:
     self.steps = steps.Steps(config, params, model.config, graphdef, drafter_graphdef,
                              model.model.embed_tokens.embedding.dtype)
     self.pool = ExecutablePool()
+    self._ran: set[tuple] = set()  # segment executables that have run (a first run's time is no reward)
 
   @staticmethod
   def _page_shards(config: EngineConfig, mesh: jax.sharding.Mesh | None) -> int:
@@ -591,9 +594,12 @@ class Engine:
         stop_at = active - 1
       if speculating and not tail:
         stop_at = max(stop_at, cfg.sd_max_batch)
+      key = self._segment_key(b, strategy)
+      first_run = key not in self._ran
+      self._ran.add(key)
       t0 = time.perf_counter()
-      st = pool[self._segment_key(b, strategy)](self.params, self.drafter_params, st, np.int32(stop_at), table(),
-                                                np.int32(cfg.probe_steps if probe else cfg.segment_steps))
+      st = pool[key](self.params, self.drafter_params, st, np.int32(stop_at), table(),
+                     np.int32(cfg.probe_steps if probe else cfg.segment_steps))
       before, host = host, _Counters.read(st)  # waits for the play
       seconds = time.perf_counter() - t0
       self._check_drafter(st, metrics)
@@ -603,8 +609,8 @@ class Engine:
       metrics.tokens += produced
       metrics.segments.append(SegmentRecord(b, active, produced, seconds, strategy and strategy.name,
                                             passes=int(passes.sum()), steps=int(passes.max()), tail=tail,
-                                            waiting=n_waiting, probe=probe))
-      if self.bandit is not None and tail:
+                                            waiting=n_waiting, probe=probe, first_run=first_run))
+      if self.bandit is not None and tail and not first_run:
         self.bandit.update(active, strategy, produced, seconds)
       on_progress(active - int((~host.done).sum()), produced)
     return out + harvest(st)

@@ -275,6 +275,7 @@ class SegmentRecord:
   tail: bool = False  # speculation was an option (the arm was chosen, SD off included)
   waiting: int = 0  # rows of the rollout not yet in the batch when the play began
   probe: bool = False  # the bandit explored: a short play (`EngineConfig.probe_steps`)
+  first_run: bool = False  # its executable's first run (one-time setup included: no reward for the bandit)
 
 
 @dataclasses.dataclass
