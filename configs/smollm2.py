@@ -16,9 +16,9 @@ The run: the drafter warm-up first (the policy's own responses to 256 training p
 the rollout's temperature and budget, then a distilled EAGLE drafter with a reduced head; saved to <workdir>/drafter
 and reused; ~9 minutes on 2 cores), then 12 GRPO steps of 8 prompts x 8 samples whose long tail
 decodes speculatively where the bandit finds it pays, with the held-out reward (64 prompts x 4
-samples) before the first step and after the last: 49 minutes on a 2-core CPU (docs/BENCHMARKS.md,
+samples) before the first step and after the last: 56 minutes on a 2-core CPU (docs/BENCHMARKS.md,
 "SmolLM2-135M"). There training bounds a step: the recomputed log-probs and the update of 64
-responses take ~120 s against ~35 s of rollout. The layers are unrolled (on a CPU a scanned loop
+responses take ~140 s against ~36 s of rollout. The layers are unrolled (on a CPU a scanned loop
 copies each layer's weights every decode step); on a GPU or TPU set
 `--config.policy.scan_layers=True`.
 
