@@ -12,7 +12,8 @@ forms, interleaved, medians of `--repeats` rounds of 5 passes:
   head H x V     the head stored [H, V] (an untied model's form);
   no YNNPACK     the model's form, XLA:CPU's YNNPACK library fusion off for the executable;
   both           the head stored [H, V] and YNNPACK off.
-Prints ms per pass and each one's ratio to one row in the model's form, and writes the table.
+Prints ms per pass and each one's ratio to the model's form at the first of `--rows`, and writes
+the table.
 """
 
 from __future__ import annotations
@@ -82,12 +83,12 @@ def main(argv):
       times[key].append((time.perf_counter() - start) / 5 * 1e3)
   base = float(np.median(times["model", rows[0]]))
   table = [{"form": name, "rows": m, "ms": round(float(np.median(times[name, m])), 2),
-            "vs_model_one_row": round(float(np.median(times[name, m])) / base, 3)} for name in FORMS for m in rows]
+            "vs_model_first_rows": round(float(np.median(times[name, m])) / base, 3)} for name in FORMS for m in rows]
   print(f"{cfg.num_layers} layers, tied head: {cfg.tie_word_embeddings}; ms per pass (vs the model's form at "
         f"{rows[0]} row{'s' * (rows[0] > 1)})")
   print(f"{'form':12s}" + "".join(f"{f'{m} rows':>16s}" for m in rows))
   for name in FORMS:
-    print(f"{name:12s}" + "".join(f"{r['ms']:>9.1f} {r['vs_model_one_row']:4.2f}x" for r in table if r["form"] == name))
+    print(f"{name:12s}" + "".join(f"{r['ms']:>9.1f} {r['vs_model_first_rows']:4.2f}x" for r in table if r["form"] == name))
   if _OUTPUT.value:
     with open(_OUTPUT.value, "w") as f:
       json.dump({"model": _MODEL.value, "layers": cfg.num_layers, "tied_head": cfg.tie_word_embeddings,
