@@ -88,7 +88,8 @@ def main(argv):
         f"{rows[0]} row{'s' * (rows[0] > 1)})")
   print(f"{'form':12s}" + "".join(f"{f'{m} rows':>16s}" for m in rows))
   for name in FORMS:
-    print(f"{name:12s}" + "".join(f"{r['ms']:>9.1f} {r['vs_model_first_rows']:4.2f}x" for r in table if r["form"] == name))
+    cells = [f"{r['ms']:>9.1f} {r['vs_model_first_rows']:4.2f}x" for r in table if r["form"] == name]
+    print(f"{name:12s}" + "".join(cells))
   if _OUTPUT.value:
     with open(_OUTPUT.value, "w") as f:
       json.dump({"model": _MODEL.value, "layers": cfg.num_layers, "tied_head": cfg.tie_word_embeddings,
