@@ -2,16 +2,20 @@
 hard-shrunk tiny RL config with its random policy and one compilation cache (trainer and CLI tests),
 and the comparison of training runs that differ only in the order of their float arithmetic."""
 
+import importlib.metadata
 import os
 import re
 
 # XLA:CPU's fast-compile settings: LLVM at -O0, the classic loop emitters instead of the fusion
-# emitters, one codegen thread (the suite runs two workers on two cores). The tests' tiny programs
-# compile about 4x faster and run about 2.5x slower; compiling is most of the suite's time. The HLO
-# the tests build is the same; only XLA's machine-code optimization is skipped. Subprocesses inherit
-# them (tests/test_distributed.py keeps them, tests/test_setup.py sets them for its run alone).
-FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
-                      "--xla_cpu_parallel_codegen_split_count=1")
+# emitters (a choice jaxlib 0.11's XLA no longer offers: it rejects the flag), one codegen thread
+# (the suite runs two workers on two cores). The tests' tiny programs compile about 4x faster and
+# run about 2.5x slower; compiling is most of the suite's time. The HLO the tests build is the same;
+# only XLA's machine-code optimization is skipped. Subprocesses inherit them (tests/test_distributed.py
+# keeps them, tests/test_setup.py sets them for its run alone).
+_JAXLIB = tuple(int(part) for part in importlib.metadata.version("jaxlib").split(".")[:2])
+FAST_COMPILE_FLAGS = " ".join(["--xla_backend_optimization_level=0",
+                               *(["--xla_cpu_use_fusion_emitters=false"] if _JAXLIB < (0, 11) else []),
+                               "--xla_cpu_parallel_codegen_split_count=1"])
 
 # Before jax is imported anywhere: tests run on 8 simulated CPU devices.
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPILE_FLAGS,

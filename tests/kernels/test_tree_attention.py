@@ -2,6 +2,7 @@
 in interpret mode) against the reference, selection, and lowering of the kernels for TPU and CUDA.
 The Triton kernel's own checks are in test_triton_gpu.py."""
 
+import contextlib
 import subprocess
 import sys
 
@@ -130,6 +131,18 @@ def test_bad_implementation_and_shapes_are_named():
 
 
 # ---- lowering for the hardware we do not have ----
+# From JAX 0.11 Pallas' Triton lowering asks the device it lowers for its compute capability; from this
+# CPU host, an abstract mesh with an abstract H100 names the target (as jax.sharding.use_abstract_mesh says).
+H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+
+
+def target(platform, mesh=jax.sharding.AbstractMesh((1,), ("x",))):
+  """The context to lower on `mesh` (its axes) for `platform`: for CUDA, an H100's."""
+  if platform != "cuda":
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(mesh.update(abstract_device=H100))
+
+
 def export(impl, platform, dtype, t, w, paged=False):
   """jax.export of the kernel at Qwen2.5-7B's attention shape (28 heads over 4 KV heads, head dim 128),
   with the layer index traced as a scanned decoder gives it; `paged`: over a pool of 256-slot pages."""
@@ -144,7 +157,8 @@ def export(impl, platform, dtype, t, w, paged=False):
     shapes.append(jax.ShapeDtypeStruct((b, s // 256), jnp.int32))
   # The Triton custom call carries no cross-version stability guarantee; we only check it lowers.
   checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-  return jax.export.export(f, platforms=[platform], disabled_checks=checks)(*shapes)
+  with target(platform):
+    return jax.export.export(f, platforms=[platform], disabled_checks=checks)(*shapes)
 
 
 @pytest.mark.parametrize("dtype,t,w,paged", [("float32", 16, 24, False), ("bfloat16", 1, 1, False),
@@ -208,7 +222,7 @@ def test_kernels_lower_for_their_hardware_under_a_mesh(impl, platform, paged):
   run = lambda q, k, v, lengths, mask, pages=None: kernel(q, k, v, 1, lengths, mask, block=128, scale=0.1,
                                                            pages_BxM=pages)
   checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), target(platform, mesh.abstract_mesh):
     exported = jax.export.export(jax.jit(lambda *a: tree_attention.per_device(run, *a)), platforms=[platform],
                                  disabled_checks=checks)(*shapes)
     assert exported.nr_devices == 8
