@@ -184,9 +184,9 @@ def target(config, out: str):
 
 # ---- the measurements ----
 
-def grid(config, out: str, model, tok, drafter) -> list[str]:
-  """SD vs plain per batch size (the reduced head) and at batch 1 the full head too; saved per batch size.
-  Returns the cells --time_limit_s left unmeasured."""
+def grid(config, out: str, model, tok, drafter, saved) -> list[str]:
+  """SD vs plain per batch size (the reduced head) and at batch 1 the full head too; saved per batch size
+  (then `saved()`). Returns the cells --time_limit_s left unmeasured."""
   path = os.path.join(out, "grid.json")
   records = read_json(path) or []
   sizes = [int(b) for b in value(_BATCH_SIZES)]
@@ -211,6 +211,7 @@ def grid(config, out: str, model, tok, drafter) -> list[str]:
                                 config.rollout.sampling.max_new_tokens, config.seed, stop_ids(model, tok))
       records += [{"head": head, "draft_vocab": d.vocab_size, **r} for r in cell]
       write_json(path, records)
+      saved()
   write_csv(os.path.join(out, "grid.csv"), records)
   return left
 
@@ -320,13 +321,23 @@ def plot(out: str, grid_records, bandit_records, rl_result) -> None:
     plt.close(fig)
 
 
-def report(out: str, target_record, grid_records, bandit_records, rl_result, left: list[str]) -> dict:
+RESULTS = {"grid": "grid.json", "bandit": "bandit.json", "rl": "rl.json"}
+
+
+def write_summary(out: str, target_record, left: list[str]) -> dict:
+  """summary.json from the parts' results in --out: written after each grid cell and each part too, so
+  that a run killed later (a deadline) still says what it measured."""
   device = jax.devices()[0]
   summary = {"device": f"{len(jax.devices())} x {device.device_kind} ({device.platform})",
              "jax": jax.__version__, "smoke": _SMOKE.value, "target": target_record, "time_limit_left": left,
-             **headlines(grid_records, bandit_records, rl_result)}
+             **headlines(*(read_json(os.path.join(out, RESULTS[part])) for part in PARTS))}
   write_json(os.path.join(out, "summary.json"), summary)
-  plot(out, grid_records, bandit_records, rl_result)
+  return summary
+
+
+def report(out: str, target_record, left: list[str]) -> dict:
+  summary = write_summary(out, target_record, left)
+  plot(out, *(read_json(os.path.join(out, RESULTS[part])) for part in PARTS))
   t = target_record
   lines = [f"device: {summary['device']}, jax {summary['jax']}" + ("  [SMOKE: shapes, not results]" if _SMOKE.value
                                                                    else ""),
@@ -375,10 +386,10 @@ def main(argv):
   logging.info("devices: %s", jax.devices())
 
   policy_dir, drafter_dir, model, tok, drafter, target_record = target(config, out)
-  results = {"grid": "grid.json", "bandit": "bandit.json", "rl": "rl.json"}
   left = []
+  saved = lambda: write_summary(out, target_record, left)
   for part in PARTS:
-    done = read_json(os.path.join(out, results[part])) is not None
+    done = read_json(os.path.join(out, RESULTS[part])) is not None
     if part not in _PARTS.value or (done and part != "grid"):  # the grid continues batch size by batch size
       continue
     if out_of_time() and part != "grid":  # the grid names the batch sizes it leaves
@@ -386,13 +397,14 @@ def main(argv):
       continue
     start = time.perf_counter()
     if part == "grid":
-      left += grid(config, out, model, tok, drafter)
+      left += grid(config, out, model, tok, drafter, saved)
     elif part == "bandit":
       bandit(config, out, model, tok, drafter)
     else:
       rl(config, out, policy_dir, drafter_dir)
     logging.info("%s: %.1f s", part, time.perf_counter() - start)
-  report(out, target_record, *(read_json(os.path.join(out, results[part])) for part in PARTS), left)
+    saved()
+  report(out, target_record, left)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from absl import app, flags
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.join(ROOT, "experiments")
 PARTS = ("env", "kernels", "parity", "figures")
-SHARES = {"env": 0.14, "kernels": 0.26, "parity": 0.15, "figures": 0.45}  # of the budget left, over parts to run
+SHARES = {"env": 0.14, "kernels": 0.2, "parity": 0.15, "figures": 0.51}  # of the budget left, over parts to run
 LEAST_S = {"env": 20, "kernels": 30, "parity": 30, "figures": 60}  # a part given less is skipped (not in --smoke)
 SMOKE_RESERVE_S = 60  # --smoke: what each later part keeps of the budget
 
@@ -499,6 +499,7 @@ ASSUMED = {"mfu": 0.35,  # of the bf16 peak, for training steps and batched forw
            "start_s": 40.0,  # imports, device, building or loading the target
            "report_s": 15.0}
 GRID_PRIORITY = (1, 16, 4, 8, 2, 64, 32)  # the goals need 1 and up to 16 first
+TRAIN_FLOOR = 0.4  # the least share of its planned training the target gets to leave time for the grid at batch 1
 
 
 def model_costs(c) -> dict:
@@ -534,10 +535,14 @@ def estimates(c, sizes: dict) -> dict:
   d = c.drafter.distill
   distil_flops = sizes["distill_steps"] * d.batch_rows * d.row_len * (3 * mc["drafter_flops"] + mc["head_flops"])
   out["distill"] = {"flops": distil_flops, "seconds": a["jit_compile_s"] + distil_flops / train_rate}
-  for b in sizes["batch_sizes"]:
-    engines = 1 + strategies + (strategies if b == min(sizes["batch_sizes"]) else 0)  # plain, arms (full head at b1)
-    out[f"grid_b{b}"] = {"flops": engines * 4 * b * new * mc["forward_flops"],
-                         "seconds": engines * (a["engine_compile_s"] + 4 * new * step_s(b))}
+  # accelerator.py's grid: plain and each arm per batch size (the drafter's reduced head), then the arms
+  # with the full head at the least batch size (grid_full)
+  cells = [(f"grid_b{b}", b, 1 + strategies) for b in sizes["batch_sizes"]]
+  if c.drafter.draft_vocab_size:
+    cells.append(("grid_full", min(sizes["batch_sizes"]), strategies))
+  for piece, b, engines in cells:
+    out[piece] = {"flops": engines * 4 * b * new * mc["forward_flops"],
+                  "seconds": engines * (a["engine_compile_s"] + 4 * new * step_s(b))}
   modes = 3 + strategies  # plain, SD off, each arm, the bandit
   rows = sizes["bandit_rows"]
   out["bandit"] = {"flops": modes * (sizes["repeats"] + 1) * rows * new * mc["forward_flops"],
@@ -552,15 +557,21 @@ def estimates(c, sizes: dict) -> dict:
 
 def plan(c, available: float, done: dict, sizes: dict | None = None) -> dict:
   """accelerator.py's sizes (fixed on a first run: its --out refuses others later) and the parts that fit
-  in `available` seconds after the pieces `done` (target, grid batch sizes, bandit, rl) are left out."""
+  in `available` seconds after the pieces `done` (target, grid batch sizes, bandit, rl) are left out.
+  The target's training takes up to 30% + 8% of the time (SFT, distillation), less, down to TRAIN_FLOOR
+  of that, where the grid at batch 1 (the headline: SD vs plain) would not fit otherwise."""
   a = ASSUMED
   if sizes is None:
-    full = estimates(c, {"sft_steps": 1, "distill_steps": 1, "drafter_prompts": 1, "drafter_samples": 1,
-                         "batch_sizes": [1], "bandit_rows": 1, "repeats": 1, "rl_steps": 1})
-    per_sft, per_distil = full["sft"]["seconds"] - a["jit_compile_s"], full["distill"]["seconds"] - a["jit_compile_s"]
-    sizes = {"sft_steps": int(max(20, min(c.sft.steps, min(0.3 * available, 120.0) / per_sft))),
-             "distill_steps": int(max(20, min(c.drafter.distill.steps, min(0.08 * available, 40.0) / per_distil))),
-             "drafter_prompts": 128, "drafter_samples": 2, "bandit_rows": 32, "repeats": 2, "rl_steps": 3}
+    sizes = {"sft_steps": 1, "distill_steps": 1, "drafter_prompts": 128, "drafter_samples": 2, "bandit_rows": 32,
+             "repeats": 2, "rl_steps": 3, "batch_sizes": [GRID_PRIORITY[0]]}
+    unit = estimates(c, sizes)
+    per_sft, per_distil = unit["sft"]["seconds"] - a["jit_compile_s"], unit["distill"]["seconds"] - a["jit_compile_s"]
+    sft_s, distil_s = min(0.3 * available, 120.0), min(0.08 * available, 40.0)
+    rest = (a["start_s"] + a["report_s"] + 2 * a["jit_compile_s"] + unit["drafter_samples"]["seconds"]
+            + unit[f"grid_b{GRID_PRIORITY[0]}"]["seconds"])
+    scale = min(1.0, max(TRAIN_FLOOR, (available - rest) / (sft_s + distil_s)))
+    sizes["sft_steps"] = int(max(20, min(c.sft.steps, scale * sft_s / per_sft)))
+    sizes["distill_steps"] = int(max(20, min(c.drafter.distill.steps, scale * distil_s / per_distil)))
     sizes["batch_sizes"] = list(GRID_PRIORITY)  # narrowed below to those that fit
     est = estimates(c, sizes)
     left = available - a["start_s"] - a["report_s"] - sum(est[k]["seconds"] for k in ("sft", "drafter_samples",
@@ -577,16 +588,17 @@ def plan(c, available: float, done: dict, sizes: dict | None = None) -> dict:
   if not done.get("target"):
     left -= sum(est[k]["seconds"] for k in target_pieces)
   fits = {}
-  for piece in [f"grid_b{b}" for b in sizes["batch_sizes"]] + ["bandit", "rl"]:
+  grid = [f"grid_b{b}" for b in sizes["batch_sizes"]] + (["grid_full"] if "grid_full" in est else [])
+  for piece in grid + ["bandit", "rl"]:
     if done.get(piece):
       fits[piece] = "done"
-    elif est[piece]["seconds"] <= left:
-      fits[piece] = "fits"
+    elif est[piece]["seconds"] <= left and not (piece in grid and "does not fit" in fits.values()):
+      fits[piece] = "fits"  # (the grid's cells run in order: none after one that does not fit)
       left -= est[piece]["seconds"]
     else:
       fits[piece] = "does not fit"
-  parts = [p for p, pieces in (("grid", [f"grid_b{b}" for b in sizes["batch_sizes"]]), ("bandit", ["bandit"]),
-                               ("rl", ["rl"])) if any(fits[x] == "fits" for x in pieces)]
+  parts = [p for p, pieces in (("grid", grid), ("bandit", ["bandit"]), ("rl", ["rl"]))
+           if any(fits[x] == "fits" for x in pieces)]
   target_s = 0.0 if done.get("target") else sum(est[k]["seconds"] for k in target_pieces)
   return {"sizes": sizes, "parts": parts, "fits": fits, "available_s": round(available),
           "target_s": round(target_s), "estimates": {k: {"tflop": round(v["flops"] / 1e12, 1),
@@ -597,8 +609,9 @@ def plan(c, available: float, done: dict, sizes: dict | None = None) -> dict:
 def accelerator_done(out: str) -> dict:
   """The pieces accelerator.py's --out already holds."""
   done = {"target": os.path.exists(os.path.join(out, "target.json"))}
-  for r in read_json(os.path.join(out, "grid.json")) or []:
-    done[f"grid_b{r['batch_size']}"] = True
+  records = read_json(os.path.join(out, "grid.json")) or []
+  for r in records:
+    done["grid_full" if r["head"] == "full" and r["head"] != records[0]["head"] else f"grid_b{r['batch_size']}"] = True
   done["bandit"] = os.path.exists(os.path.join(out, "bandit.json"))
   done["rl"] = os.path.exists(os.path.join(out, "rl.json"))
   return done
