@@ -611,7 +611,7 @@ def accelerator_done(out: str) -> dict:
   done = {"target": os.path.exists(os.path.join(out, "target.json"))}
   records = read_json(os.path.join(out, "grid.json")) or []
   for r in records:
-    done["grid_full" if r["head"] == "full" and r["head"] != records[0]["head"] else f"grid_b{r['batch_size']}"] = True
+    done["grid_full" if r["head"] != records[0]["head"] else f"grid_b{r['batch_size']}"] = True  # the 2nd head: full
   done["bandit"] = os.path.exists(os.path.join(out, "bandit.json"))
   done["rl"] = os.path.exists(os.path.join(out, "rl.json"))
   return done
