@@ -225,16 +225,10 @@ def part_env(work: str, deadline: float, smoke: bool) -> dict:
   import importlib.metadata as md
   import platform
   start = time.perf_counter()
+  os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # the GPU's memory stays for the package's own run
   result = {"python": platform.python_version(), "platform": platform.platform()}
   path = os.path.join(work, "env", "result.json")
-  # The package end to end first: this process has not taken the GPU yet.
-  workdir = os.path.join(work, "env", "smoke")
-  main = run_logged([sys.executable, "-m", "tlt_jax.main", f"--config={ROOT}/configs/tiny.py:smoke",
-                     f"--config.workdir={workdir}"], os.path.join(work, "env", "main.log"), deadline - 12)
-  summary = read_json(os.path.join(workdir, "summary.json")) or {}
-  result["main_smoke"] = {**main, "ok": main["rc"] == 0, "summary": summary,
-                          "tail": "" if main["rc"] == 0 else tail(os.path.join(work, "env", "main.log"))}
-  write_json(path, result)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
   versions = {}
   for name in VERSIONS:
     try:
@@ -278,6 +272,16 @@ def part_env(work: str, deadline: float, smoke: bool) -> dict:
     import pycosat
     result["pycosat_solves"] = pycosat.solve([[1, -5, 4], [-1, 5, 3, 4], [-3, -4]]) == [1, -2, -3, -4, 5]
   result["imports"] = imports
+  write_json(path, result)  # what a kill at the deadline would leave
+  # The package end to end, last: its compilations take most of the part's time (over a minute on an
+  # H200, cold). This process holds no preallocated GPU memory (above).
+  workdir = os.path.join(work, "env", "smoke")
+  main = run_logged([sys.executable, "-m", "tlt_jax.main", f"--config={ROOT}/configs/tiny.py:smoke",
+                     f"--config.workdir={workdir}"], os.path.join(work, "env", "main.log"),
+                    deadline - (time.perf_counter() - start) - 15)
+  summary = read_json(os.path.join(workdir, "summary.json")) or {}
+  result["main_smoke"] = {**main, "ok": main["rc"] == 0, "summary": summary,
+                          "tail": "" if main["rc"] == 0 else tail(os.path.join(work, "env", "main.log"))}
   result["seconds"] = round(time.perf_counter() - start, 1)
   write_json(path, result)
   return result
@@ -285,7 +289,7 @@ def part_env(work: str, deadline: float, smoke: bool) -> dict:
 
 # ---- part b: kernels ----
 
-KERNEL_SWEEP = {"batch": "64,16,4,1", "tree": "1,16,8,32,64", "filled": "32768,16384,8192,4096,2048,1024,512"}
+KERNEL_SWEEP = {"batch": "16,1,64,4", "tree": "1,16,8,32,64", "filled": "32768,16384,8192,4096,2048,1024,512"}
 
 
 def part_kernels(work: str, deadline: float, smoke: bool) -> dict:
@@ -487,14 +491,16 @@ def parity_goal(result) -> dict:
 # ---- part d: figures ----
 
 H100 = {"bf16_flops": 989e12, "hbm_bytes_per_s": 3.35e12}
-# Efficiencies and compile times the plan assumes (guesses until a GPU run measures them: figures' log has
-# accelerator.py's time per part, its target.json the SFT's seconds).
+# Efficiencies and compile times the plan assumes. Measured on an H200 (2026-11-27, docs/BENCHMARKS.md
+# "The GPU check on an H200"): the SFT's 277 steps in 43 s, its first 14 s (float32 at 116 TFLOP/s:
+# 3x slower than the bf16 MFU below); the drafter's 256 samples in 54 s, mostly compiling the engine's 8
+# batch buckets; distillation's 260 steps in 24 s. The rest are guesses until a run measures them.
 ASSUMED = {"mfu": 0.35,  # of the bf16 peak, for training steps and batched forwards
-           "float32_slowdown": 8.0,  # SFT and distillation train in float32: TF32 at best, at worst 15x
+           "float32_slowdown": 3.0,  # SFT and distillation train in float32 (TF32 matmuls)
            "hbm_efficiency": 0.6,  # of the peak bandwidth, decode steps
            "step_floor_s": 2e-3,  # a decode step's least time (kernel launches of 24 layers)
-           "engine_compile_s": 15.0,  # an Engine's executables at the 0.5B shape
-           "jit_compile_s": 30.0,  # the SFT or distillation step
+           "bucket_compile_s": 6.0,  # an Engine's executables for one batch bucket at the 0.5B shape
+           "jit_compile_s": 15.0,  # the SFT or distillation step
            "trainer_compile_s": 90.0,  # an RL trainer's first step: its rollout, log-probs and update
            "start_s": 40.0,  # imports, device, building or loading the target
            "report_s": 15.0}
@@ -524,6 +530,9 @@ def estimates(c, sizes: dict) -> dict:
     return max(a["step_floor_s"], mc["bytes"] / (H100["hbm_bytes_per_s"] * a["hbm_efficiency"])
                + batch * mc["forward_flops"] / (H100["bf16_flops"] * a["mfu"]))
 
+  def buckets(rows: int) -> int:  # the engine's batch buckets a rollout of `rows` rows compiles as they drain
+    return sum(b <= rows for b in c.rollout.engine.batch_buckets) or 1
+
   new = c.rollout.sampling.max_new_tokens
   strategies = len(c.rollout.strategies)
   out = {}
@@ -531,7 +540,8 @@ def estimates(c, sizes: dict) -> dict:
   out["sft"] = {"flops": sft_flops, "seconds": a["jit_compile_s"] + sft_flops / train_rate}
   rows = sizes["drafter_prompts"] * sizes["drafter_samples"]
   out["drafter_samples"] = {"flops": rows * new * mc["forward_flops"],
-                            "seconds": a["engine_compile_s"] + math.ceil(rows / 128) * new * step_s(min(rows, 128))}
+                            "seconds": buckets(rows) * a["bucket_compile_s"]
+                                       + math.ceil(rows / 128) * new * step_s(min(rows, 128))}
   d = c.drafter.distill
   distil_flops = sizes["distill_steps"] * d.batch_rows * d.row_len * (3 * mc["drafter_flops"] + mc["head_flops"])
   out["distill"] = {"flops": distil_flops, "seconds": a["jit_compile_s"] + distil_flops / train_rate}
@@ -542,11 +552,12 @@ def estimates(c, sizes: dict) -> dict:
     cells.append(("grid_full", min(sizes["batch_sizes"]), strategies))
   for piece, b, engines in cells:
     out[piece] = {"flops": engines * 4 * b * new * mc["forward_flops"],
-                  "seconds": engines * (a["engine_compile_s"] + 4 * new * step_s(b))}
+                  "seconds": engines * (a["bucket_compile_s"] + 4 * new * step_s(b))}
   modes = 3 + strategies  # plain, SD off, each arm, the bandit
   rows = sizes["bandit_rows"]
   out["bandit"] = {"flops": modes * (sizes["repeats"] + 1) * rows * new * mc["forward_flops"],
-                   "seconds": modes * (a["engine_compile_s"] + (sizes["repeats"] + 1) * new * step_s(min(rows, 128)))}
+                   "seconds": modes * (buckets(rows) * a["bucket_compile_s"]
+                                       + (sizes["repeats"] + 1) * new * step_s(min(rows, 128)))}
   rows = c.rollout.prompts_per_step * c.rollout.num_samples
   update_flops = rows * c.rl.row_len * 4 * mc["forward_flops"]  # log-probs recomputed, then forward + backward
   out["rl"] = {"flops": 2 * sizes["rl_steps"] * (rows * new * mc["forward_flops"] + update_flops),
@@ -576,9 +587,14 @@ def plan(c, available: float, done: dict, sizes: dict | None = None) -> dict:
     est = estimates(c, sizes)
     left = available - a["start_s"] - a["report_s"] - sum(est[k]["seconds"] for k in ("sft", "drafter_samples",
                                                                                       "distill"))
+    # The bandit and the RL step (goals too) keep their time from the grid's later cells where they would fit
+    # after its first two (1 and 16: SD's goals).
+    later = est["bandit"]["seconds"] + est["rl"]["seconds"]
+    first = sum(est[f"grid_b{b}"]["seconds"] for b in GRID_PRIORITY[:2])
+    reserve = later if first + later <= left else 0.0
     chosen = []
     for b in GRID_PRIORITY:
-      if est[f"grid_b{b}"]["seconds"] <= left or not chosen:
+      if est[f"grid_b{b}"]["seconds"] <= left - reserve or not chosen:
         chosen.append(b)
         left -= est[f"grid_b{b}"]["seconds"]
     sizes["batch_sizes"] = chosen

@@ -118,17 +118,18 @@ sys.path.insert(0, "..")
 import gpu_check
 from configs import accelerator
 c = accelerator.get_config()
-print(json.dumps({"plans": {str(s): gpu_check.plan(c, s, {}) for s in (200, 300, 540, 1200)},
+print(json.dumps({"plans": {str(s): gpu_check.plan(c, s, {}) for s in (200, 250, 300, 540, 800, 1200)},
                   "after_b1": gpu_check.plan(c, 300, {"target": True, "grid_b1": True}),
                   "sft_steps": c.sft.steps}))
 """
 
 
 def test_gpu_check_plans_sd_at_batch_1_into_the_time_it_has():
-  """The figures plan (H100 estimates): with the ~300 s a 540 s check leaves the figures, the target's
-  training is cut short so that SD vs plain at batch 1 (the headline) fits; with less, the target alone;
-  with more, all its training and more batch sizes. The grid's cells fit in accelerator.py's order (none
-  after one that does not), the full head's after them; what is done is left out."""
+  """The figures plan (estimates from an H200 run): with less time than the target's full training and SD vs
+  plain at batch 1 (the headline) take, the training is cut short so that batch 1 fits; with less still, the
+  target alone; with more, all its training and more batch sizes, the bandit and the RL step keeping their
+  time from the grid's later cells where they fit after its first two. The grid's cells fit in
+  accelerator.py's order (none after one that does not), the full head's after them; what is done is left out."""
   run = subprocess.run([sys.executable, "-c", PLAN], cwd=EXPERIMENTS, capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stderr[-3000:]
   got = json.loads(run.stdout)
@@ -136,14 +137,17 @@ def test_gpu_check_plans_sd_at_batch_1_into_the_time_it_has():
   for p in plans.values():
     fits = [p["fits"][f"grid_b{b}"] for b in p["sizes"]["batch_sizes"]] + [p["fits"]["grid_full"]]
     assert fits == sorted(fits, key=lambda v: v != "fits"), p["fits"]  # "fits" first, then none
-  small, check, large = plans["200"], plans["300"], plans["540"]
+  small, short, check = plans["200"], plans["250"], plans["300"]
   assert small["parts"] == [] and small["enough_for_target"]
-  sft = [p["sizes"]["sft_steps"] for p in (small, check, large, plans["1200"])]
-  assert sft[0] < sft[1] < sft[2] == sft[3] <= got["sft_steps"]  # cut short below 540 s; 540 s: all its share
-  assert check["parts"] == ["grid"] and check["fits"]["grid_b1"] == "fits" and check["sizes"]["batch_sizes"] == [1]
-  assert large["sizes"]["batch_sizes"][:2] == [1, 16] and plans["1200"]["fits"]["bandit"] == "fits"
+  sft = [plans[s]["sizes"]["sft_steps"] for s in ("200", "250", "300", "1200")]
+  assert sft[0] < sft[1] < sft[2] == sft[3] == got["sft_steps"]  # cut short below 300 s
+  for p in (short, check):
+    assert p["parts"] == ["grid"] and p["fits"]["grid_b1"] == "fits" and p["sizes"]["batch_sizes"] == [1]
+  assert plans["540"]["sizes"]["batch_sizes"][:2] == [1, 16] and plans["540"]["fits"]["bandit"] == "does not fit"
+  assert plans["800"]["sizes"]["batch_sizes"] == [1, 16] and plans["800"]["parts"] == ["grid", "bandit", "rl"]
+  assert plans["1200"]["fits"]["bandit"] == "fits" and len(plans["1200"]["sizes"]["batch_sizes"]) > 2
   assert got["after_b1"]["fits"]["grid_b1"] == "done" and got["after_b1"]["target_s"] == 0
-  assert "bandit" in got["after_b1"]["parts"]
+  assert "rl" in got["after_b1"]["parts"]
 
 
 def test_seeds_runs_the_config_once_per_seed_and_reports_the_spread(tmp_path):

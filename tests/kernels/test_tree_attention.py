@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tlt_jax import sharding
-from tests.kernels.conftest import BLOCK, CASES, PAGE, brute_force, case_inputs, paged
+from tests.kernels.conftest import BLOCK, CASES, KV_HEADS, PAGE, brute_force, case_inputs, paged
 from tlt_jax.kernels import pallas_gpu, pallas_tpu, tree_attention
 
 
@@ -50,6 +50,31 @@ def test_implementations_match_the_reference(impl, case):
   f32 = lambda x: np.asarray(x, np.float32)  # the exact answer for the (possibly bf16-rounded) inputs
   want = brute_force(f32(q), f32(k[1]), f32(v[1]), lengths, mask)
   np.testing.assert_allclose(got, want, atol=1e-5 if case[-1] == "float32" else 2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_float32_queries_over_a_bfloat16_cache_as_the_reference(impl):
+  """A float32 drafter over a bfloat16 cache: scores in float32, the values weighed in bfloat16 and the
+  output in the cache's dtype, as `reference` computes them."""
+  _, k, v, lengths, mask = case_inputs(4, 64, 5, 3, "bfloat16")
+  q = jnp.asarray(np.random.RandomState(0).randn(*k.shape[1:2], 5, KV_HEADS * 4, 64), jnp.float32)
+  want = tree_attention.reference(q, k, v, 1, lengths, mask, block=BLOCK)
+  got = jax.jit(lambda *a: tree_attention.attention(*a, impl=impl, block=BLOCK))(q, k, v, 1, lengths, mask)
+  assert got.dtype == want.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.float32(got), np.float32(want), atol=1e-2, rtol=0)
+
+
+def test_the_gpu_kernel_walks_a_wide_block_in_tiles():
+  """A cache block wider than the GPU kernel's 64-slot tile (configs/r1_7b.py's 512: its K and V tiles would
+  overflow shared memory), over a paged cache."""
+  q, _, _, _, mask = case_inputs(2, 16, 3, 0, "float32")
+  rng = np.random.RandomState(1)
+  k, v = (jnp.asarray(rng.randn(2, 4, 256, KV_HEADS, 16), jnp.float32) for _ in range(2))  # two blocks of 128
+  lengths = np.asarray([0, 70, 131, 253], np.int32)
+  kp, vp, pages = paged(k, v, lengths, mask.shape[2], 128)
+  got = jax.jit(lambda *a: tree_attention.attention(*a[:6], impl="pallas_gpu", block=128, pages_BxM=a[6]))(
+      q, kp, vp, 1, lengths, mask, pages)
+  np.testing.assert_allclose(got, brute_force(q, k[1], v[1], lengths, mask), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("impl,block", [("xla", None), ("xla", BLOCK), ("xla", 8), ("pallas_tpu", BLOCK),
@@ -143,15 +168,16 @@ def target(platform, mesh=jax.sharding.AbstractMesh((1,), ("x",))):
   return jax.sharding.use_abstract_mesh(mesh.update(abstract_device=H100))
 
 
-def export(impl, platform, dtype, t, w, paged=False):
+def export(impl, platform, dtype, t, w, paged=False, q_dtype=None, block=128):
   """jax.export of the kernel at Qwen2.5-7B's attention shape (28 heads over 4 KV heads, head dim 128),
-  with the layer index traced as a scanned decoder gives it; `paged`: over a pool of 256-slot pages."""
+  with the layer index traced as a scanned decoder gives it; `paged`: over a pool of 256-slot pages;
+  `q_dtype`: the queries' own (a float32 drafter over a bfloat16 cache)."""
   kernel = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}[impl].tree_attention
-  f = jax.jit(lambda layer, q, k, v, lengths, mask, pages=None: kernel(q, k, v, layer, lengths, mask, block=128,
+  f = jax.jit(lambda layer, q, k, v, lengths, mask, pages=None: kernel(q, k, v, layer, lengths, mask, block=block,
                                                                        scale=0.1, pages_BxM=pages))
   b, s = 8, 1024
   kv = ((4, 20, 256, 4, 128) if paged else (4, b, s, 4, 128), dtype)
-  shapes = [jax.ShapeDtypeStruct(x, y) for x, y in [((), jnp.int32), ((b, t, 28, 128), dtype), kv, kv,
+  shapes = [jax.ShapeDtypeStruct(x, y) for x, y in [((), jnp.int32), ((b, t, 28, 128), q_dtype or dtype), kv, kv,
                                                      ((b,), jnp.int32), ((b, t, w), jnp.bool_)]]
   if paged:
     shapes.append(jax.ShapeDtypeStruct((b, s // 256), jnp.int32))
@@ -161,11 +187,15 @@ def export(impl, platform, dtype, t, w, paged=False):
     return jax.export.export(f, platforms=[platform], disabled_checks=checks)(*shapes)
 
 
-@pytest.mark.parametrize("dtype,t,w,paged", [("float32", 16, 24, False), ("bfloat16", 1, 1, False),
-                                              ("bfloat16", 16, 16, True)])  # drafter level; decode; paged verify
+# A drafter level; decode; a paged verify; a float32 drafter over a bfloat16 cache (the engine's speculation
+# with a bfloat16 policy: Triton multiplies only operands of one dtype, which stopped it on an H200); a
+# 48-token verify at configs/r1_7b.py's block (three query tiles; slots walked 64 at a time).
+@pytest.mark.parametrize("dtype,t,w,paged,q_dtype,block", [
+    ("float32", 16, 24, False, None, 128), ("bfloat16", 1, 1, False, None, 128), ("bfloat16", 16, 16, True, None, 128),
+    ("bfloat16", 4, 12, False, "float32", 128), ("bfloat16", 48, 48, False, None, 512)])
 @pytest.mark.parametrize("impl,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
-def test_kernels_lower_for_their_hardware(impl, platform, dtype, t, w, paged):
-  exported = export(impl, platform, jnp.dtype(dtype), t, w, paged)
+def test_kernels_lower_for_their_hardware(impl, platform, dtype, t, w, paged, q_dtype, block):
+  exported = export(impl, platform, jnp.dtype(dtype), t, w, paged, q_dtype and jnp.dtype(q_dtype), block)
   assert exported.platforms == (platform,)
   target = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}[platform]
   assert target in exported.mlir_module()

@@ -101,11 +101,11 @@ def tree_attention(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_B
   kernel = functools.partial(_kernel, block=block, kv_heads=kv_heads, head_dim=d, scale=scale, page_size=page_size,
                              row_pages=table.shape[1])
   out = pl.pallas_call(
-      kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((b, kv_heads, r, d), q_BxTxHxD.dtype),
+      kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((b, kv_heads, r, d), v_LxNxPxKxD.dtype),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
       interpret=pltpu.InterpretParams() if interpret else False,
   )(lengths_B.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), table.reshape(-1),
-    layout.group_queries(q_BxTxHxD, kv_heads), flat(k_LxNxPxKxD), flat(v_LxNxPxKxD),
+    layout.group_queries(q_BxTxHxD, kv_heads).astype(jnp.promote_types(q_BxTxHxD.dtype, dtype)), flat(k_LxNxPxKxD), flat(v_LxNxPxKxD),
     layout.window(k_LxNxPxKxD, layer, lengths_B, w, pages_BxM),
     layout.window(v_LxNxPxKxD, layer, lengths_B, w, pages_BxM),
     layout.group_mask(mask_BxTxW, groups))

@@ -69,7 +69,7 @@ def _kernel(lengths_ptr, layer_ptr, pages_ptr, q_ptr, k_ptr, v_ptr, mask_ptr, m_
     page = tl.minimum(tl.load(pages_ptr + row * M + i * TILE // P), N - 1).to(tl.int64)
     at = (((layer * N + page) * P + slot % P) * KV + kh)[:, None] * D + d[None, :]
     live = (slot < end)[:, None]  # slots past the window are never read: whatever they hold
-    k = tl.load(k_ptr + at, mask=live, other=0.0)
+    k = tl.load(k_ptr + at, mask=live, other=0.0).to(q.dtype)  # q holds the wider dtype of the two
     v = tl.load(v_ptr + at, mask=live, other=0.0)
     rel = slot - length  # window slot, negative in the prefix
     window = (rel >= 0) & (rel < W)
@@ -159,7 +159,7 @@ def tree_attention(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_B
   rows = min(layout.pow2(r), _ROWS)
   r_pad = -(-r // rows) * rows
   table = layout.table(pages_BxM, b)
-  q = layout.group_queries(q_BxTxHxD, kv_heads)
+  q = layout.group_queries(q_BxTxHxD, kv_heads).astype(jnp.promote_types(q_BxTxHxD.dtype, k_LxNxPxKxD.dtype))
   q = jnp.pad(q, ((0, 0), (0, 0), (0, r_pad - r), (0, 0)))  # padded rows: zero queries, never read back
   programs = r_pad // rows * b * kv_heads
   splits = layout.splits(page_size * table.shape[1] // tile, programs)
@@ -174,4 +174,4 @@ def tree_attention(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_B
     m, l, acc = _interpret(operands, out_shapes, grid, constants)
   else:
     m, l, acc = _launch(operands, out_shapes, grid, constants, compute_capability)
-  return layout.ungroup(layout.merge_splits(m, l, acc)[:, :, :r].astype(q_BxTxHxD.dtype), t)
+  return layout.ungroup(layout.merge_splits(m, l, acc)[:, :, :r].astype(v_LxNxPxKxD.dtype), t)
