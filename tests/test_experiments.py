@@ -192,7 +192,8 @@ def test_side_by_side_summary_says_whether_every_arm_sampled_alike():
 
 def test_bench_kernels_smoke_checks_every_implementation(tmp_path):
   """On CPU: the kernels in their interpreters (Triton's too: tests/conftest.py sets TRITON_INTERPRET=1)
-  against the reference at R1-7B's heads; timings flagged meaningless; JSON, CSV and the plot written."""
+  against the reference at R1-7B's heads; timings flagged meaningless; JSON, CSV, the plot and the xla
+  path's optimized HLO written."""
   proc = subprocess.run([sys.executable, "bench_kernels.py", f"--out={tmp_path}", "--tree=8", "--filled=40"],
                         cwd=EXPERIMENTS, text=True, capture_output=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -204,6 +205,7 @@ def test_bench_kernels_smoke_checks_every_implementation(tmp_path):
   with open(tmp_path / "results.csv", encoding="utf-8") as f:
     assert len(list(csv.DictReader(f))) == len(results)
   assert (tmp_path / "bandwidth.png").stat().st_size > 0
+  assert "while" in (tmp_path / "xla_hlo.txt").read_text()  # the blockwise walk over the cache
 
 
 def test_bench_kernels_says_what_failed(tmp_path):
