@@ -763,8 +763,11 @@ def screen(state: dict) -> str:
     missing = [r["requirement"] for r in env.get("requirements", []) + env.get("gpu_extra", []) * gpu
                if not r["ok"]]
     bad_imports = [m for m, v in env.get("imports", {}).items() if v != "ok" and not v.startswith("not tried")]
-    lines.append(f"  env: main smoke {'ok' if env.get('main_smoke', {}).get('ok') else 'FAILED'}; requirements "
-                 f"not met: {', '.join(missing) or 'none'}; imports failing: {', '.join(bad_imports) or 'none'}")
+    smoke = env.get("main_smoke")
+    checked = lambda key, found: (", ".join(found) or "none") if key in env else "not checked"
+    lines.append(f"  env: main smoke {'not run' if smoke is None else 'ok' if smoke['ok'] else 'FAILED'}; "
+                 f"requirements not met: {checked('requirements', missing)}; imports failing: "
+                 f"{checked('imports', bad_imports)}")
   lines.append("goals:")
   for name, g in state["goals"].items():
     lines.append(f"  {g['status']:<8} {name:<17} {fmt(g['value']):>9} (goal {g['goal']})  {g['what']}"
