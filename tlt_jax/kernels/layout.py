@@ -90,7 +90,8 @@ def group_mask(mask_BxTxW, groups: int):
 def scores(q_RxD, k_CxD, scale: float):
   """q k^T in float32, scaled: [R, C]; the keys in the queries' dtype (the wider of the two: the
   kernels promote the queries), as Triton multiplies only operands of one dtype."""
-  s = jax.lax.dot_general(q_RxD, k_CxD.astype(q_RxD.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  s = jax.lax.dot_general(q_RxD, k_CxD.astype(q_RxD.dtype), (((1,), (1,)), ((), ())),
+                          preferred_element_type=jnp.float32)
   return s * scale
 
 

@@ -105,7 +105,8 @@ def tree_attention(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_B
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
       interpret=pltpu.InterpretParams() if interpret else False,
   )(lengths_B.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), table.reshape(-1),
-    layout.group_queries(q_BxTxHxD, kv_heads).astype(jnp.promote_types(q_BxTxHxD.dtype, dtype)), flat(k_LxNxPxKxD), flat(v_LxNxPxKxD),
+    layout.group_queries(q_BxTxHxD, kv_heads).astype(jnp.promote_types(q_BxTxHxD.dtype, dtype)), flat(k_LxNxPxKxD),
+    flat(v_LxNxPxKxD),
     layout.window(k_LxNxPxKxD, layer, lengths_B, w, pages_BxM),
     layout.window(v_LxNxPxKxD, layer, lengths_B, w, pages_BxM),
     layout.group_mask(mask_BxTxW, groups))
