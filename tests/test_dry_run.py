@@ -54,6 +54,16 @@ def test_dry_run_compiles_and_sizes_every_part(report):
   assert gradient["tflops"] > 0 and gradient["resident_gb"] > 0
   # Params are split over fsdp: the update's resident memory is well under the whole state's.
   assert report["executables"]["train/update"]["resident_gb"] < 3 * report["policy_gb"]
+  # The trainer's float32 masters and AdamW moments (3 x the policy, split over fsdp 4 where the shapes
+  # divide) stay resident during a rollout, and a rollout group's copy (split over its 2 devices) during
+  # training: each executable's need counts the other side's.
+  state, copy = report["trainer_state_gb"], report["rollout_copy_gb"]
+  assert 3 * report["policy_gb"] / 4 <= state < 3 * report["policy_gb"] and report["policy_gb"] / 2 <= copy
+  assert report["coresident_gb"] == {"train/gradient": pytest.approx(state + copy), "train/update": copy,
+                                     "rollout": state}
+  name = report["max_per_device_executable"]
+  beside = report["coresident_gb"].get(name, state)
+  assert report["max_per_device_gb"] == pytest.approx(report["executables"][name]["resident_gb"] + beside, abs=1e-5)
   # The drafter buffer's share of a checkpoint: 32 x 8 samples of this step and the longest quarter
   # of the previous step's, up to 64 + 64 tokens each (126 pairs, 127 tokens and 96-float features).
   entries = 256 + 64

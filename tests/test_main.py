@@ -1,6 +1,7 @@
 """`python -m tlt_jax.main`: bad config keys and values are rejected with their names; a TLT run
-interrupted by SIGKILL (also inside a checkpoint write) and SIGTERM resumes exactly, its policy
-and its online drafter."""
+of a bfloat16 policy (float32 masters, the GPU configs' precision) interrupted by SIGKILL (also
+inside a checkpoint write) and SIGTERM resumes exactly, its policy and its online drafter, and
+exports the policy in the bfloat16 it started from."""
 
 import json
 import os
@@ -11,6 +12,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
@@ -32,6 +34,9 @@ BAD_CONFIGS = [
     (["--config=configs/tiny.py", "--config.rollout.nope=2"], "unknown config key 'nope' in --config.rollout.nope"),
     (["--config.rl.optimizer.learning_rate=fast"], "--config.rl.optimizer.learning_rate=fast"),
     (["--config.rl.loss_aggregation=mean"], "config.rl.loss_aggregation='mean'"),
+    (["--config.policy.weight_dtype=bfloat16"], "config.policy.weight_dtype='bfloat16': bfloat16 master weights "
+     "need policy.dtype=bfloat16 (weights narrower than the compute)"),
+    (["--config.rl.tis_cap=0.5"], "config.rl.tis_cap=0.5: must be 0 (off) or >= 1"),
     (["--config.rollout.strategies=('4_x_5',)"], "config.rollout.strategies=('4_x_5',)"),
     (["--config.rollout.strategies=4_1_5,5_2_8"],  # unquoted, 4_1_5 is the number 415
      "config.rollout.strategies=(415, 528): must be a tuple of strategy names in quotes, e.g. "
@@ -103,9 +108,11 @@ def _overrides(config) -> list[str]:
 
 def _fault_config(workdir, steps, policy_dir, drafter_dir, cache_dir):
   """TLT on one rollout group: the drafter trains a fixed number of steps after each rollout
-  (with several groups the count depends on how long the tail takes, so no two runs agree)."""
+  (with several groups the count depends on how long the tail takes, so no two runs agree). A
+  bfloat16 policy (`policy_dir` holds one) with float32 masters, as the GPU configs run."""
   c = tiny_rl_config(workdir, steps, cache_dir)
   c.policy.path = policy_dir
+  c.policy.dtype = "bfloat16"
   c.checkpoint.every = 1
   c.mesh.cpu_devices = 0  # the 8 devices XLA_FLAGS gives this process and its subprocesses: one compilation cache
   c.rollout.speculative = True
@@ -140,6 +147,15 @@ def _wait(condition, every: float, timeout=300.0):
 
 
 @pytest.fixture(scope="module")
+def bf16_policy_dir(tmp_path_factory, tiny_policy_dir):
+  """The tiny policy saved in bfloat16, as R1-Distill's checkpoints are."""
+  path = str(tmp_path_factory.mktemp("bf16_policy"))
+  hf.save_pretrained(hf.from_pretrained(tiny_policy_dir), path, tokenizer=hf.load_tokenizer(tiny_policy_dir),
+                     dtype="bfloat16")
+  return path
+
+
+@pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory, tiny_policy_dir):
   """A random drafter for the tiny policy (online training is what the fault test follows)."""
   path = str(tmp_path_factory.mktemp("drafter") / "drafter")
@@ -148,10 +164,10 @@ def drafter_dir(tmp_path_factory, tiny_policy_dir):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, tiny_policy_dir, drafter_dir, xla_cache):
+def straight(tmp_path_factory, bf16_policy_dir, drafter_dir, xla_cache):
   """An uninterrupted in-process run (it also fills the compilation cache the subprocesses read)."""
   workdir = tmp_path_factory.mktemp("straight")
-  config = _fault_config(workdir, STEPS, tiny_policy_dir, drafter_dir, xla_cache)
+  config = _fault_config(workdir, STEPS, bf16_policy_dir, drafter_dir, xla_cache)
   trainer = Trainer(config, *bootstrap.load(config))
   try:
     trainer.run()
@@ -170,7 +186,7 @@ def _timing(key: str) -> bool:
       "rollout/accept_len", "rollout/idle_slot_fraction", "spot/train_rounds", "rollout/compilations")
 
 
-def test_sigkill_and_sigterm_at_random_points_resume_exactly(tmp_path, straight, tiny_policy_dir, drafter_dir,
+def test_sigkill_and_sigterm_at_random_points_resume_exactly(tmp_path, straight, bf16_policy_dir, drafter_dir,
                                                             xla_cache):
   """One TLT run, interrupted three times in a row once it has trained a step: SIGKILL inside a
   checkpoint write (orbax's temporary directory exists), SIGKILL at a seeded random moment, then
@@ -181,7 +197,7 @@ def test_sigkill_and_sigterm_at_random_points_resume_exactly(tmp_path, straight,
   its final policy and in the exported drafter's bytes. (Subprocess starts dominate the cost:
   the SIGTERM shares this chain.)"""
   workdir = tmp_path / "run"
-  config = _fault_config(workdir, STEPS, tiny_policy_dir, drafter_dir, xla_cache)
+  config = _fault_config(workdir, STEPS, bf16_policy_dir, drafter_dir, xla_cache)
   checkpoints = workdir / "checkpoints"
   writing = lambda: any(n.endswith(".orbax-checkpoint-tmp") for n in os.listdir(checkpoints))
   rng = np.random.default_rng(7)
@@ -240,7 +256,15 @@ def test_sigkill_and_sigterm_at_random_points_resume_exactly(tmp_path, straight,
   differing = [(r["step"], {k: (r.get(k), e.get(k)) for k in strip(r) | strip(e) if r.get(k) != e.get(k)})
                for r, e in zip(records, expected) if strip(r) != strip(e)]
   assert len(records) == len(expected) and not differing, differing  # (step, {key: (resumed, straight)})
+  # The float32 masters (checkpointed, resumed exactly) exported in the checkpoint's bfloat16.
+  assert all(x.dtype == np.float32 for x in jax.tree.leaves(params))
+  assert hf.checkpoint_dtype(str(workdir / "export" / "policy")) == "bfloat16"
   exported = nnx.state(hf.from_pretrained(str(workdir / "export" / "policy")))
-  assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), exported, params)))
+  as_bf16 = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), params)
+  assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), exported, as_bf16)))
+  # The training-inference mismatch of bfloat16 rollouts, logged every step.
+  gaps = [r["mismatch/logp_abs_diff"] for r in records[1:]]
+  print(f"bfloat16 mismatch, mean |rollout - trainer log p| per step: {gaps}")
+  assert all(0 < g < 0.1 for g in gaps) and all(r["mismatch/kl_k3"] >= 0 for r in records[1:])
   drafter = lambda d: (d / "export" / "drafter" / "model.safetensors").read_bytes()
   assert drafter(workdir) == drafter(straight_dir)

@@ -68,7 +68,14 @@ def base() -> ml_collections.ConfigDict:
   # trained by SFT into <workdir>/policy unless it is already there.
   c.policy = ml_collections.ConfigDict()
   c.policy.path = ""
-  c.policy.dtype = "float32"  # parameter dtype for training and rollout
+  # Precision. `dtype` computes (matmul inputs, activations, KV caches) and rolls out: the rollout engines
+  # and the drafter read a copy of the policy in it, cast once per step after the update. `weight_dtype`
+  # holds the trainer's master weights and AdamW moments (sharded; checkpointed): float32 (mixed precision,
+  # the default: log-softmax, loss and gradients in float32 too), or bfloat16 (pure bfloat16, half the
+  # optimizer memory, its updates stochastically rounded so that small ones still move the weights).
+  c.policy.dtype = "float32"
+  c.policy.weight_dtype = "float32"
+  c.policy.export_dtype = ""  # the exported policy's; "" = policy.path's own (else policy.dtype)
   # Decoder layers stacked and run by one lax.scan: every executable compiles one layer body.
   # False: unrolled (docs/BENCHMARKS.md, "Scanned vs unrolled layers"). Checkpoints hold one form.
   c.policy.scan_layers = True
@@ -190,6 +197,9 @@ def base() -> ml_collections.ConfigDict:
   c.rl.overlong_buffer = 0  # DAPO soft overlong penalty over the last this-many tokens (0: off)
   # Updates with a non-finite loss or gradient are skipped; this many in a row stop the run (diverged).
   c.rl.max_skipped_updates = 3
+  # Truncated importance sampling for the training-inference mismatch (verl's TIS): each token's policy
+  # loss weighed by min(p_trainer / p_rollout, tis_cap) of the rollout's own log-probs (0: off).
+  c.rl.tis_cap = 0.0
   c.rl.optimizer = ml_collections.ConfigDict()  # actor.make_optimizer: AdamW after global-norm clipping
   c.rl.optimizer.learning_rate = 1e-4
   c.rl.optimizer.warmup_steps = 0  # learning-rate warm-up
@@ -383,7 +393,7 @@ _AT_LEAST = {
     "drafter.draft_vocab_size": -1, "drafter.distill.steps": 0, "drafter.distill.learning_rate": 0,
     "drafter.distill.batch_rows": 1, "drafter.distill.row_len": 2, "drafter.distill.draft_steps": 1,
     "drafter.distill.prompts": 1,
-    "rl.mini_batches": 1, "rl.max_skipped_updates": 1, "rl.row_len": 2, "rl.overlong_buffer": 0,
+    "rl.mini_batches": 1, "rl.max_skipped_updates": 1, "rl.row_len": 2, "rl.overlong_buffer": 0, "rl.tis_cap": 0,
     "rl.optimizer.learning_rate": 0, "rl.optimizer.warmup_steps": 0, "rl.optimizer.weight_decay": 0,
     "rl.actor.micro_batch_rows": 1, "rl.actor.logits_chunk": 1, "rl.actor.attention_block": 0,
     "rl.actor.clip_low": 0, "rl.actor.clip_high": 0, "rl.actor.kl_coef": 0,
@@ -394,6 +404,8 @@ _ABOVE = {"model.rope_theta": 0, "task.tail_alpha": 0, "rl.optimizer.max_grad_no
 _AT_MOST = {"sft.unanswered": 1, "drafter.draft_vocab_coverage": 1}
 _CHOICES = {
     "policy.dtype": ("float32", "bfloat16"),
+    "policy.weight_dtype": ("float32", "bfloat16"),
+    "policy.export_dtype": ("", "float32", "bfloat16"),
     "task.family": tuple(sorted(tasks.FAMILIES)),
     "data.reward": tuple(sorted(rewards.REWARDS)),
     "rl.loss_aggregation": grpo.AGGREGATIONS,
@@ -432,6 +444,9 @@ def check(config: ml_collections.ConfigDict) -> None:
     need(config_value(config, key) in choices, key, f"must be one of {choices}")
   for key in ("mesh.data", "mesh.fsdp", "mesh.tensor"):
     need(config_value(config, key) == -1 or config_value(config, key) >= 1, key, "must be >= 1, or -1 (the rest)")
+  need(config.policy.weight_dtype != "bfloat16" or config.policy.dtype == "bfloat16", "policy.weight_dtype",
+       "bfloat16 master weights need policy.dtype=bfloat16 (weights narrower than the compute)")
+  need(config.rl.tis_cap == 0 or config.rl.tis_cap >= 1, "rl.tis_cap", "must be 0 (off) or >= 1")
   need(config.model.num_heads % config.model.num_kv_heads == 0, "model.num_heads",
        "must be a multiple of model.num_kv_heads")
   need(config.task.max_terms >= config.task.min_terms, "task.max_terms", "must be >= task.min_terms")

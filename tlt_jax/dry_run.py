@@ -6,7 +6,12 @@ config.model when that directory is absent), places them on the run's meshes (on
 `mesh.dry_run_devices` simulated devices stand in for the accelerators), compiles the rollout
 executables (largest batch bucket, and the speculative tail's bucket with every strategy) for one
 rollout group and the trainer's micro-batch gradient and optimizer update, and reports per-device
-memory (XLA's memory analysis of each executable) and FLOPs. `rollout_batches` states the rows a
+memory (XLA's memory analysis of each executable) and FLOPs. The trainer holds the policy's master
+weights and AdamW moments in `policy.weight_dtype` (float32: 12 bytes a parameter, 16 with the
+gradient during an update, sharded over the trainer mesh) and each rollout group a copy in
+`policy.dtype` (2 bytes a parameter in bfloat16, split over the group): both stay resident on a device
+while the other side runs, so each executable's need counts what the other side keeps
+(`coresident_gb`). `rollout_batches` states the rows a
 step gives each rollout group, the rows in flight at once (its largest bucket) and the tails a step
 pays: one per wave in waves, one with refill (`rollout.engine.refill`). It fails, naming the executable and
 the config keys to change, when one needs more than `mesh.device_memory_gb`. With TLT it also
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 
@@ -71,6 +77,11 @@ def _bytes(state) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
 
 
+def _device_bytes(tree) -> int:
+  """Bytes of one device's shards of the (abstract, sharded) arrays of `tree` (the most any device holds)."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
 def _sizes(compiled) -> dict[str, float]:
   """Per-device memory of one executable: `resident` (its inputs and outputs, donated ones counted
   once: params, caches, optimizer state; exact on every backend) and `temp` (XLA's scratch on
@@ -91,7 +102,8 @@ def run(config) -> dict:
   dtype = jnp.dtype(config.policy.dtype)
   devices = jax.devices()
   report = {"model": source, "parameters_b": None, "devices": f"{len(devices)} x {devices[0].device_kind}"}
-  build_policy = lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+  build_policy = lambda: CausalLM(cfg, dtype=dtype, param_dtype=config.policy.weight_dtype, rngs=nnx.Rngs(0))
+  build_copy = lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))  # a rollout group's
   executables = {}
 
   # Trainer: FSDP / tensor / data mesh over every device.
@@ -101,7 +113,8 @@ def run(config) -> dict:
   report["trainer_mesh"] = dict(mesh.shape)
   r = config.rl
   with jax.set_mesh(mesh):
-    actor = actor_lib.Actor(policy, actor_lib.make_optimizer(**r.optimizer), **r.actor)
+    actor = actor_lib.Actor(policy, actor_lib.make_optimizer(**r.optimizer), **r.actor,
+                            temperature=config.rollout.sampling.temperature, seed=config.seed)
     rows = r.actor.micro_batch_rows
     batch_sharding = sharding.array_sharding((rows, r.row_len), ("batch", None), mesh)
     logging.info("dry run: compiling the train step (%d rows x %d tokens)", rows, r.row_len)
@@ -114,7 +127,7 @@ def run(config) -> dict:
     raise ValueError(f"config.rollout.groups={groups} does not divide {len(devices)} devices")
   group_mesh = sharding.make_mesh({"tensor": len(devices) // groups}, devices=devices[:len(devices) // groups])
   report["rollout_group_mesh"] = dict(group_mesh.shape)
-  group_policy = _abstract(build_policy, group_mesh)
+  group_policy = _abstract(build_copy, group_mesh)
   strategies = config_lib.strategies(config) if config.rollout.speculative else ()
   eagle = any(not s.suffix for s in strategies)  # an EAGLE drafter (else suffix arms alone, or none)
   # A reduced head's ids come from the warm-up data; any N ids size the executables alike. One chosen
@@ -144,13 +157,21 @@ def run(config) -> dict:
   report["cache_rows"] = cache_rows(config, cfg, base, dtype.itemsize, eagle, len(group_mesh.devices.flat),
                                     executables[f"rollout/plain/{base.batch_buckets[-1]}"]["resident_gb"])
   report["policy_gb"] = round(_bytes(nnx.state(policy)) / GB, 6)
+  report["trainer_state_gb"] = round(_device_bytes((actor.params, actor.opt_state)) / GB, 6)
+  report["rollout_copy_gb"] = round(_device_bytes((nnx.state(group_policy), nnx.state(drafter) if eagle else ())) / GB,
+                                    6)
   if eagle:  # the rollout's captured features: this many bytes per process in each checkpoint at most
     r = config.rollout
     buffer = BufferConfig(**config.drafter.buffer).state_bytes(
         r.prompts_per_step * r.num_samples, config.data.max_prompt_len + r.sampling.max_new_tokens, cfg.hidden_size,
         dtype.itemsize)
     report["drafter_buffer_checkpoint_gb"] = round(buffer / GB, 6)
-  report.update(check_fit(executables, config.mesh.device_memory_gb, on_cpu=devices[0].platform == "cpu"))
+  report["coresident_gb"] = coresident = {"train/gradient": report["trainer_state_gb"] + report["rollout_copy_gb"],
+                                          "train/update": report["rollout_copy_gb"],
+                                          "rollout": report["trainer_state_gb"]}
+  beside = {name: coresident.get(name, coresident["rollout"]) for name in executables}
+  report.update(check_fit(executables, config.mesh.device_memory_gb, on_cpu=devices[0].platform == "cpu",
+                          beside=beside))
   report["seconds"] = round(time.perf_counter() - start, 1)
   return report
 
@@ -191,21 +212,26 @@ def cache_rows(config, cfg: ModelConfig, engine: EngineConfig, itemsize: int, dr
           "free_gb_for_cache": round(free_bytes / GB, 3) if config.mesh.device_memory_gb else None}
 
 
-def check_fit(executables: dict[str, dict[str, float]], limit_gb: float, on_cpu: bool) -> dict:
-  """The largest per-device need; raises ValueError naming the executable when it exceeds `limit_gb`.
+def check_fit(executables: dict[str, dict[str, float]], limit_gb: float, on_cpu: bool,
+              beside: dict[str, float] | None = None) -> dict:
+  """The largest per-device need: an executable's resident memory, what stays resident `beside` it
+  (GB by executable: the trainer's state during a rollout, the rollout's copy during training), and
+  its scratch; raises ValueError naming the executable when that exceeds `limit_gb`.
 
   XLA:CPU runs bfloat16 matmuls in float32 through converted copies of their operands (weights,
   cache blocks), so on a CPU stand-in the scratch figure overstates an accelerator's many times;
   there only the resident memory is checked. On GPU/TPU both are.
   """
-  need = lambda e: e["resident_gb"] + (0.0 if on_cpu else e["temp_gb"])
-  worst = max(executables, key=lambda k: need(executables[k]))
+  beside = beside or {}
+  need = lambda name: (executables[name]["resident_gb"] + beside.get(name, 0.0)
+                       + (0.0 if on_cpu else executables[name]["temp_gb"]))
+  worst = max(executables, key=need)
   out = {"checked": "resident memory (temp not checked: XLA:CPU stand-in)" if on_cpu else "resident + temp memory",
-         "max_per_device_gb": round(need(executables[worst]), 6), "max_per_device_executable": worst}
+         "max_per_device_gb": round(need(worst), 6), "max_per_device_executable": worst}
   if limit_gb and out["max_per_device_gb"] > limit_gb:
     raise ValueError(
         f"{worst} needs {out['max_per_device_gb']} GB per device > config.mesh.device_memory_gb={limit_gb}: "
         "lower config.rollout.engine.batch_buckets or config.rl.actor.micro_batch_rows, set "
-        "config.rl.actor.remat=True and config.rl.actor.attention_block, or use more devices (config.mesh.*, "
-        "config.rollout.groups)")
+        "config.rl.actor.remat=True and config.rl.actor.attention_block, halve the trainer's state with "
+        "config.policy.weight_dtype=bfloat16, or use more devices (config.mesh.*, config.rollout.groups)")
   return {**out, "fits": True}

@@ -93,6 +93,17 @@ def test_bfloat16_checkpoint(tmp_path):
   ref32 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
   model32 = hf.from_pretrained(str(tmp_path), dtype="float32")
   np.testing.assert_allclose(our_logits(model32, IDS), ref_logits(ref32, IDS), atol=1e-4, rtol=0)
+  # Float32 masters of a bfloat16 checkpoint computing in bfloat16 (an RL policy): saved in the
+  # checkpoint's dtype by default, bit for bit, or in float32 on request.
+  masters = hf.from_pretrained(str(tmp_path), param_dtype="float32")
+  assert hf.checkpoint_dtype(str(tmp_path)) == "bfloat16" and masters.dtype == jnp.bfloat16
+  assert masters.model.embed_tokens.embedding.dtype == jnp.float32
+  for dtype, out in (("bfloat16", tmp_path / "bf16"), ("float32", tmp_path / "f32")):
+    hf.save_pretrained(masters, str(out), dtype=dtype)
+    assert hf.checkpoint_dtype(str(out)) == dtype
+    saved = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    for name, tensor in ref.state_dict().items():
+      assert torch.equal(saved.state_dict()[name], tensor.float()), name
 
 
 def test_tokenizer_travels_with_the_model(hf_dirs, tmp_path):

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 import torch
 
 from tests.conftest import VOCAB, float_order_mismatches
@@ -151,3 +152,56 @@ def test_grpo_updates_raise_the_reward_they_are_given():
     actor.update(actor_lib.training_batch(rows, adv, np.ones(len(keep), bool), "token",
                                           actor.logprobs(actor.params, rows), None))
   assert means[0] < 0.06 and np.mean(means[-3:]) > 0.2, means
+
+
+def _weights_moved(path, dtype, weight_dtype, learning_rate=1e-6, updates=5):
+  """Mean |dw| over every weight after `updates` GRPO updates on one batch with the project's optimizer."""
+  actor = actor_lib.Actor(hf.from_pretrained(path, dtype=dtype, param_dtype=weight_dtype),
+                          actor_lib.make_optimizer(learning_rate, 0, 0.0, 1.0), micro_batch_rows=4, clip_low=0.2,
+                          clip_high=0.28)
+  flat = lambda p: np.concatenate([np.asarray(x, np.float32).ravel() for x in jax.tree.leaves(p)])
+  initial, rows = flat(actor.params), packing.pack(SEQS, 8, index=True)
+  for _ in range(updates):
+    old = actor.logprobs(actor.params, rows)
+    actor.update(actor_lib.training_batch(rows, np.array([1.0, -0.5, 0.25, -1.0], np.float32), np.ones(4, bool),
+                                          "token", old, None))
+  return float(np.abs(flat(actor.params) - initial).mean())
+
+
+def test_bfloat16_policies_learn_at_the_papers_learning_rate(hf_dirs):
+  """At lr 1e-6 a bfloat16 weight of ~0.02 (spacing ~1e-4) would round its update away. With float32
+  masters (the default) bfloat16 compute moves the weights as float32 does; pure bfloat16 weights
+  (`policy.weight_dtype=bfloat16`) move them as much on average, by stochastic rounding."""
+  path = hf_dirs["qwen2_untied"][0]
+  full = _weights_moved(path, "float32", "float32")
+  assert full > 1e-6
+  assert _weights_moved(path, "bfloat16", "float32") == pytest.approx(full, rel=0.02)
+  assert _weights_moved(path, "bfloat16", "bfloat16") == pytest.approx(full, rel=0.25)
+
+
+def test_stochastic_rounding_is_unbiased():
+  step = 2.0**-7  # bfloat16's spacing at 1
+  for x in (1.0 + 0.3 * step, -(1.0 + 0.9 * step), 0.02 + 1e-6):
+    down = float(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16))  # round to nearest: one neighbour
+    draws = np.asarray(jax.vmap(lambda k: actor_lib.stochastic_round(jnp.float32(x), k))(
+        jax.random.split(jax.random.key(0), 20_000)), np.float64)
+    assert len(np.unique(draws)) <= 2 and down in draws
+    gap = np.ptp(draws) or step
+    assert abs(draws.mean() - x) < 4 * gap * 0.5 / np.sqrt(len(draws)), (x, draws.mean())
+  exact = jnp.asarray([1.0, -0.5, 3.0], jnp.float32)  # bfloat16 values stay as they are
+  np.testing.assert_array_equal(actor_lib.stochastic_round(exact, jax.random.key(1)), exact)
+
+
+def test_the_rollouts_log_probs_land_on_their_response_slots_and_give_the_mismatch():
+  rows = packing.pack(SEQS, 8, index=True)
+  values = [np.arange(len(r), dtype=np.float32) + 10 * i for i, (_, r) in enumerate(SEQS)]
+  plane = actor_lib.response_plane(rows, values)
+  for i, (_, response) in enumerate(SEQS):
+    np.testing.assert_array_equal(plane[(rows[4] == i + 1) & (rows[3] > 0)], values[i][:len(response)])
+  assert not plane[rows[3] == 0].any()
+  trainer = plane + np.where(rows[3] > 0, 0.1, 5.0)  # off by 0.1 on every response token; prompts do not count
+  gap = actor_lib.mismatch(trainer, plane, rows)
+  tokens = sum(len(r) for _, r in SEQS)
+  assert gap["tokens"] == tokens and gap["abs_diff"] == pytest.approx(0.1 * tokens, rel=1e-5)
+  assert gap["k3"] == pytest.approx((np.exp(0.1) - 1.1) * tokens, rel=1e-4)
+  assert actor_lib.mismatch(plane, plane, rows)["k3"] == 0.0

@@ -51,6 +51,10 @@ def test_policy_loss_clips_per_sign_of_the_advantage():
   per_token = [-1.28, r_hi, -r_lo, 0.8, -2.0]  # -min(r A, clip(r) A)
   np.testing.assert_allclose(loss, 0.2 * sum(per_token), rtol=1e-6)
   np.testing.assert_allclose(stats["clip_frac"], 0.4, rtol=1e-6)  # tokens 0 and 3 clipped
+  # Truncated importance sampling weighs each token's policy-gradient term (not the KL).
+  is_w = jnp.array([[2.0, 1.0, 0.5, 1.0, 0.0]])
+  weighted, _ = grpo.policy_loss(logp, old, adv, w, clip_low=0.2, clip_high=0.28, is_weights_BxT=is_w)
+  np.testing.assert_allclose(weighted, 0.2 * np.dot(per_token, is_w[0]), rtol=1e-6)
 
 
 def test_low_variance_kl():

@@ -56,6 +56,9 @@ def test_resume_continues_exactly(tmp_path, tiny_policy_dir, xla_cache):
   a = a[1:]
   # The policy did train: rewards varied in some groups, so there were gradients and the parameters moved.
   assert all(r["train/updates"] == 2 for r in a) and any(r["train/grad_norm"] > 0 for r in a)
+  # In float32 the rollout's log-probs are the trainer's (other kernels, batching and order of sums).
+  print("float32 mismatch:", [(r["mismatch/logp_abs_diff"], r["mismatch/kl_k3"]) for r in a])
+  assert all(r["mismatch/logp_abs_diff"] < 1e-5 and abs(r["mismatch/kl_k3"]) < 1e-9 for r in a)
   initial = nnx.state(hf.from_pretrained(policy_dir))
   moved = jax.tree.map(lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max()), initial, straight)
   assert max(jax.tree.leaves(moved)) > 1e-3

@@ -1,5 +1,7 @@
 """The rollout engine: parity with `transformers.generate`, seed invariance, compaction, no recompiles."""
 
+import copy
+
 import jax
 import numpy as np
 import pytest
@@ -33,6 +35,34 @@ def test_greedy_matches_transformers_generate(family, models, hf_dirs):
     assert s.finish_reason == ("stop" if expected[-1] == STOP else "length")
     ref_logp = [torch.log_softmax(x[0], -1)[t].item() for x, t in zip(out.scores, expected)]
     np.testing.assert_allclose(s.logprobs, ref_logp, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bfloat16_greedy_leaves_transformers_bfloat16_only_at_near_ties(family, hf_dirs):
+  """A bfloat16 engine (float32 masters cast, as the RL rollouts hold them) against transformers in
+  bfloat16: the greedy tokens agree until both implementations' rounding may pick either of two
+  near-tied tokens, i.e. every divergence is where transformers' own top-2 logits are within two
+  bfloat16 steps (float32 stays exact: test_greedy_matches_transformers_generate)."""
+  path, ref = hf_dirs[family]
+  ref = copy.deepcopy(ref).to(torch.bfloat16)
+  ps = prompts(5, seed=1)
+  model = hf.from_pretrained(path, dtype="bfloat16", param_dtype="float32")
+  engine = Engine(model, CONFIG, SamplingParams(temperature=0, max_new_tokens=64, stop_token_ids=(STOP,)))
+  agreed, total = 0, 0
+  for s in engine.generate(ps).samples:
+    p = ps[s.prompt_index]
+    with torch.no_grad():
+      out = ref.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False, eos_token_id=STOP, pad_token_id=0,
+                         output_scores=True, return_dict_in_generate=True)
+    expected = out.sequences[0, len(p):].numpy()
+    n = min(len(expected), len(s.tokens))
+    first = next((i for i in range(n) if expected[i] != s.tokens[i]), n)
+    agreed, total = agreed + first, total + len(expected)
+    if first < n:
+      top2 = torch.topk(out.scores[first][0].float(), 2).values.tolist()
+      step = 2.0 ** (np.floor(np.log2(abs(top2[0]))) - 7)  # bfloat16's spacing at that logit
+      assert top2[0] - top2[1] <= 2 * step, (s.prompt_index, first, top2)
+  print(f"{family}: {agreed / total:.0%} of transformers' bfloat16 greedy tokens before the first near-tie")
 
 
 def test_captured_hidden_states_are_the_targets(models, hf_dirs):
@@ -316,10 +346,11 @@ def test_the_bank_follows_prompts_through_compaction(models):
   check(st, tokens)
 
 
-def tiny_vocab_model():
+def tiny_vocab_model(dtype="float32"):
+  """`dtype`: the compute dtype (its weights float32: a bfloat16 RL policy's rollout reads them cast)."""
   cfg = ModelConfig("Qwen3ForCausalLM", vocab_size=6, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
                     num_kv_heads=1, head_dim=8, qk_norm=True, tie_word_embeddings=True)
-  model = CausalLM(cfg, rngs=nnx.Rngs(3))
+  model = CausalLM(cfg, dtype=dtype, param_dtype="float32", rngs=nnx.Rngs(3))
   nnx.update(model, jax.tree.map(lambda x: x * 4, nnx.state(model, nnx.Param)))  # varied, context-dependent
   return model
 
@@ -330,12 +361,13 @@ def first_tokens(model, config, drafter, seed, n):
   return np.asarray([s.tokens for s in rollout.samples])
 
 
-@pytest.mark.parametrize("drafter_kind", ["random", "distilled", "reduced"])
+@pytest.mark.parametrize("drafter_kind", ["random", "distilled", "reduced", "bfloat16 target"])
 def test_speculative_first_three_tokens_follow_plain_sampling(drafter_kind):
-  """Independent seeds: the two-sample chi-square of marginals and the 2-token joint."""
+  """Independent seeds: the two-sample chi-square of marginals and the 2-token joint, against plain
+  sampling of the same target (a bfloat16 one: its own distribution, rounding included)."""
   from scipy import stats
   from tlt_jax.drafter import train
-  model = tiny_vocab_model()
+  model = tiny_vocab_model("bfloat16" if drafter_kind == "bfloat16 target" else "float32")
   n = 20_480
   config = EngineConfig(batch_buckets=tuple(2**i for i in range(12)), max_prompt_len=4, max_new_tokens=3, kv_block=16,
                         segment_steps=4, compact=False)

@@ -65,7 +65,7 @@ def sequence_pairs(target: CausalLM, feature_layers: Sequence[int], rows: np.nda
 def _sequence_pairs(graphdef, feature_layers, params, tokens, positions, segments, loss_mask) -> Pairs:
   target = nnx.merge(graphdef, params)
   b, t = tokens.shape
-  cache = KVCache.zeros(target.config, b, t, target.model.embed_tokens.embedding.dtype)
+  cache = KVCache.zeros(target.config, b, t, target.dtype)
   hidden, aux, _ = target(tokens, positions, cache, segment_mask(segments), hidden_layers=feature_layers)
   shift = lambda x: jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
   # Pair t exists when x_{t+1} belongs to the same sample as x_t.

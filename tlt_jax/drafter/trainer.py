@@ -105,7 +105,7 @@ class DrafterTrainer:
     self._apply = jax.jit(lambda p, s, g: train.apply_gradients(self.optimizer, p, s, g), donate_argnums=(0, 1))
     self._all_finite = jax.jit(
         lambda tree: jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
-    self._hidden = (policy.config.hidden_size, policy.model.embed_tokens.embedding.dtype)
+    self._hidden = (policy.config.hidden_size, policy.dtype)
     self.params = self.on_group(self.home, nnx.state(drafter))
     self._home = sharding.param_shardings(self.params, self.meshes[self.home])
     self.opt_state = jax.device_put(self.optimizer.init(self.params), self._replicated())

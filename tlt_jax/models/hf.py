@@ -109,21 +109,29 @@ def _open_safetensors(path: str):
     raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
+def checkpoint_dtype(model_dir: str) -> str:
+  """The dtype a HF model directory's config.json says its weights are in (float32 if it says none)."""
+  _, raw = read_config(model_dir)
+  return jnp.dtype(_dtype(raw.get("torch_dtype") or raw.get("dtype") or "float32",
+                          os.path.join(model_dir, "config.json"))).name
+
+
 def from_pretrained(model_dir: str, dtype=None, mesh: jax.sharding.Mesh | None = None,
-                    scan_layers: bool | None = None) -> CausalLM:
+                    scan_layers: bool | None = None, param_dtype=None) -> CausalLM:
   """Loads a HF model directory into a `CausalLM`, sharded over `mesh` (default: one device).
 
-  `dtype` (a jnp dtype or 'float32' / 'bfloat16' / 'float16') defaults to the checkpoint's;
+  `dtype`, the compute dtype (a jnp dtype or 'float32' / 'bfloat16' / 'float16'), defaults to the
+  checkpoint's; `param_dtype`, the weights' (e.g. float32 masters of a bfloat16 model), to `dtype`;
   `scan_layers` (`ModelConfig.scan_layers`) to the config's default (the command-line tools pass
   `cli.scan_layers`: unrolled on a CPU).
   """
-  cfg, raw = read_config(model_dir)
+  cfg, _ = read_config(model_dir)
   if scan_layers is not None:
     cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
-  config_path = os.path.join(model_dir, "config.json")
-  dtype = _dtype(dtype, "dtype argument") or _dtype(raw.get("torch_dtype") or raw.get("dtype") or "float32",
-                                                      config_path)
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+  dtype = _dtype(dtype, "dtype argument") or jnp.dtype(checkpoint_dtype(model_dir))
+  param_dtype = _dtype(param_dtype, "param_dtype argument") or dtype
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, param_dtype=param_dtype,
+                                                                  rngs=nnx.Rngs(0))))
   if mesh is None:
     mesh = sharding.make_mesh({}, devices=jax.local_devices()[:1])
   files = _weight_files(model_dir)
@@ -156,7 +164,7 @@ def from_pretrained(model_dir: str, dtype=None, mesh: jax.sharding.Mesh | None =
 
       def read_one(part, index):
         with jax.default_device(cpu):
-          return np.asarray(part[index[::-1]].T if transpose else part[index]).astype(dtype)
+          return np.asarray(part[index[::-1]].T if transpose else part[index]).astype(param_dtype)
 
       def read(index):  # this device's block; of a stacked parameter, its layers' blocks stacked
         if stacked:
@@ -216,10 +224,12 @@ def is_saved_model(path: str) -> bool:
   return "config.json" in names and all(any(fnmatch.fnmatch(n, p) for p in _WRITTEN) for n in names)
 
 
-def save_pretrained(model: CausalLM, out_dir: str, tokenizer=None, max_shard_bytes: int = 4 << 30) -> None:
+def save_pretrained(model: CausalLM, out_dir: str, tokenizer=None, max_shard_bytes: int = 4 << 30,
+                    dtype=None) -> None:
   """Writes `model` (and `tokenizer`) as a HF directory that `transformers` loads.
 
-  Tensors go into safetensors files of at most `max_shard_bytes` (with an index when several).
+  Tensors are in `dtype` (default: the weights' own; e.g. a bfloat16 model of float32 masters) and go
+  into safetensors files of at most `max_shard_bytes` (with an index when several).
   The directory is written under a temporary name and renamed, so a crash leaves no half model; it
   replaces only an empty directory or a model written like this one (`is_saved_model`).
   """
@@ -231,10 +241,10 @@ def save_pretrained(model: CausalLM, out_dir: str, tokenizer=None, max_shard_byt
   natural = lambda item: tuple((0, int(x), "") if x.isdigit() else (1, 0, x) for x in item[0].split("."))
   flat = sorted(((name, p[-1] == "kernel", v, layer) for p, v in params for name, layer in hf_tensors(p, v.shape)),
                 key=natural)
-  dtype = jnp.dtype(flat[0][2].dtype).name
+  dtype = jnp.dtype(_dtype(dtype, "dtype argument") or flat[0][2].dtype)
   shards, size = [[]], 0
   for item in flat:
-    nbytes = item[2].nbytes // (1 if item[3] is None else item[2].shape[0])
+    nbytes = item[2].size * dtype.itemsize // (1 if item[3] is None else item[2].shape[0])
     if shards[-1] and size + nbytes > max_shard_bytes:
       shards.append([])
       size = 0
@@ -247,15 +257,15 @@ def save_pretrained(model: CausalLM, out_dir: str, tokenizer=None, max_shard_byt
       fname = _SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
       tensors = {}
       for name, transpose, value, layer in shard:
-        host = np.asarray(jax.device_get(value if layer is None else value[layer]))
+        host = np.asarray(jax.device_get(value if layer is None else value[layer])).astype(dtype)
         tensors[name] = jax.device_put(host.T if transpose else host, cpu)
         weight_map[name] = fname
       safetensors.flax.save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
     if len(shards) > 1:
-      total = sum(v.nbytes for _, v in params)
+      total = sum(v.size * dtype.itemsize for _, v in params)
       with open(os.path.join(tmp, _INDEX), "w", encoding="utf-8") as f:
         json.dump({"metadata": {"total_size": int(total)}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
-      json.dump({**cfg.to_hf(), "torch_dtype": dtype}, f, indent=2)
+      json.dump({**cfg.to_hf(), "torch_dtype": dtype.name}, f, indent=2)
     if tokenizer is not None:
       tokenizer.save_pretrained(tmp)

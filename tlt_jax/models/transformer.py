@@ -46,15 +46,15 @@ def _partitioned(init, names):
   return nnx.with_partitioning(init, names, eager_sharding=False)
 
 
-def _linear(n_in, n_out, names, bias, dtype, rngs):
+def _linear(n_in, n_out, names, bias, dtype, rngs, param_dtype=None):
   return nnx.Linear(
-      n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
+      n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=param_dtype or dtype, rngs=rngs,
       kernel_init=_partitioned(_init, names),
       bias_init=_partitioned(nnx.initializers.zeros, names[1:]))
 
 
-def _norm(size, eps, dtype, rngs, name="norm"):
-  return nnx.RMSNorm(size, epsilon=eps, dtype=dtype, param_dtype=dtype, rngs=rngs,
+def _norm(size, eps, dtype, rngs, name="norm", param_dtype=None):
+  return nnx.RMSNorm(size, epsilon=eps, dtype=dtype, param_dtype=param_dtype or dtype, rngs=rngs,
                      scale_init=_partitioned(nnx.initializers.ones, (name,)))
 
 
@@ -136,16 +136,17 @@ def _by_query_blocks(attend, q_BxTxHxD, mask_BxTxW, size):
 
 class Attention(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, param_dtype=None):
     self.cfg = cfg
     h, d = cfg.hidden_size, cfg.head_dim
-    self.q_proj = _linear(h, cfg.num_heads * d, ("embed", "q_heads"), cfg.qkv_bias, dtype, rngs)
-    self.k_proj = _linear(h, cfg.num_kv_heads * d, ("embed", "kv_heads"), cfg.qkv_bias, dtype, rngs)
-    self.v_proj = _linear(h, cfg.num_kv_heads * d, ("embed", "kv_heads"), cfg.qkv_bias, dtype, rngs)
-    self.o_proj = _linear(cfg.num_heads * d, h, ("q_heads", "embed"), False, dtype, rngs)
+    linear = lambda n_in, n_out, names, bias: _linear(n_in, n_out, names, bias, dtype, rngs, param_dtype)
+    self.q_proj = linear(h, cfg.num_heads * d, ("embed", "q_heads"), cfg.qkv_bias)
+    self.k_proj = linear(h, cfg.num_kv_heads * d, ("embed", "kv_heads"), cfg.qkv_bias)
+    self.v_proj = linear(h, cfg.num_kv_heads * d, ("embed", "kv_heads"), cfg.qkv_bias)
+    self.o_proj = linear(cfg.num_heads * d, h, ("q_heads", "embed"), False)
     if cfg.qk_norm:
-      self.q_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim")
-      self.k_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim")
+      self.q_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim", param_dtype)
+      self.k_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim", param_dtype)
 
   def __call__(self, x_BxTxH, cos, sin, layer, k_LxNxPxKxD, v_LxNxPxKxD, lengths_B, mask_BxTxW, kv_block, attention,
                query_block=None, pages_BxM=None):
@@ -168,11 +169,11 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, param_dtype=None):
     h, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-    self.gate_proj = _linear(h, f, ("embed", "mlp"), bias, dtype, rngs)
-    self.up_proj = _linear(h, f, ("embed", "mlp"), bias, dtype, rngs)
-    self.down_proj = _linear(f, h, ("mlp", "embed"), bias, dtype, rngs)
+    self.gate_proj = _linear(h, f, ("embed", "mlp"), bias, dtype, rngs, param_dtype)
+    self.up_proj = _linear(h, f, ("embed", "mlp"), bias, dtype, rngs, param_dtype)
+    self.down_proj = _linear(f, h, ("mlp", "embed"), bias, dtype, rngs, param_dtype)
 
   def __call__(self, x):
     return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -188,11 +189,12 @@ def rope_tables(cfg: ModelConfig, positions_BxT, dtype):
 class DecoderLayer(nnx.Module):
   """Pre-norm attention + SwiGLU MLP. The EAGLE drafter's layer has no input norm."""
 
-  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, input_norm: bool = True):
-    self.input_layernorm = _norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs) if input_norm else None
-    self.self_attn = Attention(cfg, dtype, rngs)
-    self.post_attention_layernorm = _norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
-    self.mlp = MLP(cfg, dtype, rngs)
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, input_norm: bool = True, param_dtype=None):
+    norm = lambda: _norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs, param_dtype=param_dtype)
+    self.input_layernorm = norm() if input_norm else None
+    self.self_attn = Attention(cfg, dtype, rngs, param_dtype)
+    self.post_attention_layernorm = norm()
+    self.mlp = MLP(cfg, dtype, rngs, param_dtype)
 
   def __call__(self, x, cos, sin, layer, k, v, lengths, mask, kv_block, attention, query_block=None, pages=None):
     h = x if self.input_layernorm is None else self.input_layernorm(x)
@@ -218,31 +220,41 @@ def _stack(layers: Sequence[DecoderLayer]) -> DecoderLayer:
 
 class Decoder(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
+  def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, param_dtype=None):
+    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype or dtype,
                                   embedding_init=_partitioned(_init, ("vocab", "embed")),
                                   rngs=rngs)
-    layers = [DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)]
+    layers = [DecoderLayer(cfg, dtype, rngs, param_dtype=param_dtype) for _ in range(cfg.num_layers)]
     self.layers = _stack(layers) if cfg.scan_layers else nnx.List(layers)
-    self.norm = _norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs)
+    self.norm = _norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, rngs, param_dtype=param_dtype)
 
 
 class CausalLM(nnx.Module):
-  """Decoder + LM head. Call it through `prefill`, `decode` or `verify`."""
+  """Decoder + LM head. Call it through `prefill`, `decode` or `verify`.
 
-  def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+  `dtype` is the compute dtype (matmul inputs, activations, KV caches); `param_dtype` (default: the
+  same) the weights' own. Mixed precision as MaxText keeps it: float32 weights (an optimizer's masters)
+  cast to a bfloat16 `dtype` as each layer reads them, normalization statistics and the LM head's
+  accumulation in float32.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
     self.config = cfg
-    self.model = Decoder(cfg, dtype, rngs)
+    self.dtype = jnp.dtype(dtype)
+    self.model = Decoder(cfg, dtype, rngs, param_dtype)
     if not cfg.tie_word_embeddings:
-      self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), False, dtype, rngs)
+      self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), False, dtype, rngs, param_dtype)
 
   def logits(self, hidden):
-    """LM head over final hidden states; float32 logits."""
+    """LM head over final hidden states: float32 logits, the matmul's inputs in the compute dtype and its
+    sums in float32 (bfloat16 logits of ~20 would be 0.125 apart)."""
     if self.config.tie_word_embeddings:
-      out = self.model.embed_tokens.attend(hidden)
-    else:
-      out = self.lm_head(hidden)
-    return out.astype(jnp.float32)
+      w = self.model.embed_tokens.embedding.get_value()
+      return jnp.einsum("...h,vh->...v", hidden.astype(self.dtype), w.astype(self.dtype),
+                        preferred_element_type=jnp.float32)
+    w = self.lm_head.kernel.get_value()
+    return jnp.einsum("...h,hv->...v", hidden.astype(self.dtype), w.astype(self.dtype),
+                      preferred_element_type=jnp.float32)
 
   def __call__(self, tokens_BxT, positions_BxT, cache: KVCache, mask_BxTxW, *,
                kv_block: int | None = None, attention: str = "auto", hidden_layers: Sequence[int] = (),

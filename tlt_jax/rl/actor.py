@@ -1,5 +1,11 @@
 """The policy update: log-probs recomputed by the trainer, GRPO/DAPO loss, micro-batched gradients.
 
+Precision follows the policy's weights (`policy.weight_dtype`): float32 masters (mixed precision) take
+float32 gradients, summed over micro-batches in float32, and an exact update; bfloat16 weights (pure
+bfloat16) take their update stochastically rounded, so that an update far below a weight's spacing
+still moves it by that amount on average. Log-probs are at the rollout's sampling temperature (logits
+/ T, as verl and TRL compute them): the ratio's behaviour policy is the one that sampled.
+
 Rows are packed (prompt, response) sequences (`packing.pack(..., index=True)`); each micro-batch
 is a fixed [micro_batch_rows, row_len] shape, so one executable serves every step. Gradients of
 the micro-batches of a mini-batch are summed (the token weights already sum to 1 over the
@@ -11,6 +17,7 @@ as they were, and the returned stats say `skipped=1`.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,12 +31,13 @@ from tlt_jax.models.transformer import CausalLM, KVCache
 from tlt_jax.rl import grpo
 
 # Planes of a training batch beyond the packed rows' tokens / positions / segments.
-FLOAT_PLANES = ("weights", "advantages", "old_logp", "ref_logp")
+FLOAT_PLANES = ("weights", "advantages", "old_logp", "ref_logp", "is_weights")
 
 
-def token_logprobs(model: CausalLM, tokens_BxT, positions_BxT, segments_BxT, *, remat: bool = False,
-                   chunk: int = 1024, query_block: int | None = None):
-  """(log p(token t | its sample's tokens before t), entropy of that distribution), [B, T] each.
+def token_logprobs(model: CausalLM, tokens_BxT, positions_BxT, segments_BxT, *, temperature: float = 1.0,
+                   remat: bool = False, chunk: int = 1024, query_block: int | None = None):
+  """(log p(token t | its sample's tokens before t), entropy of that distribution), [B, T] each, of the
+  distribution softmax(logits / temperature), in float32.
 
   Slot 0 (and every sample's first slot, a prompt token) has no prediction of its own sample:
   its values are meaningless and always weigh 0. The LM head runs over `chunk` positions at a
@@ -37,7 +45,7 @@ def token_logprobs(model: CausalLM, tokens_BxT, positions_BxT, segments_BxT, *, 
   row of a 152k vocabulary would be 20 GB).
   """
   b, t = tokens_BxT.shape
-  cache = KVCache.zeros(model.config, b, t, model.model.embed_tokens.embedding.dtype)
+  cache = KVCache.zeros(model.config, b, t, model.dtype)
   hidden, _, _ = model(tokens_BxT, positions_BxT, cache, packing.segment_mask(segments_BxT), remat=remat,
                        query_block=query_block)
   c = min(chunk, t)
@@ -47,7 +55,7 @@ def token_logprobs(model: CausalLM, tokens_BxT, positions_BxT, segments_BxT, *, 
 
   @jax.checkpoint
   def head(h_BxCxH, y_BxC):
-    logp_all = jax.nn.log_softmax(model.logits(h_BxCxH), axis=-1)
+    logp_all = jax.nn.log_softmax(model.logits(h_BxCxH) / temperature, axis=-1)
     return (jnp.take_along_axis(logp_all, y_BxC[..., None], axis=-1)[..., 0],
             -(jnp.exp(logp_all) * logp_all).sum(-1))
 
@@ -64,17 +72,48 @@ def make_optimizer(learning_rate: float, warmup_steps: int, weight_decay: float,
                      optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=weight_decay))
 
 
+class RoundingState(NamedTuple):
+  count: jax.Array  # updates so far: the stochastic rounding's noise is keyed by it
+
+
+def _counted() -> optax.GradientTransformation:
+  """Counts updates (leaves them unchanged): the key of a bfloat16 policy's stochastic rounding, kept in
+  the optimizer state so that a resumed run rounds as an uninterrupted one."""
+  return optax.GradientTransformation(lambda _: RoundingState(jnp.zeros([], jnp.int32)),
+                                      lambda u, s, p=None: (u, RoundingState(s.count + 1)))
+
+
+def stochastic_round(x, key) -> jax.Array:
+  """float32 -> bfloat16 rounding up with probability (x - down) / (up - down): unbiased, E[round(x)] = x.
+  Noise below bfloat16's last bit is added to the float32 bits, then those bits are dropped."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16
+  rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
+  return jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
+
+
+def rollout_copy(params, dtype):
+  """The policy's params cast to the rollout's compute dtype (each array keeps its sharding)."""
+  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
 class Actor:
   """Holds the policy's params and optimizer state; updates them from packed, weighted rows."""
 
   def __init__(self, model: CausalLM, optimizer: optax.GradientTransformation, *, micro_batch_rows: int,
                clip_low: float, clip_high: float, kl_coef: float = 0.0, remat: bool = False, logits_chunk: int = 1024,
-               attention_block: int = 0, mesh: jax.sharding.Mesh | None = None):
+               attention_block: int = 0, temperature: float = 1.0, seed: int = 0,
+               mesh: jax.sharding.Mesh | None = None):
     """`mesh`: micro-batches are split over its batch axes (model already placed on it); None: as given.
-    `attention_block` > 0: attention over this many queries at a time. Config: `rl.actor` gives the
-    keyword arguments but `mesh`, and `rl.optimizer` those of `make_optimizer`."""
+    `attention_block` > 0: attention over this many queries at a time; `temperature`: the rollout's
+    (log-probs of logits / T); `seed`: a bfloat16 policy's stochastic rounding. Config: `rl.actor` gives
+    the keyword arguments but `temperature`, `seed` and `mesh`, and `rl.optimizer` those of
+    `make_optimizer`."""
     self.graphdef, self.params = nnx.split(model)
-    self.optimizer = optimizer
+    self.rounding = any(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(self.params))
+    self.optimizer = optax.chain(optimizer, _counted()) if self.rounding else optimizer
+    self.seed = seed
+    optimizer = self.optimizer
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(self.params)):  # a dry run's model
       # Shaped and sharded like the state `optimizer.init` would make (moments follow their params).
       shardings = jax.jit(optimizer.init).lower(self.params).compile().output_shardings
@@ -87,7 +126,8 @@ class Actor:
     self.micro_batch_rows = micro_batch_rows
     self._loss_args = dict(clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef)
     self.uses_ref = kl_coef > 0
-    self._forward = dict(remat=remat, chunk=logits_chunk, query_block=attention_block or None)
+    self._forward = dict(temperature=temperature or 1.0, remat=remat, chunk=logits_chunk,
+                         query_block=attention_block or None)
     self.mesh = mesh
     # Log-probs come back to the host: replicated, so that every process can read them.
     self._logprobs = jax.jit(self._logprobs_fn, out_shardings=None if mesh is None else NamedSharding(mesh, P()))
@@ -100,14 +140,15 @@ class Actor:
 
   def _logprobs_fn(self, params, tokens, positions, segments):
     return token_logprobs(nnx.merge(self.graphdef, params), tokens, positions, segments,
-                          chunk=self._forward["chunk"], query_block=self._forward["query_block"])[0]
+                          **{**self._forward, "remat": False})[0]
 
   def _grads_fn(self, params, batch):
     def loss(p):
       logp, entropy = token_logprobs(nnx.merge(self.graphdef, p), batch["tokens"], batch["positions"],
                                      batch["segments"], **self._forward)
       value, stats = grpo.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["weights"],
-                                      ref_logp_BxT=batch["ref_logp"] if self.uses_ref else None, **self._loss_args)
+                                      ref_logp_BxT=batch["ref_logp"] if self.uses_ref else None,
+                                      is_weights_BxT=batch["is_weights"], **self._loss_args)
       stats["entropy"] = (entropy * batch["weights"]).sum()
       return value, stats
     (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
@@ -118,6 +159,13 @@ class Actor:
     norm = optax.tree.norm(grads)
     updates, new_state = self.optimizer.update(grads, opt_state, params)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(jnp.isfinite(norm), a, b), new, old)
+    if self.rounding:  # bfloat16 weights: p + u in float32, stochastically rounded, a key per leaf
+      leaves, tree = jax.tree.flatten(params)
+      key = jax.random.fold_in(jax.random.key(self.seed), new_state[-1].count)
+      new = [stochastic_round(p.astype(jnp.float32) + u.astype(jnp.float32), jax.random.fold_in(key, i))
+             if p.dtype == jnp.bfloat16 else (p + u).astype(p.dtype)
+             for i, (p, u) in enumerate(zip(leaves, tree.flatten_up_to(updates)))]
+      return keep(jax.tree.unflatten(tree, new), params), keep(new_state, opt_state), norm
     return keep(optax.apply_updates(params, updates), params), keep(new_state, opt_state), norm
 
   # ---- host side ----
@@ -174,11 +222,34 @@ class Actor:
 
 
 def training_batch(rows_5xRxT: np.ndarray, advantages: np.ndarray, keep: np.ndarray, aggregation: str,
-                   old_logp: np.ndarray, ref_logp: np.ndarray | None) -> dict[str, np.ndarray]:
-  """The planes `Actor.update` takes, for packed rows whose index plane numbers the samples."""
+                   old_logp: np.ndarray, ref_logp: np.ndarray | None,
+                   is_weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
+  """The planes `Actor.update` takes, for packed rows whose index plane numbers the samples;
+  `is_weights` [R, T]: each token's policy-loss weight (truncated importance sampling; None: 1)."""
   tokens, positions, segments, loss_mask, index = rows_5xRxT
   adv = np.where(index > 0, np.asarray(advantages, np.float32)[np.maximum(index - 1, 0)], 0.0)
   return {"tokens": tokens, "positions": positions, "segments": segments,
           "weights": grpo.token_weights(index, loss_mask, keep, aggregation), "advantages": adv.astype(np.float32),
-          "old_logp": old_logp, "ref_logp": old_logp if ref_logp is None else ref_logp}
+          "old_logp": old_logp, "ref_logp": old_logp if ref_logp is None else ref_logp,
+          "is_weights": np.ones(tokens.shape, np.float32) if is_weights is None else is_weights.astype(np.float32)}
+
+
+def response_plane(rows_5xRxT: np.ndarray, values: Sequence[np.ndarray]) -> np.ndarray:
+  """[R, T] float32: each packed sample's per-response-token `values` (e.g. the rollout's log-probs of
+  its tokens) at its response slots, in order (a sample truncated by packing: its first ones); 0 elsewhere."""
+  _, _, _, loss_mask, index = rows_5xRxT
+  out = np.zeros(index.shape, np.float32)
+  for number, v in enumerate(values, 1):
+    slots = np.nonzero((index == number) & (loss_mask > 0))  # one row, in order
+    out[slots] = np.asarray(v, np.float32)[:len(slots[0])]
+  return out
+
+
+def mismatch(trainer_logp: np.ndarray, rollout_logp: np.ndarray, rows_5xRxT: np.ndarray) -> dict[str, float]:
+  """Sums over the response tokens of packed rows of the training-inference mismatch (what verl logs of
+  vLLM against FSDP): |rollout log p - trainer log p|, and the k3 estimate of KL(rollout || trainer),
+  exp(d) - d - 1 with d = trainer - rollout (unbiased under the rollout's samples, >= 0); and the count."""
+  mask = (rows_5xRxT[3] > 0) & (rows_5xRxT[4] > 0)
+  d = (np.asarray(trainer_logp, np.float64) - rollout_logp)[mask]
+  return {"abs_diff": float(np.abs(d).sum()), "k3": float((np.expm1(d) - d).sum()), "tokens": int(mask.sum())}
 

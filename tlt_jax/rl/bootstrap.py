@@ -67,12 +67,11 @@ def load_tokenizer(config):
 
 
 def load_policy(config) -> tuple[CausalLM, object]:
-  """The policy and its tokenizer: `policy.path`, else the tiny world's (SFT into the workdir if absent)."""
-  if config.policy.path:
-    return (hf.from_pretrained(config.policy.path, dtype=config.policy.dtype, scan_layers=config.policy.scan_layers),
-            hf.load_tokenizer(config.policy.path))
-  policy_dir = os.path.join(config.workdir, "policy")
-  if _missing(os.path.join(policy_dir, "config.json")):
+  """The policy (computing in `policy.dtype`, its weights in `policy.weight_dtype`) and its tokenizer:
+  `policy.path`, else the tiny world's (SFT into the workdir if absent)."""
+  p = config.policy
+  policy_dir = p.path or os.path.join(config.workdir, "policy")
+  if not p.path and _missing(os.path.join(policy_dir, "config.json")):
     if distributed.primary():
       logging.info("no policy in %s: SFT warm start of the tiny policy", policy_dir)
       tok = tokenizer_lib.build_tokenizer(config.model.max_position_embeddings)
@@ -80,9 +79,7 @@ def load_policy(config) -> tuple[CausalLM, object]:
       logging.info("SFT loss %.3f -> %.3f", losses[0], losses[-1])
       hf.save_pretrained(model, policy_dir, tokenizer=tok)
     distributed.barrier("tiny policy")
-    if distributed.primary():
-      return model, tok
-  return (hf.from_pretrained(policy_dir, dtype=config.policy.dtype, scan_layers=config.policy.scan_layers),
+  return (hf.from_pretrained(policy_dir, dtype=p.dtype, param_dtype=p.weight_dtype, scan_layers=p.scan_layers),
           hf.load_tokenizer(policy_dir))
 
 

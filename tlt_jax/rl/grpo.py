@@ -75,10 +75,12 @@ def token_weights(sample_B: np.ndarray, loss_mask_B: np.ndarray, keep: np.ndarra
 
 
 def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: jax.Array, weights_BxT: jax.Array,
-                clip_low: float, clip_high: float, ref_logp_BxT: jax.Array | None = None, kl_coef: float = 0.0):
+                clip_low: float, clip_high: float, ref_logp_BxT: jax.Array | None = None, kl_coef: float = 0.0,
+                is_weights_BxT: jax.Array | None = None):
   """Clipped-ratio policy-gradient loss (+ kl_coef * low-variance KL to the reference).
 
-  ratio = exp(logp - old); per token -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A);
+  ratio = exp(logp - old); per token -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A),
+  times `is_weights_BxT` where given (truncated importance sampling of the rollout's numerics);
   the KL is the k3 estimator exp(ref - logp) - (ref - logp) - 1 (unbiased, always >= 0).
   Returns (loss, stats) where stats are weighted means (clip fraction, KL, ratio).
   """
@@ -86,6 +88,8 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, advantages_BxT: ja
   unclipped = ratio * advantages_BxT
   clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages_BxT
   pg = -jnp.minimum(unclipped, clipped)
+  if is_weights_BxT is not None:
+    pg = pg * is_weights_BxT
   loss = (pg * weights_BxT).sum()
   stats = {"pg_loss": loss, "clip_frac": ((clipped < unclipped) * weights_BxT).sum(),
            "ratio": (ratio * weights_BxT).sum()}

@@ -59,7 +59,7 @@ def sequences(examples, tok, unanswered: float = 0.0, seed: int = 0):
 def lm_loss(model: CausalLM, tokens, positions, segments, loss_mask):
   """Mean next-token cross-entropy over the loss mask; packed samples never see each other."""
   b, t = tokens.shape
-  cache = KVCache.zeros(model.config, b, t, model.model.embed_tokens.embedding.dtype)
+  cache = KVCache.zeros(model.config, b, t, model.dtype)
   hidden, _, _ = model(tokens, positions, cache, packing.segment_mask(segments))
   logits = model.logits(hidden[:, :-1])
   weights = loss_mask[:, 1:]

@@ -7,8 +7,9 @@ One step:
      `rollout.drafter='suffix'`; or plain with `rollout.speculative=False`); row keys depend on the
      running prompt count, so a resumed run samples exactly what the uninterrupted one would have;
   3. rewards (+ DAPO's overlong penalty), group advantages, dynamic sampling, overlong filtering;
-  4. log-probs of the responses recomputed by the trainer (`old_logp`; rollout numerics never
-     enter the loss), then `mini_batches` optimizer updates of micro-batched gradients;
+  4. log-probs of the responses recomputed by the trainer (`old_logp`; rollout numerics enter the
+     loss only through `rl.tis_cap`'s importance weights), their gap to the rollout's own log-probs
+     logged (`mismatch/*`), then `mini_batches` optimizer updates of micro-batched gradients;
   5. the new policy into the rollouts (the drafter reads its embedding and lm_head live);
   6. a metrics record (`rollout/compilations`: executables compiled during the rollout, the first
      step's engines' and drafter trainer's; none after it); a checkpoint every `checkpoint.every` steps.
@@ -84,7 +85,10 @@ class Trainer:
     if c.eval.every and eval_prompts is None:
       raise ValueError("config.eval.every: held-out evaluations need eval_prompts")
     self.policy, self.tok, self.prompts, self.eval_prompts = policy, tokenizer, prompts, eval_prompts
-    self.rollout, self.eval_rollout = rollouts.make(c, policy, drafter, tokenizer, devices or jax.devices())
+    # The rollouts hold the policy in its compute dtype (a bfloat16 copy of float32 masters).
+    graphdef, state = nnx.split(policy)
+    rollout_policy = nnx.merge(graphdef, actor_lib.rollout_copy(state, policy.dtype))
+    self.rollout, self.eval_rollout = rollouts.make(c, rollout_policy, drafter, tokenizer, devices or jax.devices())
     # Each takes the policy's params after an update (once: the rollout may be the evaluations' too).
     self._rollouts = [self.rollout] + ([self.eval_rollout] if self.eval_rollout not in (None, self.rollout) else [])
     if distributed.multiprocess():  # the actor runs SPMD over every process's devices
@@ -92,6 +96,7 @@ class Trainer:
       state = nnx.state(self.policy)
       nnx.update(self.policy, jax.device_put(jax.tree.map(np.asarray, state), sharding.param_shardings(state, mesh)))
     self.actor = actor_lib.Actor(self.policy, actor_lib.make_optimizer(**c.rl.optimizer), **c.rl.actor,
+                                 temperature=c.rollout.sampling.temperature, seed=c.seed,
                                  mesh=mesh if distributed.multiprocess() else None)
     self.ref_params = jax.tree.map(jnp.copy, self.actor.params) if self.actor.uses_ref else None
     self._push_policy()
@@ -145,9 +150,10 @@ class Trainer:
     logging.info("resumed from %s at step %d", os.path.join(self.checkpoints.directory, str(step)), self.step)
 
   def _push_policy(self) -> None:
-    """The actor's params into the rollouts."""
+    """The actor's params into the rollouts, cast once to the compute dtype."""
+    params = actor_lib.rollout_copy(self.actor.params, self.policy.dtype)
     for rollout in self._rollouts:
-      rollout.set_policy_params(self.actor.params)
+      rollout.set_policy_params(params)
 
   # ---- held-out evaluation ----
 
@@ -243,13 +249,19 @@ class Trainer:
       return {"train/updates": 0, "train/skipped_updates": 0}
     order = np.random.default_rng([c.seed, self.step]).permutation(kept)
     sequences = [(examples[s.prompt_index].prompt_ids, s.tokens.tolist()) for s in samples]
-    batches = []
+    batches, gap = [], {"abs_diff": 0.0, "k3": 0.0, "tokens": 0}
     for part in np.array_split(order, min(c.rl.mini_batches, len(order))):
       rows = packing.pack([sequences[i] for i in part], c.rl.row_len, index=True)
       old = self.actor.logprobs(self.actor.params, rows)
       ref = self.actor.logprobs(self.ref_params, rows) if self.ref_params is not None else None
+      rollout_logp = actor_lib.response_plane(rows, [samples[i].logprobs for i in part])
+      for k, v in actor_lib.mismatch(old, rollout_logp, rows).items():
+        gap[k] += v
+      is_weights = np.minimum(np.exp(old - rollout_logp), c.rl.tis_cap) if c.rl.tis_cap else None
       batches.append(actor_lib.training_batch(rows, adv[part], np.ones(len(part), bool), c.rl.loss_aggregation,
-                                              old, ref))
+                                              old, ref, is_weights))
+    mismatch = {"mismatch/logp_abs_diff": gap["abs_diff"] / max(gap["tokens"], 1),
+                "mismatch/kl_k3": gap["k3"] / max(gap["tokens"], 1)}
     sums, skipped = {}, 0
     for batch in batches:
       stats = self.actor.update(batch)
@@ -270,7 +282,7 @@ class Trainer:
         sums[k] = sums.get(k, 0.0) + v
     applied = len(batches) - skipped
     return {**{f"train/{k}": v / max(applied, 1) for k, v in sums.items()}, "train/updates": applied,
-            "train/skipped_updates": skipped}
+            "train/skipped_updates": skipped, **mismatch}
 
   # ---- the loop ----
 
@@ -307,14 +319,17 @@ class Trainer:
     return None if self.saved_step is None else os.path.join(self.checkpoints.directory, str(self.saved_step))
 
   def export(self) -> None:
-    """The trained policy as a Hugging Face directory (<workdir>/export/policy) and the drafter as
-    an EAGLE checkpoint for serving engines (<workdir>/export/drafter)."""
+    """The trained policy as a Hugging Face directory (<workdir>/export/policy, in `policy.export_dtype`:
+    by default the dtype of the checkpoint it started from) and the drafter as an EAGLE checkpoint for
+    serving engines (<workdir>/export/drafter)."""
     out = os.path.join(self.config.workdir, "export")
     policy = nnx.merge(self.actor.graphdef, distributed.to_host(self.actor.params)) if distributed.multiprocess() \
         else self.actor.model()
     if not distributed.primary():
       return
-    hf.save_pretrained(policy, os.path.join(out, "policy"), tokenizer=self.tok)
+    p = self.config.policy
+    dtype = p.export_dtype or (hf.checkpoint_dtype(p.path) if p.path else p.dtype)
+    hf.save_pretrained(policy, os.path.join(out, "policy"), tokenizer=self.tok, dtype=dtype)
     drafter = self.rollout.drafter_model()
     if drafter is not None:
       export.export_eagle(policy, drafter, os.path.join(out, "drafter"))

@@ -117,8 +117,7 @@ class Engine:
     self.page_shards = self._page_shards(config, mesh)
     graphdef, self.params = nnx.split(model)
     drafter_graphdef, self.drafter_params = nnx.split(drafter) if drafter is not None else (None, None)
-    self.steps = steps.Steps(config, params, model.config, graphdef, drafter_graphdef,
-                             model.model.embed_tokens.embedding.dtype)
+    self.steps = steps.Steps(config, params, model.config, graphdef, drafter_graphdef, model.dtype)
     self.pool = ExecutablePool()
     self._ran: set[tuple] = set()  # segment executables that have run (a first run's time is no reward)
 

@@ -125,7 +125,7 @@ class Steps:
     model_config: the target's architecture.
     graphdef: the target's `nnx` graph definition; its params are an argument of every step.
     drafter_graphdef: the drafter's, or None without a drafter.
-    dtype: the target's parameter dtype (caches and captured features use it).
+    dtype: the target's compute dtype (caches and captured features use it).
   """
 
   config: EngineConfig
