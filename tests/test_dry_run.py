@@ -54,11 +54,13 @@ def test_dry_run_compiles_and_sizes_every_part(report):
   assert gradient["tflops"] > 0 and gradient["resident_gb"] > 0
   # Params are split over fsdp: the update's resident memory is well under the whole state's.
   assert report["executables"]["train/update"]["resident_gb"] < 3 * report["policy_gb"]
-  # The trainer's float32 masters and AdamW moments (3 x the policy, split over fsdp 4 where the shapes
-  # divide) stay resident during a rollout, and a rollout group's copy (split over its 2 devices) during
-  # training: each executable's need counts the other side's.
+  # The trainer's float32 masters and AdamW moments (3 x the policy, the moments sharded like their
+  # params over fsdp 4: left to XLA they came out replicated) stay resident during a rollout, and a
+  # rollout group's copy (split over its 2 devices) during training: each executable's need counts
+  # the other side's.
   state, copy = report["trainer_state_gb"], report["rollout_copy_gb"]
-  assert 3 * report["policy_gb"] / 4 <= state < 3 * report["policy_gb"] and report["policy_gb"] / 2 <= copy
+  assert 3 * report["policy_gb"] / 4 <= state < 1.05 * 3 * report["policy_gb"] / 4
+  assert report["policy_gb"] / 2 <= copy
   assert report["coresident_gb"] == {"train/gradient": pytest.approx(state + copy), "train/update": copy,
                                      "rollout": state}
   name = report["max_per_device_executable"]

@@ -109,10 +109,12 @@ def _overrides(config) -> list[str]:
 def _fault_config(workdir, steps, policy_dir, drafter_dir, cache_dir):
   """TLT on one rollout group: the drafter trains a fixed number of steps after each rollout
   (with several groups the count depends on how long the tail takes, so no two runs agree). A
-  bfloat16 policy (`policy_dir` holds one) with float32 masters, as the GPU configs run."""
+  bfloat16 policy (`policy_dir` holds one) with float32 masters, as the GPU configs run, and the
+  mismatch's optional correction on."""
   c = tiny_rl_config(workdir, steps, cache_dir)
   c.policy.path = policy_dir
   c.policy.dtype = "bfloat16"
+  c.rl.tis_cap = 2.0  # truncated importance sampling of the rollout's log-probs, resumed exactly too
   c.checkpoint.every = 1
   c.mesh.cpu_devices = 0  # the 8 devices XLA_FLAGS gives this process and its subprocesses: one compilation cache
   c.rollout.speculative = True

@@ -502,7 +502,7 @@ def setup_devices(config) -> None:
   if cpu_devices:  # only the CPU backend's device count: on an accelerator host this changes nothing
     jax.config.update("jax_num_cpu_devices", cpu_devices)
   d = config.distributed
-  if d.enabled or _multi_host_environment():
+  if (d.enabled or _multi_host_environment()) and not config.dry_run:  # a dry run simulates the devices
     kwargs = {}
     if d.coordinator_address:  # else jax finds them in the Slurm / Kubernetes / Cloud TPU environment
       kwargs = dict(coordinator_address=d.coordinator_address, num_processes=d.num_processes, process_id=d.process_id)

@@ -92,6 +92,17 @@ def stochastic_round(x, key) -> jax.Array:
   return jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
 
 
+def state_shardings(optimizer: optax.GradientTransformation, params):
+  """The shardings of `optimizer`'s state for `params` (sharded arrays, or abstract ones with shardings):
+  each copy of the params (AdamW's moments) sharded like them, the rest (step counts) replicated. XLA
+  left to choose would replicate the moments (zeros depend on no sharded input): 8x their memory
+  under FSDP over 8 devices."""
+  shardings = jax.tree.map(lambda x: x.sharding, params)
+  replicated = NamedSharding(jax.tree.leaves(shardings)[0].mesh, P())
+  return optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params), shardings,
+                               transform_non_params=lambda _: replicated)
+
+
 def rollout_copy(params, dtype):
   """The policy's params cast to the rollout's compute dtype (each array keeps its sharding)."""
   return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
@@ -114,13 +125,14 @@ class Actor:
     self.optimizer = optax.chain(optimizer, _counted()) if self.rounding else optimizer
     self.seed = seed
     optimizer = self.optimizer
-    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(self.params)):  # a dry run's model
-      # Shaped and sharded like the state `optimizer.init` would make (moments follow their params).
-      shardings = jax.jit(optimizer.init).lower(self.params).compile().output_shardings
-      self.opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                    jax.eval_shape(optimizer.init, self.params), shardings)
-    elif mesh is not None:  # on the mesh: moments follow their params, the step count is replicated
-      self.opt_state = jax.jit(optimizer.init)(self.params)
+    abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(self.params))  # a dry run's
+    if abstract or mesh is not None:  # the moments sharded like their params (FSDP), the counts replicated
+      shardings = state_shardings(optimizer, self.params)
+      if abstract:
+        self.opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                      jax.eval_shape(optimizer.init, self.params), shardings)
+      else:
+        self.opt_state = jax.jit(optimizer.init, out_shardings=shardings)(self.params)
     else:
       self.opt_state = optimizer.init(self.params)
     self.micro_batch_rows = micro_batch_rows
