@@ -154,10 +154,11 @@ def run(config) -> dict:
       break
 
   report["executables"] = executables
-  report["cache_rows"] = cache_rows(config, cfg, base, dtype.itemsize, eagle, len(group_mesh.devices.flat),
-                                    executables[f"rollout/plain/{base.batch_buckets[-1]}"]["resident_gb"])
   report["policy_gb"] = round(_bytes(nnx.state(policy)) / GB, 6)
   report["trainer_state_gb"] = round(_device_bytes((actor.params, actor.opt_state)) / GB, 6)
+  report["cache_rows"] = cache_rows(config, cfg, base, dtype.itemsize, eagle, len(group_mesh.devices.flat),
+                                    executables[f"rollout/plain/{base.batch_buckets[-1]}"]["resident_gb"]
+                                    + report["trainer_state_gb"])
   report["rollout_copy_gb"] = round(_device_bytes((nnx.state(group_policy), nnx.state(drafter) if eagle else ())) / GB,
                                     6)
   if eagle:  # the rollout's captured features: this many bytes per process in each checkpoint at most
@@ -192,7 +193,8 @@ def cache_rows(config, cfg: ModelConfig, engine: EngineConfig, itemsize: int, dr
   capacity: the largest bucket) and paged (`engine.page_size`, else kv_block-sized pages; the
   prompt's full pages shared by its samples, each row's last page half empty on average plus one
   play's reservation), in the contiguous cache's bytes and in the device memory the rollout's
-  resident state leaves free (`mesh.device_memory_gb`; scratch memory not counted)."""
+  resident state and the trainer's beside it leave free (`rollout_resident_gb`; `mesh.device_memory_gb`;
+  scratch memory not counted)."""
   r = config.rollout
   shards = min(group_devices, cfg.num_kv_heads)  # the cache splits over KV heads inside a group
   token_bytes = 2 * (cfg.num_layers + drafter) * cfg.num_kv_heads * cfg.head_dim * itemsize / shards
