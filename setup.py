@@ -41,9 +41,16 @@ setup(
         # ruff: tests/test_lint.py checks the code against ruff.toml.
         # triton: tests/kernels/test_triton_gpu.py runs the Triton kernel in Triton's interpreter (CPU);
         # 3.6's interpreter fails under NumPy >= 2.4 (it takes a 1-element array for an int), 3.7's does not.
+        # trl: tests/rl/test_grpo.py runs TRL's own GRPOTrainer loss beside ours (pinned: it calls its
+        # private _compute_loss); datasets / wandb: the data and wandb extras' tests.
         "test": ["gguf>=0.10", "accelerate>=1.0", "pytest>=8", "pytest-xdist>=3.5,<4", "scipy>=1.11", "torch>=2.4,<3",
                  "hypothesis>=6.100,<7", "nbclient>=0.10,<0.11", "nbformat>=5.10,<6", "ipykernel>=6.29,<8",
-                 "matplotlib>=3.8,<4", "ruff>=0.15,<1", "triton>=3.7,<3.10"],
+                 "matplotlib>=3.8,<4", "ruff>=0.15,<1", "triton>=3.7,<3.10", "trl==1.16.0", "datasets>=2.18,<6",
+                 "wandb>=0.19,<1"],
+        # Prompt files saved by Hugging Face datasets (`save_to_disk` directories) as data.path / eval sets.
+        "data": ["datasets>=2.18,<6"],
+        # config.logging.wandb=True: metrics to a Weights & Biases run too.
+        "wandb": ["wandb>=0.19,<1"],
         # NVIDIA GPUs, for the target machine (JAX 0.11.2, CUDA 13, Python 3.12): jax[cuda13] at the
         # jax pinned above; attention='triton' (kernels/triton_gpu.py) calls its kernel through
         # jax-triton, whose 0.3.1 (the newest the package index serves; py3-none-any, Python >= 3.11)
@@ -53,7 +60,7 @@ setup(
         # must be as new (jax[cuda13] takes the newest nvidia-cuda-nvcc, 13.5 on 2026-11-23), else
         # set TRITON_PTXAS_BLACKWELL_PATH (sm_90+) / TRITON_PTXAS_PATH to that ptxas.
         "gpu": ["jax[cuda13]", "jax-triton>=0.3.1,<0.5", "triton>=3.6,<3.10"],
-        "notebooks": ["jupyter>=1.0,<2", "nbclient>=0.10,<0.11", "matplotlib>=3.8,<4", "datasets>=2.18,<5",
+        "notebooks": ["jupyter>=1.0,<2", "nbclient>=0.10,<0.11", "matplotlib>=3.8,<4", "datasets>=2.18,<6",
                       "huggingface_hub>=0.30,<3"],
     },
 )

@@ -160,6 +160,7 @@ def tiny_rl_config(workdir, steps: int, cache_dir):
   c.eval.every = 2
   c.eval.size = 3
   c.eval.num_samples = 2
+  c.data.reward_workers = 0  # in this process (tests/rl/test_rewards.py and tests/test_main.py run the pool)
   return c
 
 

@@ -47,9 +47,10 @@ NON_NEGATIVE_FLOATS = (
     "drafter.distill.learning_rate", "drafter.trainer.learning_rate", "rl.optimizer.learning_rate",
     "rl.optimizer.weight_decay", "rl.actor.clip_high", "rl.actor.kl_coef")
 POSITIVE_FLOATS = ("model.rope_theta", "task.tail_alpha", "rl.optimizer.max_grad_norm", "rollout.sampling.top_p")
-CHOICES = ("policy.dtype", "data.reward", "rollout.engine.attention", "rl.loss_aggregation", "rollout.drafter")
-VALID_CHOICES = {"float32", "bfloat16", *rewards.REWARDS, *tree_attention.IMPLEMENTATIONS, *grpo.AGGREGATIONS, "eagle",
-                 "suffix"}
+CHOICES = ("policy.dtype", "policy.weight_dtype", "data.reward", "rollout.engine.attention", "rl.loss_aggregation",
+           "rl.advantage_std", "rollout.drafter")
+VALID_CHOICES = {"float32", "bfloat16", *rewards.REWARDS, *tree_attention.IMPLEMENTATIONS, *grpo.AGGREGATIONS,
+                 *grpo.ADVANTAGE_STDS, "eagle", "suffix"}
 
 negative = st.floats(max_value=-1e-9) | st.just(-math.inf) | st.just(math.nan)
 word = st.text("abcdefghijklmnopqrstuvwxyz0123456789_-", max_size=10)
@@ -111,7 +112,7 @@ def assign(config, key: str, value) -> None:
 
 
 @pytest.mark.parametrize("name", ["base", "tiny", "r1_7b", "qwen2_5_0_5b", "qwen2_5_7b", "qwen2_5_32b", "accelerator",
-                                  "smollm2"])
+                                  "gsm8k_style", "smollm2"])
 def test_shipped_configs_pass(name):
   config_lib.check(config_lib.base() if name == "base" else __import__(f"configs.{name}", fromlist=["_"]).get_config())
 
@@ -174,7 +175,8 @@ def test_subtrees_build_the_dataclasses_they_mirror(name):
   assert BufferConfig(**c.drafter.buffer).max_pairs == c.drafter.buffer.max_pairs
   assert set(c.rl.optimizer) == set(inspect.signature(actor_lib.make_optimizer).parameters)
   actor_kwargs = inspect.signature(actor_lib.Actor).parameters
-  assert set(c.rl.actor) == {k for k, p in actor_kwargs.items() if p.kind == p.KEYWORD_ONLY} - {"mesh"}
+  assert set(c.rl.actor) == {k for k, p in actor_kwargs.items() if p.kind == p.KEYWORD_ONLY} - {"mesh", "temperature",
+                                                                                                 "seed"}
 
 
 @pytest.mark.parametrize("old", sorted(config_lib.RENAMED))
@@ -306,3 +308,33 @@ def test_tuple_overrides_parse_on_the_command_line(tmp_path, flags, parsed):
   assert code == 3, err[-2000:]
   assert json.loads(out.strip().splitlines()[-1]) == parsed
 
+
+
+def test_evaluation_sets_are_checked_key_by_key():
+  """`eval.sets.<name>` holds `config.eval_set`'s keys: each set's values are checked like the others, and
+  sets need `eval.every`."""
+  def with_set(**keys):
+    c = config_lib.base()
+    c.eval.every = 5
+    c.eval.sets.gsm8k = config_lib.eval_set(**{"path": "test.jsonl", **keys})
+    return c
+  config_lib.check(with_set(num_samples=8, k=4, temperature=0.0))
+  for keys, message in [
+      (dict(k=9, num_samples=8), r"config.eval.sets.gsm8k.k=9: must be <= its num_samples"),
+      (dict(num_samples=0), r"config.eval.sets.gsm8k.num_samples=0: must be an integer >= 1"),
+      (dict(temperature=-0.5), r"config.eval.sets.gsm8k.temperature=-0.5: must be >= 0, or -1"),
+      (dict(path=""), r"config.eval.sets.gsm8k.path='': must name a file"),
+      (dict(reward="accuracy"), r"config.eval.sets.gsm8k.reward='accuracy': unknown reward"),
+      (dict(answer_regex="(x"), r"config.eval.sets.gsm8k.answer_regex='\(x': answer_regex")]:
+    with pytest.raises(ValueError, match=message):
+      config_lib.check(with_set(**keys))
+  c = with_set()
+  c.eval.sets.gsm8k.samples = 4  # not a key of a set
+  with pytest.raises(ValueError, match=r"config.eval.sets.gsm8k.samples: unknown key"):
+    config_lib.check(c)
+  c = with_set()
+  c.eval.every = 0
+  with pytest.raises(ValueError, match=r"config.eval.every=0: must be > 0: evaluation set 'gsm8k'"):
+    config_lib.check(c)
+  with pytest.raises(ValueError, match="eval_set: unknown key 'samples'"):
+    config_lib.eval_set(samples=4)

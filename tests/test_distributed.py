@@ -1,6 +1,7 @@
 """Two processes (jax.distributed on localhost, gloo) x 4 CPU devices run `python -m tlt_jax.main`
 with TLT like one process on 8 devices: 2 steps (rewards equal, the policy update equal up to
-float rounding), checkpoints written once, and a fresh 2-process run restores the last one."""
+float rounding, the held-out evaluation before them equal: each process samples its share),
+checkpoints written once, and a fresh 2-process run restores the last one."""
 
 import json
 import os
@@ -84,7 +85,7 @@ def _tlt_config(workdir, policy_dir, cache_dir, drafter_path):
   c.drafter.trainer.rows_per_device = 1
   c.drafter.trainer.warmup_steps = 1
   c.checkpoint.every = 1
-  c.eval.every = 0  # held-out evaluation is single-process only
+  c.eval.every = 2  # before step 1 and after step 2: each process evaluates its share of the prompts
   c.seed = 1  # a random policy ends some responses early in both steps: rewards differ, gradients flow
   # One update a step of the 8 samples in one micro-batch, in rows barely longer than a sample
   # (prompts are 19-24 tokens, responses up to 24): 5-8 rows, so its rows on the last 4 of the 8
@@ -112,7 +113,7 @@ def test_two_processes_match_one(tmp_path, tiny_policy_dir, xla_cache, monkeypat
   c = _tlt_config(two, tiny_policy_dir, xla_cache, drafter)
   _launch(c, tmp_path)  # process 0 warms the drafter up while process 1 waits, then both run 2 steps
   records = metrics.read(str(two / "metrics.jsonl"))  # process 0's alone
-  assert [r["step"] for r in records] == [1, 2] and all(r["spot/groups"] == 2 for r in records)
+  assert [r["step"] for r in records] == [0, 1, 2] and all(r["spot/groups"] == 2 for r in records[1:])
   assert records[-1]["drafter/version"] >= 1 and sorted(os.listdir(two / "checkpoints")) == ["1", "2"]
   os.rename(two / "export", tmp_path / "export")
   # A fresh 2-process run restores step 2 (drafter, each process's drafter data buffer, bandits) and exports it again.
@@ -139,7 +140,11 @@ def test_two_processes_match_one(tmp_path, tiny_policy_dir, xla_cache, monkeypat
     trainer.close()
   assert len(rows) == 2 and min(rows) > 4, rows  # process 1's devices hold rows of every update
   exact = lambda record: {k: v for k, v in record.items() if k.startswith(EXACT)}
-  assert [exact(r) for r in records] == [exact(r) for r in reference]
+  assert [exact(r) for r in records[1:]] == [exact(r) for r in reference]
+  # The evaluation of the initial policy: the held-out prompts (2: one of the 3 is too long) split 1 + 1.
+  at_start = lambda record: {k: v for k, v in record.items() if k.startswith("eval/")}
+  first = metrics.read(str(one / "metrics.jsonl"))[0]
+  assert first["step"] == 0 and at_start(records[0]) == at_start(first) and len(first["eval/prompt_rewards"]) == 2
   stats = lambda records: [{k: r[f"train/{k}"] for k in ("loss", "grad_norm")} for r in records]
   assert all(r["train/grad_norm"] > 0 for r in reference)
   initial = nnx.state(hf.from_pretrained(tiny_policy_dir))

@@ -37,6 +37,10 @@ BAD_CONFIGS = [
     (["--config.policy.weight_dtype=bfloat16"], "config.policy.weight_dtype='bfloat16': bfloat16 master weights "
      "need policy.dtype=bfloat16 (weights narrower than the compute)"),
     (["--config.rl.tis_cap=0.5"], "config.rl.tis_cap=0.5: must be 0 (off) or >= 1"),
+    (["--config.data.reward=my_reward.py:compute_score"], "config.data.reward='my_reward.py:compute_score': reward "
+     "'my_reward.py:compute_score': cannot import my_reward.py: FileNotFoundError: no such file: my_reward.py"),
+    (["--config.data.answer_regex=(#### "], "config.data.answer_regex='(#### ': answer_regex '(#### ': missing )"),
+    (["--config.rl.normalize_std=False"], "config.rl.normalize_std is now config.rl.advantage_std"),
     (["--config.rollout.strategies=('4_x_5',)"], "config.rollout.strategies=('4_x_5',)"),
     (["--config.rollout.strategies=4_1_5,5_2_8"],  # unquoted, 4_1_5 is the number 415
      "config.rollout.strategies=(415, 528): must be a tuple of strategy names in quotes, e.g. "
@@ -115,6 +119,7 @@ def _fault_config(workdir, steps, policy_dir, drafter_dir, cache_dir):
   c.policy.path = policy_dir
   c.policy.dtype = "bfloat16"
   c.rl.tis_cap = 2.0  # truncated importance sampling of the rollout's log-probs, resumed exactly too
+  c.data.reward_workers = 2  # the rewards in worker processes, as a run has them
   c.checkpoint.every = 1
   c.mesh.cpu_devices = 0  # the 8 devices XLA_FLAGS gives this process and its subprocesses: one compilation cache
   c.rollout.speculative = True

@@ -33,6 +33,7 @@ from tlt_jax import fields
 from tlt_jax.drafter.buffer import BufferConfig
 from tlt_jax.drafter.trainer import DrafterTrainerConfig
 from tlt_jax.models import ModelConfig
+from tlt_jax.rl import datasets
 from tlt_jax.rl import grpo
 from tlt_jax.rl import rewards
 from tlt_jax.rl import tasks
@@ -102,10 +103,21 @@ def base() -> ml_collections.ConfigDict:
   c.task.max_terms = 24
   c.task.tail_alpha = 1.0
   c.data = ml_collections.ConfigDict()
-  c.data.path = ""  # "" = procedural tasks (task.*)
+  c.data.path = ""  # "" = procedural tasks (task.*); a .jsonl / .parquet file or a datasets.save_to_disk directory
   c.data.size = 4096  # procedural prompts
   c.data.max_prompt_len = 128
-  c.data.reward = "reasoning_gym"  # rewards.REWARDS
+  # Where a file's rows hold what a prompt needs (tlt_jax.rl.datasets.Keys): "" = the usual names
+  # (prompt / question / problem; reward_model.ground_truth, ground_truth / answer / solution).
+  c.data.prompt_key = ""
+  c.data.answer_key = ""  # a dotted path into the row, e.g. "reward_model.ground_truth"
+  c.data.answer_regex = ""  # its first group is the ground truth, e.g. "#### (.*)" for GSM8K's answers
+  c.data.system_prompt = ""  # a system turn before every prompt that has none
+  # What scores a response (tlt_jax.rl.rewards): a built-in (reasoning_gym, math_verify, format, auto),
+  # "path/to/file.py:function" or "package.module:function" with verl's signature
+  # compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict.
+  c.data.reward = "reasoning_gym"
+  c.data.reward_workers = 4  # worker processes scoring rewards (0: in the trainer's process, no timeout)
+  c.data.reward_timeout_s = 60.0  # a call that takes longer scores 0 and is counted
 
   c.sft = ml_collections.ConfigDict()  # the tiny policy's warm start (tlt_jax.sft)
   c.sft.num_problems = 20000
@@ -190,8 +202,11 @@ def base() -> ml_collections.ConfigDict:
   c.rl = ml_collections.ConfigDict()
   c.rl.mini_batches = 2  # optimizer updates per step (later ones are off-policy: the ratio clips)
   c.rl.row_len = 512  # packed row length; must hold the longest prompt + response
-  c.rl.loss_aggregation = "token"  # grpo.AGGREGATIONS
-  c.rl.normalize_std = True
+  c.rl.loss_aggregation = "token"  # grpo.AGGREGATIONS: token (DAPO), sequence (GRPO), constant (Dr. GRPO)
+  # Group advantages (r - mean) / (std + eps): the sample std as verl and TRL take it, the population
+  # std, or none (Dr. GRPO). TRL's eps is 1e-4, verl's 1e-6.
+  c.rl.advantage_std = "sample"
+  c.rl.advantage_eps = 1e-6
   c.rl.dynamic_sampling = True  # drop groups whose rewards are all equal
   c.rl.overlong_filter = False  # truncated responses do not enter the loss
   c.rl.overlong_buffer = 0  # DAPO soft overlong penalty over the last this-many tokens (0: off)
@@ -219,7 +234,18 @@ def base() -> ml_collections.ConfigDict:
   c.eval.every = 0  # > 0: before the first step, every this many steps and after the last (0: off)
   c.eval.path = ""  # held-out prompt file; "" = eval.size procedural problems of another seed
   c.eval.size = 128  # prompts (the first this many of eval.path)
-  c.eval.num_samples = 4  # responses per prompt, sampled like the rollout's
+  c.eval.num_samples = 4  # responses per prompt, sampled like the rollout's (pass@k: k = this)
+  # More named evaluation sets, each a file of its own: c.eval.sets.<name> = config.eval_set(path=..., ...)
+  # (a config file; the README's "Your own task"). Each reports its mean reward, pass@1 and pass@k.
+  c.eval.sets = ml_collections.ConfigDict()
+
+  # Metrics go to <workdir>/metrics.jsonl and TensorBoard; with `wandb`, to a Weights & Biases run too
+  # (pip install 'tlt_jax[wandb]'; WANDB_MODE=offline keeps it on disk). Its name: the workdir's if "".
+  c.logging = ml_collections.ConfigDict()
+  c.logging.wandb = False
+  c.logging.wandb_project = "tlt_jax"
+  c.logging.wandb_entity = ""
+  c.logging.wandb_run = ""
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 5  # steps
@@ -367,6 +393,7 @@ RENAMED = {
     **{f"drafter.online_{k}": f"drafter.trainer.{k}" for k in ("learning_rate", "warmup_steps", "rows_per_device")},
     "drafter.solo_steps": "rollout.tlt.solo_steps",
     "drafter.buffer_pairs": "drafter.buffer.max_pairs",
+    "rl.normalize_std": "rl.advantage_std",
     **{f"rl.{k}": f"rl.optimizer.{k}" for k in ("learning_rate", "warmup_steps", "weight_decay", "max_grad_norm")},
     **{f"rl.{k}": f"rl.actor.{k}" for k in ("micro_batch_rows", "clip_low", "clip_high", "kl_coef", "remat",
                                             "logits_chunk", "attention_block")},
@@ -394,12 +421,13 @@ _AT_LEAST = {
     "drafter.distill.batch_rows": 1, "drafter.distill.row_len": 2, "drafter.distill.draft_steps": 1,
     "drafter.distill.prompts": 1,
     "rl.mini_batches": 1, "rl.max_skipped_updates": 1, "rl.row_len": 2, "rl.overlong_buffer": 0, "rl.tis_cap": 0,
+    "rl.advantage_eps": 0, "data.reward_workers": 0,
     "rl.optimizer.learning_rate": 0, "rl.optimizer.warmup_steps": 0, "rl.optimizer.weight_decay": 0,
     "rl.actor.micro_batch_rows": 1, "rl.actor.logits_chunk": 1, "rl.actor.attention_block": 0,
     "rl.actor.clip_low": 0, "rl.actor.clip_high": 0, "rl.actor.kl_coef": 0,
     "eval.every": 0, "eval.size": 1, "eval.num_samples": 1, "checkpoint.every": 1, "checkpoint.keep": 1,
 }
-_ABOVE = {"model.rope_theta": 0, "task.tail_alpha": 0, "rl.optimizer.max_grad_norm": 0,
+_ABOVE = {"model.rope_theta": 0, "task.tail_alpha": 0, "rl.optimizer.max_grad_norm": 0, "data.reward_timeout_s": 0,
           "drafter.draft_vocab_coverage": 0}
 _AT_MOST = {"sft.unanswered": 1, "drafter.draft_vocab_coverage": 1}
 _CHOICES = {
@@ -407,13 +435,30 @@ _CHOICES = {
     "policy.weight_dtype": ("float32", "bfloat16"),
     "policy.export_dtype": ("", "float32", "bfloat16"),
     "task.family": tuple(sorted(tasks.FAMILIES)),
-    "data.reward": tuple(sorted(rewards.REWARDS)),
     "rl.loss_aggregation": grpo.AGGREGATIONS,
+    "rl.advantage_std": grpo.ADVANTAGE_STDS,
     "rollout.drafter": ("eagle", "suffix"),
 }
 # Tuple keys and what they hold (a --config override writes a tuple as a Python literal).
 _TUPLES = {"rollout.strategies": ("strategy names", str), "rollout.engine.batch_buckets": ("integers", int),
            "rollout.bandit.thresholds": ("integers", int), "drafter.feature_layers": ("integers", int)}
+
+
+def eval_set(**keys) -> ml_collections.ConfigDict:
+  """A named evaluation set (`config.eval.sets.<name>`): these keys, `keys` changed."""
+  s = ml_collections.ConfigDict()
+  s.path = ""  # a .jsonl / .parquet file or a datasets.save_to_disk directory (the `data.path` formats)
+  s.prompt_key, s.answer_key, s.answer_regex, s.system_prompt = "", "", "", ""  # as data.*
+  s.reward = "math_verify"  # as data.reward
+  s.size = 0  # prompts: the first this many (0: all)
+  s.num_samples = 4  # responses per prompt
+  s.temperature = -1.0  # -1: the rollout's
+  s.k = 0  # pass@k's k (0: num_samples)
+  for key, value in keys.items():
+    if key not in s:
+      raise ValueError(f"eval_set: unknown key {key!r}; its keys: {', '.join(s)}")
+    s[key] = value
+  return s
 
 
 def check(config: ml_collections.ConfigDict) -> None:
@@ -423,6 +468,20 @@ def check(config: ml_collections.ConfigDict) -> None:
     if not ok:
       raise ValueError(f"config.{key}={config_value(config, key)!r}: {why}")
   known = dict(leaves(base()))
+  for name, s in config.eval.sets.items():  # user-named: each checked against eval_set's keys
+    template = eval_set()
+    if not isinstance(s, ml_collections.ConfigDict):
+      raise ValueError(f"config.eval.sets.{name}: must be a set of keys, e.g. config.eval_set(path=...)")
+    known.update({f"eval.sets.{name}.{k}": v for k, v in template.items()})
+    for key in ("size", "num_samples", "k"):
+      need(isinstance(s[key], int) and s[key] >= (1 if key == "num_samples" else 0), f"eval.sets.{name}.{key}",
+           "must be an integer >= " + ("1" if key == "num_samples" else "0"))
+    need(s.k <= s.num_samples, f"eval.sets.{name}.k", "must be <= its num_samples")
+    need(s.temperature == -1 or s.temperature >= 0, f"eval.sets.{name}.temperature",
+         "must be >= 0, or -1 (the rollout's)")
+    need(bool(s.path), f"eval.sets.{name}.path", "must name a file")
+    need(config.eval.every > 0, "eval.every",
+         f"must be > 0: evaluation set {name!r} is evaluated every eval.every steps")
   for key, value in leaves(config):
     if key not in known:
       raise ValueError(renamed(key) or f"config.{key}: unknown key; every key and its default is listed in "
@@ -444,6 +503,17 @@ def check(config: ml_collections.ConfigDict) -> None:
     need(config_value(config, key) in choices, key, f"must be one of {choices}")
   for key in ("mesh.data", "mesh.fsdp", "mesh.tensor"):
     need(config_value(config, key) == -1 or config_value(config, key) >= 1, key, "must be >= 1, or -1 (the rest)")
+  for key in ["data.reward", *(f"eval.sets.{name}.reward" for name in config.eval.sets)]:
+    try:
+      rewards.check(config_value(config, key))
+    except rewards.RewardError as e:
+      need(False, key, str(e))
+  for prefix in ["data", *(f"eval.sets.{name}" for name in config.eval.sets)]:
+    try:
+      datasets.Keys(*(config_value(config, f"{prefix}.{k}") for k in ("prompt_key", "answer_key", "answer_regex",
+                                                                        "system_prompt")))
+    except ValueError as e:
+      need(False, f"{prefix}.answer_regex", str(e))
   need(config.policy.weight_dtype != "bfloat16" or config.policy.dtype == "bfloat16", "policy.weight_dtype",
        "bfloat16 master weights need policy.dtype=bfloat16 (weights narrower than the compute)")
   need(config.rl.tis_cap == 0 or config.rl.tis_cap >= 1, "rl.tis_cap", "must be 0 (off) or >= 1")

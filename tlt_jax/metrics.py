@@ -1,7 +1,9 @@
-"""Per-step metrics: one JSON line per step in <workdir>/metrics.jsonl and TensorBoard scalars.
+"""Per-step metrics: one JSON line per step in <workdir>/metrics.jsonl, TensorBoard scalars, and with
+`logging.wandb` a Weights & Biases run (the `wandb` extra; `WANDB_MODE=offline` keeps it on disk).
 
 On resume, records after the restored step (written by the interrupted run for steps it never
-checkpointed) are dropped, so the file always describes one run's history.
+checkpointed) are dropped, so the file always describes one run's history; a resumed run logs to the
+same W&B run (its id is kept in <workdir>/wandb_run_id).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 from typing import Sequence
 
 import numpy as np
@@ -34,9 +37,28 @@ def read(path: str) -> list[dict]:
   return [json.loads(line) for line in lines[:-1] if line.strip()]
 
 
+def wandb_run(workdir: str, project: str, entity: str = "", name: str = "", config: dict | None = None):
+  """A W&B run logging into `project` (its files under `workdir`), resumed when the workdir has one."""
+  try:
+    import wandb  # pylint: disable=import-outside-toplevel  (the wandb extra)
+  except ImportError:
+    raise ValueError("config.logging.wandb=True needs the wandb package: pip install 'tlt_jax[wandb]'") from None
+  id_path = os.path.join(workdir, "wandb_run_id")
+  if os.path.exists(id_path):
+    with open(id_path, encoding="utf-8") as f:
+      run_id = f.read().strip()
+  else:
+    run_id = uuid.uuid4().hex[:8]
+    with open(id_path, "w", encoding="utf-8") as f:
+      f.write(run_id)
+  return wandb.init(project=project, entity=entity or None, name=name or os.path.basename(os.path.abspath(workdir)),
+                    id=run_id, resume="allow", dir=workdir, config=config)
+
+
 class Writer:
 
-  def __init__(self, workdir: str, resume_step: int = 0):
+  def __init__(self, workdir: str, resume_step: int = 0, wandb=None):
+    """`wandb`: a W&B run (`wandb_run`) the records go to as well."""
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, "metrics.jsonl")
     kept = [r for r in read(self.path) if r["step"] <= resume_step] if os.path.exists(self.path) else []
@@ -45,14 +67,19 @@ class Writer:
       f.writelines(json.dumps(r) + "\n" for r in kept)
     os.replace(tmp, self.path)
     self.tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1)
+    self.wandb = wandb
 
   def write(self, step: int, record: dict[str, float]) -> None:
     with open(self.path, "a", encoding="utf-8") as f:
       f.write(json.dumps({"step": step, **record}) + "\n")
-    for key, value in record.items():
-      if isinstance(value, (int, float)) and math.isfinite(value):
-        self.tensorboard.add_scalar(key, value, step)
+    scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    for key, value in scalars.items():
+      self.tensorboard.add_scalar(key, value, step)
     self.tensorboard.flush()
+    if self.wandb is not None:
+      self.wandb.log(scalars, step=step, commit=True)  # a record is a whole step
 
   def close(self) -> None:
     self.tensorboard.close()
+    if self.wandb is not None:
+      self.wandb.finish()

@@ -27,32 +27,41 @@ def _mean(values: Sequence[float]) -> float | None:
   return sum(values) / len(values) if values else None
 
 
-def held_out(records: list[dict]) -> dict | None:
-  """The first and last held-out evaluations and the change between them, with its 95% interval:
-  paired over prompts (the evaluations share prompts and sampling keys, so a prompt's difference is
-  what the policy changed), or, for records without per-prompt rewards, from the two intervals as
-  if independent (wider)."""
-  evals = [r for r in records if "eval/reward" in r]
+def held_out(records: list[dict], prefix: str = "eval/") -> dict | None:
+  """The first and last evaluations of a set (records `<prefix>reward` etc.: the held-out set's
+  `eval/`, a named set's `eval/<name>/`) and the change between them, with its 95% interval: paired
+  over prompts (the evaluations share prompts and sampling keys, so a prompt's difference is what
+  the policy changed), or, for records without per-prompt rewards, from the two intervals as if
+  independent (wider)."""
+  evals = [r for r in records if f"{prefix}reward" in r]
   if not evals:
     return None
   first, last = evals[0], evals[-1]
-  point = lambda r: {"step": r["step"], "reward": r["eval/reward"], "ci95": r.get("eval/reward_ci95"),
-                     "answered": r.get("eval/answered"), "accuracy": r.get("eval/accuracy")}
+  get = lambda r, key: r.get(f"{prefix}{key}")
+  passes = lambda r: {k[len(prefix):]: v for k, v in r.items() if k.startswith(f"{prefix}pass@")}
+  point = lambda r: {"step": r["step"], "reward": get(r, "reward"), "ci95": get(r, "reward_ci95"),
+                     "answered": get(r, "answered"), "accuracy": get(r, "accuracy"), **passes(r)}
   out = {"first": point(first), "last": point(last), "evaluations": len(evals)}
   if len(evals) < 2:
     return out
-  out["change"] = last["eval/reward"] - first["eval/reward"]
-  a, b = first.get("eval/prompt_rewards"), last.get("eval/prompt_rewards")
+  out["change"] = get(last, "reward") - get(first, "reward")
+  a, b = get(first, "prompt_rewards"), get(last, "prompt_rewards")
   if a and b and len(a) == len(b):
     out["change_ci95"] = metrics.ci95([y - x for x, y in zip(a, b)])
     out["change_interval"] = f"paired over {len(a)} prompts"
-  elif first.get("eval/reward_ci95") is not None and last.get("eval/reward_ci95") is not None:
-    out["change_ci95"] = math.hypot(first["eval/reward_ci95"], last["eval/reward_ci95"])
+  elif get(first, "reward_ci95") is not None and get(last, "reward_ci95") is not None:
+    out["change_ci95"] = math.hypot(get(first, "reward_ci95"), get(last, "reward_ci95"))
     out["change_interval"] = "the two evaluations' intervals combined"
   if "change_ci95" in out:
     noise = out["change_ci95"]
     out["verdict"] = "up" if out["change"] > noise else "down" if out["change"] < -noise else "within noise"
   return out
+
+
+def eval_sets(records: list[dict]) -> dict:
+  """`held_out` of each named evaluation set (`eval.sets`) the records hold."""
+  names = sorted({k.split("/")[1] for r in records for k in r if k.startswith("eval/") and k.count("/") == 2})
+  return {name: held_out(records, f"eval/{name}/") for name in names}
 
 
 def rollout(records: list[dict]) -> dict:
@@ -89,7 +98,8 @@ def training_reward(records: list[dict]) -> dict | None:
 def summary(records: list[dict], workdir: str, *, figure: str | None = None, wall_s: float | None = None) -> dict:
   steps = [r["step"] for r in records if "reward/mean" in r]
   out = {"steps": max(steps, default=0), "wall_s": wall_s, "held_out": held_out(records),
-         "rollout": rollout(records), "training_reward": training_reward(records)}
+         "eval_sets": eval_sets(records) or None, "rollout": rollout(records),
+         "training_reward": training_reward(records)}
   paths = {"metrics": os.path.join(workdir, "metrics.jsonl"), "tensorboard": os.path.join(workdir, "tensorboard"),
            "figure": figure, "export": os.path.join(workdir, "export"),
            "checkpoints": os.path.join(workdir, "checkpoints")}
@@ -117,6 +127,11 @@ def text(s: dict) -> str:
       lines.append(f"  held-out responses with an answer line: {first['answered']:.0%} -> {last['answered']:.0%}")
   else:
     lines.append("  no held-out evaluation (config.eval.every=0)")
+  for name, e in (s.get("eval_sets") or {}).items():
+    first, last = e["first"], e["last"]
+    passes = ", ".join(f"{k} {last[k]:.3f}" for k in last if k.startswith("pass@"))
+    lines.append(f"  {name}: reward {_pm(first['reward'], first['ci95'])} at step {first['step']} -> "
+                 f"{_pm(last['reward'], last['ci95'])} at step {last['step']}; {passes}")
   t = s.get("training_reward")
   if t:
     lines.append(f"  training reward, first / last {t['window']} steps: {t['first_steps']:.3f} / "

@@ -65,7 +65,7 @@ def test_file_shapes_load(tokenizer, tmp_path, writer, suffix, rows, ground_trut
   assert [e.ground_truth for e in dataset] == ground_truths
   for line, (example, row) in enumerate(zip(dataset, rows), start=1):
     assert example.reward == "math_verify"
-    assert example.metadata == {"source": f"{path}:{line}", "data_source": row["data_source"]}
+    assert (example.where, example.data_source, example.extra_info) == (f"{path}:{line}", row["data_source"], {})
     assert example.prompt.startswith("<bos>") and example.prompt.endswith("<|assistant|>")
     assert tokenizer.decode(example.prompt_ids) == example.prompt
   if rows is VERL_ROWS:
@@ -73,6 +73,59 @@ def test_file_shapes_load(tokenizer, tmp_path, writer, suffix, rows, ground_trut
         "<bos><|system|>Think step by step.<|user|>What is 6 * 7?<|assistant|>")
   else:
     assert dataset[0].prompt == "<bos><|user|>What is 2 + 2?<|assistant|>"
+
+
+# GSM8K's shape: the answer ends with "#### <number>" after the worked solution.
+GSM8K_ROWS = [
+    {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = 7\n#### 7",
+     "extra_info": {"split": "test", "index": 0}, "data_source": "openai/gsm8k"},
+    {"question": "Half of 10?", "answer": "10 / 2 = 5\n####  5 ", "extra_info": {"split": "test", "index": 1},
+     "data_source": "openai/gsm8k"},
+    {"question": "No answer line", "answer": "just prose"},
+]
+
+
+def test_keys_regex_system_prompt_and_what_reaches_the_reward(tokenizer, tmp_path):
+  path = _write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
+  keys = datasets.Keys(prompt_key="question", answer_key="answer", answer_regex="#### (.*)",
+                       system_prompt="Reason, then answer.")
+  dataset = datasets.from_file(path, tokenizer, keys=keys)
+  assert [e.ground_truth for e in dataset] == ["7", "5"] and dataset.skipped == {"answer_regex_no_match": 1}
+  first = dataset[0]
+  assert first.prompt == ("<bos><|system|>Reason, then answer.<|user|>Tom has 3 apples and buys 4. How many?"
+                          "<|assistant|>")
+  item = first.item("so 7\nAnswer: 7")
+  assert (item.data_source, item.ground_truth, item.extra_info, item.where) == (
+      "openai/gsm8k", "7", {"split": "test", "index": 0}, f"{path}:1")
+  nested = datasets.from_file(_write_jsonl(tmp_path / "verl.jsonl", VERL_ROWS), tokenizer,
+                              keys=datasets.Keys(answer_key="reward_model.ground_truth"))
+  assert [e.ground_truth for e in nested] == ["42", "\\frac{1}{2}"]
+  with pytest.raises(ValueError, match=r"answer_regex '\(': missing \)"):
+    datasets.Keys(answer_regex="(")
+
+
+@pytest.mark.parametrize("writer", [_write_jsonl, _write_parquet])
+def test_a_key_the_file_lacks_names_it_and_the_columns(tokenizer, tmp_path, writer):
+  path = writer(tmp_path / ("d.jsonl" if writer is _write_jsonl else "d.parquet"), FLAT_ROWS)
+  with pytest.raises(ValueError, match=r"no column 'query' \(data.prompt_key='query'\); its columns: data_source, "
+                                       r"prompt, solution"):
+    datasets.from_file(path, tokenizer, keys=datasets.Keys(prompt_key="query"))
+  with pytest.raises(ValueError, match=r"no column 'reward_model' \(data.answer_key='reward_model.ground_truth'\)"):
+    datasets.from_file(path, tokenizer, keys=datasets.Keys(answer_key="reward_model.ground_truth"))
+
+
+def test_a_directory_saved_by_hf_datasets(tokenizer, tmp_path):
+  hf_datasets = pytest.importorskip("datasets")
+  hf_datasets.Dataset.from_list(GSM8K_ROWS[:2]).save_to_disk(str(tmp_path / "gsm8k"))
+  dataset = datasets.from_file(str(tmp_path / "gsm8k"), tokenizer,
+                               keys=datasets.Keys(answer_key="answer", answer_regex="#### (.*)"))
+  assert [e.ground_truth for e in dataset] == ["7", "5"] and dataset[1].where == f"{tmp_path / 'gsm8k'}:2"
+  hf_datasets.DatasetDict({"test": hf_datasets.Dataset.from_list(GSM8K_ROWS[:2])}).save_to_disk(str(tmp_path / "dd"))
+  with pytest.raises(ValueError, match=r"holds the splits \['test'\]: point at one of them"):
+    datasets.from_file(str(tmp_path / "dd"), tokenizer)
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(ValueError, match="empty: not a directory saved by datasets.save_to_disk"):
+    datasets.from_file(str(tmp_path / "empty"), tokenizer)
 
 
 def test_other_ground_truth_keys(tokenizer, tmp_path):
@@ -110,7 +163,7 @@ def test_malformed_rows_are_skipped_and_counted(tokenizer, tmp_path, caplog):
       "bad_ground_truth": 1,
       "prompt_too_long": 1,
   }
-  assert [e.metadata["source"] for e in dataset] == [f"{path}:1", f"{path}:11"]
+  assert [e.where for e in dataset] == [f"{path}:1", f"{path}:11"]
   assert f"{path}:2: skipped (bad_json)" in caplog.text
   assert f"{path}:5: skipped (missing_prompt)" in caplog.text
   assert "skipped 9 of 11 rows" in caplog.text  # the blank line is not a row
@@ -141,12 +194,10 @@ def test_procedural_dataset(tokenizer):
   assert len(dataset) == 32 and dataset.skipped == {}
   assert dataset.examples == datasets.from_tasks("chain_sum", tokenizer, size=32, seed=0).examples
   example = dataset[0]
-  assert example.reward == "reasoning_gym"
-  assert example.prompt == f"<bos><|user|>{example.metadata['entry']['question']}<|assistant|>"
+  assert example.reward == "reasoning_gym" and example.data_source == "chain_sum"
+  assert example.prompt == f"<bos><|user|>{example.extra_info['entry']['question']}<|assistant|>"
   assert tokenizer.decode(example.prompt_ids) == example.prompt
-  scores_B, stats = rewards.score_batch(
-      "reasoning_gym", [e.solution for e in dataset], [e.ground_truth for e in dataset],
-      [e.metadata for e in dataset])
+  scores_B, stats = rewards.Scorer(workers=0).score("reasoning_gym", [e.item(e.solution) for e in dataset])
   assert scores_B.tolist() == [1.0] * 32 and stats["failures"] == 0
 
 
@@ -271,7 +322,7 @@ def assert_loaded(path, reasons, tokenizer, caplog):
   with caplog.at_level(logging.WARNING):
     dataset = datasets.from_file(path, tokenizer, max_prompt_len=FUZZ_MAX_PROMPT_LEN)
   assert dataset.skipped == dict(collections.Counter(r for _, r in bad))
-  assert [e.metadata["source"] for e in dataset] == [f"{path}:{line}" for line, r in rows if r is None]
+  assert [e.where for e in dataset] == [f"{path}:{line}" for line, r in rows if r is None]
   for line, r in bad[:5]:
     assert f"{path}:{line}: skipped ({r})" in caplog.text
   if bad:

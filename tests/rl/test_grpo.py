@@ -9,10 +9,16 @@ from tlt_jax.rl import grpo
 
 def test_advantages_are_group_normalised():
   r = np.array([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
-  a = grpo.advantages(r)
-  np.testing.assert_allclose(a[0], [1, -1, -1, 1], atol=1e-5)  # mean 0.5, std 0.5
+  a = grpo.advantages(r)  # the sample std, as verl and TRL: sqrt(1/3) for 1, 0, 0, 1
+  np.testing.assert_allclose(a[0], np.array([1, -1, -1, 1]) * 0.5 / np.sqrt(1 / 3), atol=1e-5)
   np.testing.assert_array_equal(a[1], 0)
-  np.testing.assert_allclose(grpo.advantages(r, normalize_std=False)[0], [0.5, -0.5, -0.5, 0.5])
+  np.testing.assert_allclose(grpo.advantages(r, "population")[0], [1, -1, -1, 1], atol=1e-5)  # std 0.5
+  np.testing.assert_allclose(grpo.advantages(r, "none")[0], [0.5, -0.5, -0.5, 0.5])  # Dr. GRPO
+  np.testing.assert_allclose(grpo.advantages(r, eps=0.5)[0], np.array([1, -1, -1, 1]) * 0.5 / (np.sqrt(1 / 3) + 0.5),
+                             atol=1e-5)
+  np.testing.assert_array_equal(grpo.advantages(np.array([[3.0]])), [[0.0]])  # a group of one: no spread
+  with pytest.raises(ValueError, match="advantage std must be one of"):
+    grpo.advantages(r, "unbiased")
 
 
 def test_dynamic_sampling_keeps_groups_with_signal():
@@ -26,7 +32,7 @@ def test_overlong_penalty_is_linear_in_the_buffer():
   np.testing.assert_array_equal(grpo.overlong_penalty([10, 100], 100, 0), [0, 0])
 
 
-def test_token_weights_token_and_sequence_aggregation():
+def test_token_weights_token_sequence_and_constant_aggregation():
   # One row: sample 1 has 1 response token, sample 2 has 3, sample 3 is padding-free but dropped.
   sample = np.array([[1, 1, 2, 2, 2, 2, 3, 3, 0]])
   mask = np.array([[0, 1, 0, 1, 1, 1, 0, 1, 0]])
@@ -35,6 +41,10 @@ def test_token_weights_token_and_sequence_aggregation():
   np.testing.assert_allclose(tok, [[0, 1 / 4, 0, 1 / 4, 1 / 4, 1 / 4, 0, 0, 0]])
   seq = grpo.token_weights(sample, mask, keep, "sequence")
   np.testing.assert_allclose(seq, [[0, 1 / 2, 0, 1 / 6, 1 / 6, 1 / 6, 0, 0, 0]])
+  const = grpo.token_weights(sample, mask, keep, "constant", max_len=5)  # Dr. GRPO: 1 / (2 samples x 5)
+  np.testing.assert_allclose(const, [[0, 1 / 10, 0, 1 / 10, 1 / 10, 1 / 10, 0, 0, 0]])
+  with pytest.raises(ValueError, match="needs the response budget"):
+    grpo.token_weights(sample, mask, keep, "constant")
   assert not grpo.token_weights(sample, mask, np.zeros(3, bool), "token").any()
   with pytest.raises(ValueError, match="'mean'"):
     grpo.token_weights(sample, mask, keep, "mean")
@@ -77,3 +87,68 @@ def test_trained_samples_dynamic_sampling_and_overlong_filter():
                                 [1, 0, 1, 0, 0, 0, 0, 1, 1])
   np.testing.assert_array_equal(grpo.trained_samples(rewards, truncated, False, True),
                                 [1, 0, 1, 1, 1, 1, 0, 1, 1])
+
+
+# TRL's GRPOTrainer._compute_loss on the same model, sequences, advantages and old / reference log-probs,
+# by loss type: ours, by the aggregation and KL that match it.
+TRL_CASES = [("grpo", "sequence", 0.0), ("dapo", "token", 0.0), ("dr_grpo", "constant", 0.04)]
+
+
+def test_the_loss_and_its_gradient_equal_trls_grpo_trainer(hf_dirs, tmp_path):
+  """TRL's own loss (GRPO, DAPO token-level, Dr. GRPO with the k3 KL: TRL's bias correction off, float32,
+  evaluation mode: no gradient accumulation) against `policy_loss` over our packed rows and log-probs:
+  the values and the LM head's gradients agree to float32 rounding."""
+  torch = pytest.importorskip("torch")
+  trl = pytest.importorskip("trl")
+  hf_datasets = pytest.importorskip("datasets")
+  import jax
+  from flax import nnx
+
+  from tlt_jax import packing
+  from tlt_jax.models import hf
+  from tlt_jax.rl import actor as actor_lib
+  from tlt_jax.rl import tokenizer as tokenizer_lib
+  path, torch_model = hf_dirs["qwen2_untied"]
+  rng = np.random.default_rng(0)
+  b, p, t, lengths = 4, 3, 6, [6, 4, 5, 2]
+  prompts = rng.integers(2, 96, (b, p))  # one length: TRL left-pads prompts, and positions would shift
+  completions = np.zeros((b, t), np.int64)
+  mask = np.arange(t)[None] < np.asarray(lengths)[:, None]
+  completions[mask] = rng.integers(2, 96, mask.sum())
+  advantages = rng.standard_normal(b).astype(np.float32)
+  with torch.no_grad():
+    logits = torch_model(torch.tensor(np.concatenate([prompts, completions], 1))).logits[:, p - 1:-1].float()
+    current = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completions)[..., None])[..., 0].numpy()
+  old = np.where(mask, current + rng.uniform(-0.3, 0.3, (b, t)), 0.0).astype(np.float32)  # some ratios clip
+  ref = np.where(mask, current + rng.uniform(-0.5, 0.5, (b, t)), 0.0).astype(np.float32)
+  rows = packing.pack([(prompts[i].tolist(), completions[i, :n].tolist()) for i, n in enumerate(lengths)], 16,
+                      index=True)
+  plane = lambda x: actor_lib.response_plane(rows, [x[i, :n] for i, n in enumerate(lengths)])
+  graphdef, params = nnx.split(hf.from_pretrained(path))
+  for loss_type, aggregation, beta in TRL_CASES:
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=b, num_generations=b,
+                          max_completion_length=t, loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, beta=beta,
+                          use_bias_correction_kl=False, bf16=False, use_cpu=True, report_to="none")
+    trainer = trl.GRPOTrainer(model=path, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                              train_dataset=hf_datasets.Dataset.from_dict({"prompt": ["a"] * b}),
+                              processing_class=tokenizer_lib.build_tokenizer())
+    trainer.model.eval()
+    inputs = dict(prompt_ids=torch.tensor(prompts), prompt_mask=torch.ones(b, p, dtype=torch.long),
+                  completion_ids=torch.tensor(completions), completion_mask=torch.tensor(mask.astype(np.int64)),
+                  advantages=torch.tensor(advantages), old_per_token_logps=torch.tensor(old),
+                  ref_per_token_logps=torch.tensor(ref), num_items_in_batch=torch.tensor(float(mask.sum())))
+    theirs = trainer._compute_loss(trainer.model, inputs)  # pylint: disable=protected-access
+    theirs.backward()
+    batch = actor_lib.training_batch(rows, advantages, np.ones(b, bool), aggregation, plane(old),
+                                     plane(ref) if beta else None, max_len=t)
+
+    def loss(params):
+      logp, _ = actor_lib.token_logprobs(nnx.merge(graphdef, params), batch["tokens"], batch["positions"],
+                                         batch["segments"])
+      return grpo.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["weights"], 0.2, 0.28,
+                              ref_logp_BxT=batch["ref_logp"] if beta else None, kl_coef=beta)[0]
+
+    ours, grads = jax.value_and_grad(loss)(params)
+    assert float(ours) == pytest.approx(theirs.item(), rel=1e-6), loss_type
+    np.testing.assert_allclose(np.asarray(grads["lm_head"]["kernel"]), trainer.model.lm_head.weight.grad.numpy().T,
+                               atol=1e-6, rtol=0, err_msg=loss_type)

@@ -71,6 +71,6 @@ def test_unanswered_solutions_lose_their_answer_line_and_with_it_the_reward(tok)
     if text != answered_text:
       dropped += 1
       assert answered_text == f"{text}\nAnswer: {ex.ground_truth}"  # only the answer line is gone
-      scores, _ = rewards.score_batch(ex.reward, [text, answered_text], [ex.ground_truth] * 2, [ex.metadata] * 2)
+      scores, _ = rewards.Scorer(workers=0).score(ex.reward, [ex.item(text), ex.item(answered_text)])
       assert scores.tolist() == [0.0, 1.0]
   assert 0.25 < dropped / len(examples) < 0.35

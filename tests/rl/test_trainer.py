@@ -47,8 +47,8 @@ def test_resume_continues_exactly(tmp_path, tiny_policy_dir, xla_cache):
   assert [strip(r) for r in a] == [strip(r) for r in b]
   # Held-out evaluations before the first step and every 2 steps, identical after the resume.
   assert [r["step"] for r in a if "eval/reward" in r] == [0, 2, 4] and set(a[0]) == {"step", "eval/reward",
-      "eval/reward_ci95", "eval/prompt_rewards", "eval/accuracy", "eval/answered", "eval/response_length",
-      "time/eval_s"}
+      "eval/reward_ci95", "eval/prompt_rewards", "eval/accuracy", "eval/pass@1", "eval/pass@2", "eval/answered",
+      "eval/response_length", "time/eval_s"}
   # The interval is over the held-out prompts' means (3 prompts: `tiny_rl_config`'s eval.size).
   assert len(a[0]["eval/prompt_rewards"]) == 3 and a[0]["eval/reward"] == pytest.approx(
       np.mean(a[0]["eval/prompt_rewards"]), abs=1e-4)
@@ -156,7 +156,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, tiny_policy_
   c.rl.max_skipped_updates = 3  # 2 updates a step: step 1 skips 2, step 2's first skip is the third
   trainer = Trainer(c, *bootstrap.load(c), devices=jax.devices()[:2])
   before = jax.tree.map(np.asarray, trainer.actor.params)
-  monkeypatch.setattr(grpo, "advantages", lambda rewards, **kw: np.full(rewards.shape, np.nan, np.float32))
+  monkeypatch.setattr(grpo, "advantages", lambda rewards, *args: np.full(rewards.shape, np.nan, np.float32))
   try:
     record = trainer.run_step()
     assert record["train/updates"] == 0 and record["train/skipped_updates"] == 2
@@ -166,3 +166,39 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, tiny_policy_
     assert all(jax.tree.leaves(same))
   finally:
     trainer.close()
+
+
+def test_a_task_of_your_own_with_a_reward_file_keys_and_evaluation_sets(tmp_path, tiny_policy_dir, xla_cache):
+  """configs/gsm8k_style.py:smoke on GSM8K-shaped files (question, "... #### N" answers; JSONL to train on,
+  Parquet held out): its reward file scores in a worker process and logs its extra key, the answer regex
+  gives the ground truths, both evaluation sets report pass@1 and pass@k, and the summary lists them."""
+  import json
+
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  from configs import gsm8k_style
+  from tlt_jax import report
+  rows = [{"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+          for a in range(1, 5) for b in range(1, 3)]
+  train, test = tmp_path / "train.jsonl", tmp_path / "test.parquet"
+  train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  pq.write_table(pa.Table.from_pylist(rows[:3]), test)
+  c = gsm8k_style.get_config("smoke")
+  c.workdir, c.policy.path, c.data.path, c.eval.path = str(tmp_path / "run"), tiny_policy_dir, str(train), str(test)
+  c.rollout.speculative = False  # the plain rollout: this test follows the task's data, not the drafter
+  c.rollout.compilation_cache_dir = xla_cache
+  trainer = Trainer(c, *bootstrap.load(c), devices=jax.devices()[:1])
+  try:
+    assert [e.ground_truth for e in trainer.prompts][:3] == ["2", "3", "3"]
+    records = trainer.run()
+  finally:
+    trainer.close()
+  first = metrics.read(str(tmp_path / "run" / "metrics.jsonl"))[0]
+  assert "reward/formatted" in records[0] and records[0]["reward/timeouts"] == 0
+  for record in (first, records[0]):
+    assert {"eval/greedy/pass@1", "eval/pass8/pass@1", "eval/pass8/pass@2", "eval/pass@1"} <= set(record)
+    assert len(record["eval/greedy/prompt_rewards"]) == 2  # the set's first 2 prompts
+  summary = report.summary(metrics.read(str(tmp_path / "run" / "metrics.jsonl")), c.workdir)
+  assert set(summary["eval_sets"]) == {"greedy", "pass8"} and "pass@2" in summary["eval_sets"]["pass8"]["last"]
+  assert "  pass8: reward " in report.text(summary)

@@ -235,13 +235,15 @@ class Actor:
 
 def training_batch(rows_5xRxT: np.ndarray, advantages: np.ndarray, keep: np.ndarray, aggregation: str,
                    old_logp: np.ndarray, ref_logp: np.ndarray | None,
-                   is_weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                   is_weights: np.ndarray | None = None, max_len: int = 0) -> dict[str, np.ndarray]:
   """The planes `Actor.update` takes, for packed rows whose index plane numbers the samples;
-  `is_weights` [R, T]: each token's policy-loss weight (truncated importance sampling; None: 1)."""
+  `is_weights` [R, T]: each token's policy-loss weight (truncated importance sampling; None: 1);
+  `max_len`: the response budget (the "constant" aggregation's normaliser)."""
   tokens, positions, segments, loss_mask, index = rows_5xRxT
   adv = np.where(index > 0, np.asarray(advantages, np.float32)[np.maximum(index - 1, 0)], 0.0)
   return {"tokens": tokens, "positions": positions, "segments": segments,
-          "weights": grpo.token_weights(index, loss_mask, keep, aggregation), "advantages": adv.astype(np.float32),
+          "weights": grpo.token_weights(index, loss_mask, keep, aggregation, max_len),
+          "advantages": adv.astype(np.float32),
           "old_logp": old_logp, "ref_logp": old_logp if ref_logp is None else ref_logp,
           "is_weights": np.ones(tokens.shape, np.float32) if is_weights is None else is_weights.astype(np.float32)}
 

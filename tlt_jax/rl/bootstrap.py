@@ -32,7 +32,7 @@ class Loaded(NamedTuple):
   tokenizer: object
   drafter: Drafter | None  # None: the rollout needs no drafter model (rollouts.uses_drafter)
   prompts: datasets.Dataset
-  eval_prompts: datasets.Dataset | None  # None: no held-out evaluation (eval.every=0)
+  eval_sets: dict[str, datasets.Dataset]  # the held-out prompts ("") and eval.sets' ({}: eval.every=0)
 
 
 def load(config) -> Loaded:
@@ -42,10 +42,10 @@ def load(config) -> Loaded:
   rollouts.check(config)
   tok = load_tokenizer(config)
   prompts = load_prompts(config, tok)
-  eval_prompts = load_eval_prompts(config, tok) if config.eval.every else None
+  eval_sets = load_eval_sets(config, tok) if config.eval.every else {}
   policy, tok = load_policy(config)
   drafter = load_drafter(config, policy, tok, prompts) if rollouts.uses_drafter(config) else None
-  return Loaded(policy, tok, drafter, prompts, eval_prompts)
+  return Loaded(policy, tok, drafter, prompts, eval_sets)
 
 
 def load_tokenizer(config):
@@ -135,11 +135,20 @@ def load_drafter(config, policy: CausalLM, tok, prompts: datasets.Dataset | None
   return drafter
 
 
-def _prompt_file(config, key: str, tok) -> datasets.Dataset:
-  """The prompt file config.<key> names; a missing or unusable one is an error naming the key."""
+def _keys(config, prefix: str) -> datasets.Keys:
+  return datasets.Keys(**{k: config_lib.config_value(config, f"{prefix}.{k}") for k in
+                          ("prompt_key", "answer_key", "answer_regex", "system_prompt")})
+
+
+def _prompt_file(config, prefix: str, tok) -> datasets.Dataset:
+  """The prompt file config.<prefix>.path names (`data.path`, an evaluation set's path), read with the
+  keys beside it; a missing or unusable one is an error naming the key."""
+  key = f"{prefix}.path"
   path = config_lib.config_value(config, key)
+  keys_from = "data" if prefix == "eval" else prefix  # the held-out file has the training data's keys
   try:
-    return datasets.from_file(path, tok, max_prompt_len=config.data.max_prompt_len, reward=config.data.reward)
+    return datasets.from_file(path, tok, keys=_keys(config, keys_from), max_prompt_len=config.data.max_prompt_len,
+                              reward=config_lib.config_value(config, f"{keys_from}.reward"))
   except (OSError, ValueError) as e:
     raise ValueError(f"config.{key}={path!r}: {e}") from None
 
@@ -147,7 +156,7 @@ def _prompt_file(config, key: str, tok) -> datasets.Dataset:
 def load_prompts(config, tok) -> datasets.Dataset:
   """The training prompts: data.path, or data.size procedural problems; at least a step's."""
   if config.data.path:
-    prompts = _prompt_file(config, "data.path", tok)
+    prompts = _prompt_file(config, "data", tok)
   else:
     prompts = datasets.from_tasks(config.task.family, tok, size=config.data.size, seed=config.seed + 2,
                                   difficulty=sft.difficulty(config), max_prompt_len=config.data.max_prompt_len,
@@ -158,13 +167,20 @@ def load_prompts(config, tok) -> datasets.Dataset:
   return prompts
 
 
-def load_eval_prompts(config, tok) -> datasets.Dataset:
-  """Held-out prompts: the first eval.size of eval.path, or eval.size procedural problems of a
-  seed the training prompts do not use."""
+def load_eval_sets(config, tok) -> dict[str, datasets.Dataset]:
+  """The evaluation sets by name: "" the held-out prompts (the first eval.size of eval.path, read with
+  the data.* keys, or eval.size procedural problems of a seed the training prompts do not use), and
+  each of eval.sets (its first `size`, all with 0)."""
   e = config.eval
   if e.path:
-    data = _prompt_file(config, "eval.path", tok)
-    return datasets.Dataset(data.examples[:e.size], data.skipped)
-  return datasets.from_tasks(config.task.family, tok, size=e.size, seed=config.seed + 1_000_003,
-                             difficulty=sft.difficulty(config), max_prompt_len=config.data.max_prompt_len,
-                             reward=config.data.reward)
+    data = _prompt_file(config, "eval", tok)
+    held_out = datasets.Dataset(data.examples[:e.size], data.skipped)
+  else:
+    held_out = datasets.from_tasks(config.task.family, tok, size=e.size, seed=config.seed + 1_000_003,
+                                   difficulty=sft.difficulty(config), max_prompt_len=config.data.max_prompt_len,
+                                   reward=config.data.reward)
+  sets = {"": held_out}
+  for name, s in e.sets.items():
+    data = _prompt_file(config, f"eval.sets.{name}", tok)
+    sets[name] = datasets.Dataset(data.examples[:s.size or None], data.skipped)
+  return sets

@@ -1,14 +1,20 @@
-"""Prompt datasets: procedural reasoning-gym tasks, or local JSONL / Parquet files.
+"""Prompt datasets: procedural reasoning-gym tasks, or local files: JSONL, Parquet, or a directory
+saved by Hugging Face `datasets` (`save_to_disk`; read with `datasets`, the `data` extra).
 
-Files may hold rows shaped like Eurus-2-RL or DAPO-Math (verl's format included):
+Rows are found by `Keys` (config: `data.prompt_key`, `data.answer_key`, `data.answer_regex`,
+`data.system_prompt`); by default they may be shaped like Eurus-2-RL, DAPO-Math or GSM8K (verl's
+format included):
 - the prompt under `prompt`, `question` or `problem`, as a string or as chat messages
   (a list of {role, content});
 - the ground truth under `reward_model: {ground_truth: ...}`, or top-level `ground_truth`,
-  `answer` or `solution` (first found).
-Every prompt goes through the tokenizer's chat template with a generation prompt; a template
-that fails (jinja2 missing, a broken template) is an error naming the tokenizer and the cause.
-Malformed rows, and file rows whose conversation the template rejects (`raise_exception`), are
-skipped and counted by reason; the first few are logged with file:line. A file with no usable
+  `answer` or `solution` (first found); a key may be a dotted path (`reward_model.ground_truth`),
+  and `answer_regex`'s first group takes the answer out of it (`#### (.*)` for GSM8K's answers);
+- `data_source` and `extra_info` pass through to the reward (tlt_jax.rl.rewards).
+A key a file does not have at all is an error naming it and the file's columns. Every prompt goes
+through the tokenizer's chat template with a generation prompt (after `system_prompt`, if set); a
+template that fails (jinja2 missing, a broken template) is an error naming the tokenizer and the
+cause. Malformed rows, and file rows whose conversation the template rejects (`raise_exception`),
+are skipped and counted by reason; the first few are logged with file:line. A file with no usable
 row is an error naming it.
 """
 
@@ -18,6 +24,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from typing import Any
 
 from absl import logging
@@ -36,15 +43,38 @@ Messages = list[dict[str, str]]
 
 
 @dataclasses.dataclass(frozen=True)
+class Keys:
+  """Where a file's rows hold what an Example needs. Config: `data.*` (and each evaluation set's)."""
+
+  prompt_key: str = ""  # "" = the first of prompt / question / problem
+  answer_key: str = ""  # dotted path; "" = reward_model.ground_truth, else ground_truth / answer / solution
+  answer_regex: str = ""  # its first group (else the whole match) is the ground truth; "" = the field as it is
+  system_prompt: str = ""  # a system turn before every prompt that has none
+
+  def __post_init__(self):
+    if self.answer_regex:
+      try:
+        re.compile(self.answer_regex)
+      except re.error as e:
+        raise ValueError(f"answer_regex {self.answer_regex!r}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
 class Example:
   """One prompt, ready for the rollout."""
 
   prompt_ids: list[int]  # chat-templated, ending with the assistant turn's opening
   prompt: str  # the text prompt_ids encode
   ground_truth: str
-  reward: str  # a name in rewards.REWARDS
-  metadata: dict[str, Any]  # what the reward reads (e.g. the reasoning-gym entry), provenance
+  reward: str  # what scores it (rewards.load)
+  data_source: str | None  # the row's (a procedural task's: its reasoning-gym dataset)
+  extra_info: dict[str, Any]  # what the reward reads beside (e.g. the reasoning-gym entry)
+  where: str  # its file:line (or task and number), named in errors
   solution: str | None = None  # a worked solution (procedural tasks), the SFT target
+
+  def item(self, response: str | None) -> rewards.Item:
+    """`response` to this prompt, as the reward scores it."""
+    return rewards.Item(self.data_source, response, self.ground_truth, self.extra_info, self.where)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +110,13 @@ def load(
     seed: int,
     max_prompt_len: int | None = None,
     reward: str | None = None,
+    keys: Keys = Keys(),
 ) -> Dataset:
-  """A task family name (procedural; size and seed apply) or a .jsonl / .parquet path."""
+  """A task family name (procedural; size and seed apply) or a file (`from_file`)."""
   if source in tasks.FAMILIES:
     return from_tasks(source, tokenizer, size=size, seed=seed, max_prompt_len=max_prompt_len,
                       reward=reward or "reasoning_gym")
-  return from_file(source, tokenizer, max_prompt_len=max_prompt_len, reward=reward or "math_verify")
+  return from_file(source, tokenizer, keys=keys, max_prompt_len=max_prompt_len, reward=reward or "math_verify")
 
 
 def from_tasks(
@@ -99,19 +130,20 @@ def from_tasks(
     reward: str = "reasoning_gym",
 ) -> Dataset:
   """Procedural problems (tasks.generate); too-long prompts are skipped and counted."""
-  rewards.get_reward(reward)
+  rewards.check(reward)
   _check_chat_template(tokenizer)
   examples = []
   skipped = collections.Counter()
-  for problem in tasks.generate(family, size, seed, difficulty):
+  for number, problem in enumerate(tasks.generate(family, size, seed, difficulty)):
     try:
       prompt, prompt_ids = _encode_prompt(
           tokenizer, [{"role": "user", "content": problem.prompt}], max_prompt_len)
     except _Skip as skip:
       skipped[skip.reason] += 1
       continue
-    metadata = {"entry": problem.entry, "num_terms": problem.num_terms}
-    examples.append(Example(prompt_ids, prompt, problem.answer, reward, metadata, problem.solution))
+    examples.append(Example(prompt_ids, prompt, problem.answer, reward, problem.entry["metadata"]["source_dataset"],
+                            {"entry": problem.entry, "num_terms": problem.num_terms}, f"{family} #{number}",
+                            problem.solution))
   if skipped:
     logging.warning("%s: skipped %d of %d problems: %s", family, sum(skipped.values()), size,
                     dict(skipped))
@@ -122,24 +154,31 @@ def from_file(
     path: str,
     tokenizer: transformers.PreTrainedTokenizerBase,
     *,
+    keys: Keys = Keys(),
     max_prompt_len: int | None = None,
     reward: str = "math_verify",
 ) -> Dataset:
-  """Rows of a .jsonl or .parquet file; malformed ones are skipped and counted by reason."""
-  rewards.get_reward(reward)
+  """Rows of a .jsonl or .parquet file or a `datasets` directory (module docstring); malformed ones are
+  skipped and counted by reason."""
+  rewards.check(reward)
   _check_chat_template(tokenizer)
-  if not os.path.isfile(path):
+  if not os.path.exists(path):
     raise FileNotFoundError(
         f"dataset file not found: {path} (procedural task families: {sorted(tasks.FAMILIES)})")
   examples = []
   skipped = collections.Counter()
   num_rows = 0
+  regex = re.compile(keys.answer_regex) if keys.answer_regex else None
+  checked = False
   for line, raw in _read_rows(path):
     num_rows += 1
     try:
       row = _as_row(raw)
-      messages = _messages(row)
-      ground_truth = _ground_truth(row)
+      if not checked:  # the first row that parses
+        _check_keys(path, row, keys)
+        checked = True
+      messages = _messages(row, keys)
+      ground_truth = _ground_truth(row, keys, regex)
       try:
         prompt, prompt_ids = _encode_prompt(tokenizer, messages, max_prompt_len)
       except tokenizer_lib.ChatTemplateError as e:
@@ -154,10 +193,9 @@ def from_file(
       if sum(skipped.values()) <= _LOGGED_SKIPS:
         logging.warning("%s:%d: skipped (%s): %s", path, line, skip.reason, skip)
       continue
-    metadata = {"source": f"{path}:{line}"}
-    if "data_source" in row:
-      metadata["data_source"] = row["data_source"]
-    examples.append(Example(prompt_ids, prompt, ground_truth, reward, metadata))
+    extra_info = row.get("extra_info")
+    examples.append(Example(prompt_ids, prompt, ground_truth, reward, row.get("data_source"),
+                            dict(extra_info) if isinstance(extra_info, dict) else {}, f"{path}:{line}"))
   if not examples:
     raise ValueError(f"{path}: no usable rows ({num_rows} rows; skipped by reason: {dict(skipped)})")
   if skipped:
@@ -172,8 +210,21 @@ def _check_chat_template(tokenizer: transformers.PreTrainedTokenizerBase) -> Non
 
 
 def _read_rows(path: str) -> Iterator[tuple[int, bytes | dict[str, Any]]]:
-  """(line or row number from 1, raw JSON line or Parquet row)."""
-  if path.endswith(".jsonl"):
+  """(line or row number from 1, raw JSON line, or Parquet or `datasets` row)."""
+  if os.path.isdir(path):
+    try:
+      import datasets  # pylint: disable=import-outside-toplevel  (the data extra)
+    except ImportError:
+      raise ValueError(f"{path}: a directory saved by Hugging Face datasets needs the datasets package: "
+                       "pip install 'tlt_jax[data]'") from None
+    try:
+      data = datasets.load_from_disk(path)
+    except Exception as e:  # pylint: disable=broad-exception-caught  (datasets raises what its readers do)
+      raise ValueError(f"{path}: not a directory saved by datasets.save_to_disk: {type(e).__name__}: {e}") from e
+    if isinstance(data, datasets.DatasetDict):
+      raise ValueError(f"{path}: holds the splits {sorted(data)}: point at one of them ({path}/<split>)")
+    yield from enumerate(data, start=1)
+  elif path.endswith(".jsonl"):
     with open(path, "rb") as f:
       # Bytes, so that a line that is not UTF-8 is one bad row rather than a failed file.
       for line, raw in enumerate(f, start=1):
@@ -186,7 +237,8 @@ def _read_rows(path: str) -> Iterator[tuple[int, bytes | dict[str, Any]]]:
       raise ValueError(f"{path}: not a readable Parquet file: {e}") from e
     yield from enumerate(table.to_pylist(), start=1)
   else:
-    raise ValueError(f"{path}: unsupported dataset file type; expected .jsonl or .parquet")
+    raise ValueError(f"{path}: unsupported dataset file type; expected .jsonl, .parquet or a directory saved by "
+                     "datasets.save_to_disk")
 
 
 def _as_row(raw: bytes | dict[str, Any]) -> dict[str, Any]:
@@ -205,11 +257,28 @@ def _as_row(raw: bytes | dict[str, Any]) -> dict[str, Any]:
   return row
 
 
-def _messages(row: dict[str, Any]) -> Messages:
-  key = next((k for k in _PROMPT_KEYS if row.get(k) is not None), None)
+def _get(row: dict[str, Any], key: str):
+  """row[a][b] for the dotted key "a.b" (None where a level is missing)."""
+  for part in key.split("."):
+    row = row.get(part) if isinstance(row, dict) else None
+  return row
+
+
+def _check_keys(path: str, row: dict[str, Any], keys: Keys) -> None:
+  """A configured key the file does not hold (its first row, every Parquet column) is an error."""
+  for name in ("prompt_key", "answer_key"):
+    key = getattr(keys, name)
+    if key and key.split(".")[0] not in row:
+      raise ValueError(f"{path}: no column {key.split('.')[0]!r} (data.{name}={key!r}); its columns: "
+                       f"{', '.join(sorted(row))}")
+
+
+def _messages(row: dict[str, Any], keys: Keys) -> Messages:
+  names = (keys.prompt_key,) if keys.prompt_key else _PROMPT_KEYS
+  key = next((k for k in names if _get(row, k) is not None), None)
   if key is None:
-    raise _Skip("missing_prompt", f"no {' / '.join(_PROMPT_KEYS)} field")
-  prompt = row[key]
+    raise _Skip("missing_prompt", f"no {' / '.join(names)} field")
+  prompt = _get(row, key)
   if isinstance(prompt, str):
     messages = [{"role": "user", "content": prompt}]
   elif isinstance(prompt, Sequence) and all(_is_message(m) for m in prompt):
@@ -218,6 +287,8 @@ def _messages(row: dict[str, Any]) -> Messages:
     raise _Skip("bad_prompt", f"{key} is neither a string nor a list of {{role, content}}")
   if not any(m["content"].strip() for m in messages):
     raise _Skip("empty_prompt", f"{key} is empty")
+  if keys.system_prompt and messages[0]["role"] != "system":
+    messages = [{"role": "system", "content": keys.system_prompt}, *messages]
   return messages
 
 
@@ -226,20 +297,22 @@ def _is_message(message: Any) -> bool:
           and isinstance(message.get("content"), str))
 
 
-def _ground_truth(row: dict[str, Any]) -> str:
-  reward_model = row.get("reward_model")
-  nested = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
-  value = nested if nested is not None else next(
-      (row[k] for k in _GROUND_TRUTH_KEYS if row.get(k) is not None), None)
+def _ground_truth(row: dict[str, Any], keys: Keys, regex: re.Pattern | None) -> str:
+  names = (keys.answer_key,) if keys.answer_key else ("reward_model.ground_truth", *_GROUND_TRUTH_KEYS)
+  value = next((_get(row, k) for k in names if _get(row, k) is not None), None)
   if isinstance(value, (int, float)) and not isinstance(value, bool):
     if isinstance(value, float) and not math.isfinite(value):
       raise _Skip("bad_ground_truth", f"ground truth {value} is not a finite number")
     value = str(value)
   if value is None or (isinstance(value, str) and not value.strip()):
-    raise _Skip("missing_ground_truth", "no reward_model.ground_truth or "
-                f"{' / '.join(_GROUND_TRUTH_KEYS)} field")
+    raise _Skip("missing_ground_truth", f"no {' / '.join(names)} field")
   if not isinstance(value, str):
     raise _Skip("bad_ground_truth", f"ground truth is a {type(value).__name__}, not a string")
+  if regex is not None:
+    found = regex.search(value)
+    if found is None:
+      raise _Skip("answer_regex_no_match", f"answer_regex {regex.pattern!r} does not match {value[-80:]!r}")
+    value = (found.group(1) if regex.groups else found.group(0)).strip()
   return value
 
 

@@ -7,7 +7,9 @@ all equal carry no signal), `token_weights` (how each response token counts in t
 Device side (jnp): `policy_loss` over per-token log-probs. Aggregation is decided by the weight
 plane, so micro-batches sum to the full batch's loss exactly:
 - "token" (DAPO): every response token of the batch weighs 1 / (response tokens in the batch);
-- "sequence" (GRPO): every sample weighs 1 / samples, spread over its tokens.
+- "sequence" (GRPO): every sample weighs 1 / samples, spread over its tokens;
+- "constant" (Dr. GRPO): every response token weighs 1 / (samples x the response budget), whatever
+  the lengths (no length bias either way).
 """
 
 from __future__ import annotations
@@ -18,15 +20,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-AGGREGATIONS = ("token", "sequence")
+AGGREGATIONS = ("token", "sequence", "constant")
+ADVANTAGE_STDS = ("sample", "population", "none")
 
 
-def advantages(rewards_GxN: np.ndarray, normalize_std: bool = True, eps: float = 1e-6) -> np.ndarray:
-  """(r - group mean) / (group std + eps); without `normalize_std` only the mean is removed (Dr. GRPO)."""
+def advantages(rewards_GxN: np.ndarray, std: str = "sample", eps: float = 1e-6) -> np.ndarray:
+  """(r - group mean) / (group std + eps): the sample std (N - 1 degrees of freedom, as verl and TRL
+  take it; a group of one has none: 0), the population std (N), or no std at all, the mean removed only
+  (`std="none"`, Dr. GRPO)."""
+  if std not in ADVANTAGE_STDS:
+    raise ValueError(f"advantage std must be one of {ADVANTAGE_STDS}, got {std!r}")
   r = np.asarray(rewards_GxN, np.float64)
   centred = r - r.mean(axis=1, keepdims=True)
-  if normalize_std:
-    centred = centred / (r.std(axis=1, keepdims=True) + eps)
+  if std != "none":
+    ddof = int(std == "sample")
+    spread = r.std(axis=1, keepdims=True, ddof=ddof) if r.shape[1] > ddof else np.zeros((r.shape[0], 1))
+    centred = centred / (spread + eps)
   return centred.astype(np.float32)
 
 
@@ -55,11 +64,13 @@ def overlong_penalty(lengths: Sequence[int], max_len: int, buffer_len: int) -> n
   return np.clip((max_len - buffer_len - x) / buffer_len, -1.0, 0.0).astype(np.float32)
 
 
-def token_weights(sample_B: np.ndarray, loss_mask_B: np.ndarray, keep: np.ndarray, aggregation: str) -> np.ndarray:
+def token_weights(sample_B: np.ndarray, loss_mask_B: np.ndarray, keep: np.ndarray, aggregation: str,
+                  max_len: int = 0) -> np.ndarray:
   """Per-token loss weights for packed rows.
 
   `sample_B` holds each slot's sample index + 1 (0 = padding), `loss_mask_B` 1 on response tokens,
-  `keep[i]` whether sample i enters the loss. Weights sum to 1 over the batch (0 if nothing is kept).
+  `keep[i]` whether sample i enters the loss. Weights sum to 1 over the batch (0 if nothing is kept),
+  but with "constant", where a sample of `max_len` (the response budget) tokens weighs 1 / samples.
   """
   if aggregation not in AGGREGATIONS:
     raise ValueError(f"loss aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
@@ -71,6 +82,10 @@ def token_weights(sample_B: np.ndarray, loss_mask_B: np.ndarray, keep: np.ndarra
     return (mask / mask.sum()).astype(np.float32)
   tokens_per_sample = np.bincount(sample_B[mask], minlength=len(keep) + 1)
   samples = np.count_nonzero(tokens_per_sample)
+  if aggregation == "constant":
+    if max_len < 1:
+      raise ValueError("the constant aggregation (Dr. GRPO) needs the response budget max_len")
+    return (mask / (samples * max_len)).astype(np.float32)
   return np.where(mask, 1.0 / (np.maximum(tokens_per_sample[sample_B], 1) * samples), 0.0).astype(np.float32)
 
 

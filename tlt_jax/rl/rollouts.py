@@ -4,8 +4,8 @@
 held-out evaluations:
   * with an EAGLE drafter (`rollout.speculative` and an EAGLE strategy): `TLTRollout`, one group
     engine per `rollout.groups` device group, the drafter trained on the idle groups; evaluations
-    on their own `PlainRollout` over all the devices, which decodes the fixed batch without
-    compaction (one bucket to compile);
+    on their own `PlainRollout` (`make_eval`) over this process's devices, which decodes the fixed
+    batch without compaction (one bucket to compile);
   * else (the baseline, or suffix drafts alone with `rollout.drafter='suffix'`): one `PlainRollout`
     data-parallel over all the devices, as many rows at once as the TLT groups together; the
     evaluations use it too (compiled for the rollouts anyway).
@@ -15,6 +15,7 @@ drafter trainer configs come from `tlt_jax.config`'s builders (each config subtr
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -41,9 +42,19 @@ def check(config) -> None:
     raise ValueError("config.rollout.speculative=False or rollout.drafter='suffix': a rollout without an EAGLE "
                      "drafter runs in one process only; several processes run the TLT group engines "
                      "(config.rollout.speculative=True, rollout.drafter='eagle')")
-  if distributed.multiprocess() and config.eval.every:
-    raise ValueError("config.eval.every: held-out evaluation (a plain engine over all devices) runs in one "
-                     "process only; set it to 0 for a multi-process run")
+
+
+def make_eval(config: ml_collections.ConfigDict, policy: CausalLM, tok, rows: int,
+              temperature: float = -1.0) -> PlainRollout:
+  """A rollout for evaluations of `rows` rows at once (a set's prompts x samples) on this process's
+  devices, sampling at `temperature` (-1: the rollout's), without compaction: one bucket to compile."""
+  sampling = config_lib.sampling_params(config, (tok.eos_token_id,))
+  if temperature >= 0:
+    sampling = dataclasses.replace(sampling, temperature=temperature)
+  devices = jax.local_devices()
+  mesh = sharding.make_mesh({"data": len(devices)}, devices) if len(devices) > 1 else None
+  return PlainRollout(policy, config_lib.engine_config(config, largest_bucket=1 << max(rows - 1, 0).bit_length(),
+                                                       compact=False), sampling, mesh)
 
 
 def make(config: ml_collections.ConfigDict, policy: CausalLM, drafter: Drafter | None, tok,
@@ -75,8 +86,4 @@ def make(config: ml_collections.ConfigDict, policy: CausalLM, drafter: Drafter |
       policy, drafter, config_lib.engine_config(c, strategies, capture_hidden=True), sampling, devices,
       c.rollout.groups, DataBuffer(BufferConfig(**c.drafter.buffer)), config_lib.tlt_config(c),
       config_lib.drafter_trainer_config(c), make_bandit)
-  if not c.eval.every:
-    return rollout, None
-  rows = c.eval.size * c.eval.num_samples
-  return rollout, PlainRollout(policy, config_lib.engine_config(c, largest_bucket=1 << (rows - 1).bit_length(),
-                                                                compact=False), sampling, mesh)
+  return rollout, make_eval(c, policy, tok, c.eval.size * c.eval.num_samples) if c.eval.every else None

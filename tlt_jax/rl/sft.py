@@ -117,10 +117,9 @@ def evaluate(config, model: CausalLM, tok, held_out: datasets.Dataset) -> dict:
         seed=config.seed))
     rollout = engine.generate(prompts)
     responses = [tok.decode(s.tokens, skip_special_tokens=True) for s in rollout.samples]
-    scores, stats = rewards.score_batch("reasoning_gym", responses, [ex.ground_truth for ex in held_out],
-                                        [ex.metadata for ex in held_out])
+    scores, stats = rewards.Scorer(workers=0).score("reasoning_gym", [ex.item(r) for ex, r in zip(held_out, responses)])
     correct = scores >= 1.0
-    terms = np.asarray([ex.metadata["num_terms"] for ex in held_out])
+    terms = np.asarray([ex.extra_info["num_terms"] for ex in held_out])
     by_bin = {}
     for label, lo, hi in BINS:
       sel = (terms >= lo) & (terms <= hi)

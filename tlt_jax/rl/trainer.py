@@ -51,11 +51,8 @@ from tlt_jax.drafter import export
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, hf
 from tlt_jax.rl import actor as actor_lib
-from tlt_jax.rl import datasets, grpo, rewards, rollouts, tasks
+from tlt_jax.rl import datasets, evaluation, grpo, rewards, rollouts
 from tlt_jax.rollout import profile
-
-_EVAL_OFFSET = 1 << 30  # held-out sampling keys: prompt indices training never reaches
-
 
 class NonFiniteUpdates(RuntimeError):
   """Too many policy updates in a row had a non-finite loss or gradient."""
@@ -65,7 +62,7 @@ class Trainer:
   """Runs RL steps (module docstring) with a rollout for the steps and one for held-out evaluations."""
 
   def __init__(self, config: ml_collections.ConfigDict, policy: CausalLM, tokenizer, drafter: Drafter | None,
-               prompts: datasets.Dataset, eval_prompts: datasets.Dataset | None = None,
+               prompts: datasets.Dataset, eval_sets: dict[str, datasets.Dataset] | None = None,
                devices: Sequence[jax.Device] | None = None):
     """Builds the rollouts (tlt_jax.rl.rollouts), the actor and the checkpoints, and resumes from
     the newest checkpoint in <workdir>/checkpoints when there is one. tlt_jax.rl.bootstrap.load
@@ -77,20 +74,30 @@ class Trainer:
       tokenizer: the policy's tokenizer.
       drafter: the EAGLE drafter the rollout speculates with and trains; None when it uses none.
       prompts: the training prompts.
-      eval_prompts: the held-out prompts (with `eval.every`).
+      eval_sets: with `eval.every`, the held-out prompts (name "") and `eval.sets`' (bootstrap.load_eval_sets).
       devices: what the rollouts run on (default: all; split into config.rollout.groups groups).
     """
     config_lib.check(config)
     self.config = c = config
-    if c.eval.every and eval_prompts is None:
-      raise ValueError("config.eval.every: held-out evaluations need eval_prompts")
-    self.policy, self.tok, self.prompts, self.eval_prompts = policy, tokenizer, prompts, eval_prompts
+    eval_sets = eval_sets or {}
+    if c.eval.every and set(eval_sets) != {"", *c.eval.sets}:
+      raise ValueError(f"config.eval.every: held-out evaluations need the held-out prompts and every set of "
+                       f"config.eval.sets ({sorted(c.eval.sets)}); got {sorted(eval_sets)}")
+    self.policy, self.tok, self.prompts = policy, tokenizer, prompts
+    self.scorer = rewards.Scorer(c.data.reward_workers, c.data.reward_timeout_s)
     # The rollouts hold the policy in its compute dtype (a bfloat16 copy of float32 masters).
     graphdef, state = nnx.split(policy)
     rollout_policy = nnx.merge(graphdef, actor_lib.rollout_copy(state, policy.dtype))
-    self.rollout, self.eval_rollout = rollouts.make(c, rollout_policy, drafter, tokenizer, devices or jax.devices())
+    self.rollout, held_out = rollouts.make(c, rollout_policy, drafter, tokenizer, devices or jax.devices())
+    self.eval_sets = []
+    for name, data in eval_sets.items():
+      s = c.eval.sets[name] if name else ml_collections.ConfigDict(dict(num_samples=c.eval.num_samples, k=0,
+                                                                        temperature=-1.0))
+      rollout = held_out if not name else rollouts.make_eval(c, rollout_policy, tokenizer,
+                                                             len(data) * s.num_samples, s.temperature)
+      self.eval_sets.append(evaluation.EvalSet(name, list(data), s.num_samples, s.k, rollout))
     # Each takes the policy's params after an update (once: the rollout may be the evaluations' too).
-    self._rollouts = [self.rollout] + ([self.eval_rollout] if self.eval_rollout not in (None, self.rollout) else [])
+    self._rollouts = list({id(r): r for r in [self.rollout, *(s.rollout for s in self.eval_sets)]}.values())
     if distributed.multiprocess():  # the actor runs SPMD over every process's devices
       mesh = sharding.make_mesh({k: c.mesh[k] for k in sharding.MESH_AXES})
       state = nnx.state(self.policy)
@@ -112,8 +119,12 @@ class Trainer:
       self._restore(*restored)
     # Nothing restored: records left by a run killed before its first checkpoint (its step-0
     # evaluation) go too.
-    self.metrics = metrics_lib.Writer(c.workdir, resume_step=self.step if restored is not None else -1) \
-        if distributed.primary() else None
+    self.metrics = None
+    if distributed.primary():
+      w = c.logging
+      run = metrics_lib.wandb_run(c.workdir, w.wandb_project, w.wandb_entity, w.wandb_run, c.to_dict()) \
+          if w.wandb else None
+      self.metrics = metrics_lib.Writer(c.workdir, resume_step=self.step if restored is not None else -1, wandb=run)
 
   # ---- checkpoints ----
 
@@ -150,34 +161,19 @@ class Trainer:
     logging.info("resumed from %s at step %d", os.path.join(self.checkpoints.directory, str(step)), self.step)
 
   def _push_policy(self) -> None:
-    """The actor's params into the rollouts, cast once to the compute dtype."""
+    """The actor's params into the rollouts, cast once to the compute dtype (gathered once to the host
+    when several processes hold their shards)."""
     params = actor_lib.rollout_copy(self.actor.params, self.policy.dtype)
+    if distributed.multiprocess():
+      params = distributed.to_host(params)
     for rollout in self._rollouts:
       rollout.set_policy_params(params)
 
   # ---- held-out evaluation ----
 
   def evaluate(self) -> dict[str, float | list[float]]:
-    """Reward of the current policy on the held-out prompts (fixed sampling keys: evaluations at
-    different steps differ only by the policy), with its 95% interval over prompts, each prompt's
-    mean (for paired comparisons of evaluations), accuracy, the share of responses with an answer
-    line and the median response length."""
-    start, e = time.perf_counter(), self.config.eval
-    examples = list(self.eval_prompts)
-    samples, _ = self.eval_rollout.generate([ex.prompt_ids for ex in examples], num_samples=e.num_samples,
-                                            prompt_offset=_EVAL_OFFSET)
-    texts = [self.tok.decode(s.tokens, skip_special_tokens=True) for s in samples]
-    truth = [examples[s.prompt_index] for s in samples]
-    scores, _ = rewards.score_batch(examples[0].reward, texts, [ex.ground_truth for ex in truth],
-                                    [ex.metadata for ex in truth])
-    # A prompt's samples are not independent of each other: the interval is over prompts.
-    per_prompt = metrics_lib.group_means(scores, [s.prompt_index for s in samples])
-    return {"eval/reward": float(scores.mean()), "eval/reward_ci95": metrics_lib.ci95(per_prompt),
-            "eval/prompt_rewards": [round(x, 4) for x in per_prompt],
-            "eval/accuracy": float((scores >= 1.0).mean()),
-            "eval/answered": float(np.mean([tasks.extract_answer(t) is not None for t in texts])),
-            "eval/response_length": float(np.median([len(s.tokens) for s in samples])),
-            "time/eval_s": time.perf_counter() - start}
+    """Every evaluation set's records (tlt_jax.rl.evaluation)."""
+    return {k: v for s in self.eval_sets for k, v in evaluation.evaluate(s, self.scorer, self.tok).items()}
 
   def _eval_due(self) -> bool:
     every = self.config.eval.every
@@ -210,12 +206,11 @@ class Trainer:
     self._rolled_out = True
 
     texts = [self.tok.decode(s.tokens, skip_special_tokens=True) for s in samples]
-    scores, reward_stats = rewards.score_batch(
-        examples[0].reward, texts, [examples[s.prompt_index].ground_truth for s in samples],
-        [examples[s.prompt_index].metadata for s in samples])
+    scores, reward_stats = self.scorer.score(examples[0].reward,
+                                             [examples[s.prompt_index].item(t) for s, t in zip(samples, texts)])
     lengths = np.asarray([len(s.tokens) for s in samples])
     shaped = scores + grpo.overlong_penalty(lengths, c.rollout.sampling.max_new_tokens, c.rl.overlong_buffer)
-    adv = grpo.advantages(shaped.reshape(-1, g), normalize_std=c.rl.normalize_std).reshape(-1)
+    adv = grpo.advantages(shaped.reshape(-1, g), c.rl.advantage_std, c.rl.advantage_eps).reshape(-1)
     truncated = np.asarray([s.finish_reason == "length" for s in samples]).reshape(-1, g)
     keep = grpo.trained_samples(shaped.reshape(-1, g), truncated, c.rl.dynamic_sampling, c.rl.overlong_filter)
 
@@ -226,7 +221,7 @@ class Trainer:
 
     self.step += 1
     record = {"reward/mean": float(scores.mean()), "reward/accuracy": float((scores >= 1.0).mean()),
-              "reward/failures": reward_stats["failures"],
+              **{f"reward/{k}": v for k, v in reward_stats.items() if k != "mean"},
               "response_length/median": float(np.median(lengths)),
               "response_length/p90": float(np.percentile(lengths, 90)), "response_length/max": int(lengths.max()),
               "response_length/truncated": int(sum(s.finish_reason == "length" for s in samples)),
@@ -259,7 +254,7 @@ class Trainer:
         gap[k] += v
       is_weights = np.minimum(np.exp(old - rollout_logp), c.rl.tis_cap) if c.rl.tis_cap else None
       batches.append(actor_lib.training_batch(rows, adv[part], np.ones(len(part), bool), c.rl.loss_aggregation,
-                                              old, ref, is_weights))
+                                              old, ref, is_weights, c.rollout.sampling.max_new_tokens))
     mismatch = {"mismatch/logp_abs_diff": gap["abs_diff"] / max(gap["tokens"], 1),
                 "mismatch/kl_k3": gap["k3"] / max(gap["tokens"], 1)}
     sums, skipped = {}, 0
@@ -294,8 +289,10 @@ class Trainer:
     """
     total = self.config.steps if steps is None else steps
     records, reason = [], None
-    if self.step == 0 and self._eval_due() and total > 0:  # the starting point
-      self.metrics.write(0, self.evaluate())
+    if self.step == 0 and self._eval_due() and total > 0:  # the starting point (every process evaluates its share)
+      record = self.evaluate()
+      if self.metrics is not None:
+        self.metrics.write(0, record)
     with tqdm(total=total, initial=self.step, desc="rl", unit="step", disable=not distributed.primary()) as bar:
       # Several processes stop together when any is asked to (else the others would wait for it).
       while self.step < total and not (reason := next(filter(None, distributed.allgather(stop())), None)):
@@ -335,9 +332,10 @@ class Trainer:
       export.export_eagle(policy, drafter, os.path.join(out, "drafter"))
 
   def close(self) -> None:
-    """Waits for the checkpoints and the metrics to be written."""
+    """Waits for the checkpoints and the metrics to be written; stops the reward workers."""
     for rollout in self._rollouts:
       rollout.close()
+    self.scorer.close()
     self.checkpoints.close()
     if self.metrics is not None:
       self.metrics.close()

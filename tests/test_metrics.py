@@ -1,0 +1,39 @@
+"""Metrics: JSONL records, what a resume keeps, and the optional Weights & Biases run (offline)."""
+
+import os
+
+import pytest
+
+from tlt_jax import metrics
+
+
+def test_a_resume_keeps_the_records_up_to_its_step(tmp_path):
+  writer = metrics.Writer(str(tmp_path))
+  for step in (1, 2, 3):
+    writer.write(step, {"reward/mean": step / 10, "eval/prompt_rewards": [0.5, 1.0]})
+  writer.close()
+  resumed = metrics.Writer(str(tmp_path), resume_step=2)  # step 3 was never checkpointed
+  resumed.write(3, {"reward/mean": 0.7})
+  resumed.close()
+  assert [(r["step"], r["reward/mean"]) for r in metrics.read(str(tmp_path / "metrics.jsonl"))] == [
+      (1, 0.1), (2, 0.2), (3, 0.7)]
+
+
+def test_a_wandb_run_gets_every_scalar_and_a_resume_continues_it(tmp_path, monkeypatch):
+  wandb = pytest.importorskip("wandb")
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  run = metrics.wandb_run(str(tmp_path), "tlt_jax_test", config={"steps": 2})
+  writer = metrics.Writer(str(tmp_path), wandb=run)
+  writer.write(1, {"reward/mean": 0.25, "eval/prompt_rewards": [0.5], "bad": float("nan")})
+  writer.write(2, {"reward/mean": 0.5})
+  logged = set(run.summary.keys())
+  assert run.summary["reward/mean"] == 0.5 and "eval/prompt_rewards" not in logged and "bad" not in logged
+  assert run.name == tmp_path.name and run.config["steps"] == 2
+  writer.close()
+  run_id = (tmp_path / "wandb_run_id").read_text()
+  assert any(name.endswith(run_id) for name in os.listdir(tmp_path / "wandb"))  # offline-run-<time>-<id>
+  resumed = metrics.wandb_run(str(tmp_path), "tlt_jax_test")
+  assert resumed.id == run_id
+  resumed.finish()
+  assert wandb.run is None
