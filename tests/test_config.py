@@ -171,7 +171,8 @@ def test_subtrees_build_the_dataclasses_they_mirror(name):
   assert engine.max_new_tokens == c.rollout.sampling.max_new_tokens
   assert config_lib.bandit(c, ()).thresholds == c.rollout.bandit.thresholds
   assert config_lib.tlt_config(c) == TLTConfig(**c.rollout.tlt)
-  assert config_lib.drafter_trainer_config(c) == DrafterTrainerConfig(**c.drafter.trainer, seed=c.seed)
+  assert config_lib.drafter_trainer_config(c) == DrafterTrainerConfig(
+      **c.drafter.trainer, temperature=c.rollout.sampling.temperature, seed=c.seed)
   assert BufferConfig(**c.drafter.buffer).max_pairs == c.drafter.buffer.max_pairs
   assert set(c.rl.optimizer) == set(inspect.signature(actor_lib.make_optimizer).parameters)
   actor_kwargs = inspect.signature(actor_lib.Actor).parameters

@@ -373,7 +373,8 @@ def tlt_config(config) -> TLTConfig:
 
 
 def drafter_trainer_config(config) -> DrafterTrainerConfig:
-  return DrafterTrainerConfig(**config.drafter.trainer, seed=config.seed)
+  return DrafterTrainerConfig(**config.drafter.trainer, temperature=config.rollout.sampling.temperature,
+                              seed=config.seed)
 
 
 # Keys that were renamed or moved into the subtree of the dataclass they build: a config file or a

@@ -2,9 +2,9 @@
 
   python -m tlt_jax.train_drafter --model=DIR --output=DIR [--overwrite] \\
       [--prompts=FILE.jsonl | --task=basic_arithmetic --num_prompts=512] \\
-      [--num_samples=1 --temperature=0 --max_new_tokens=256 --steps=1200 --batch_rows=8 \\
-       --row_len=512 --learning_rate=3e-3 --draft_vocab_size=-1 --draft_vocab_coverage=0.99 --eagle3_layers= \\
-       --eval_fraction=0.1 --seed=0]
+      [--num_samples=1 --temperature=0 --max_new_tokens=256 --steps=1200 --eval_every=100 --patience=3 \\
+       --batch_rows=8 --row_len=512 --learning_rate=3e-3 --draft_vocab_size=-1 --draft_vocab_coverage=0.99 \\
+       --draft_steps=0 --eagle3_layers= --eval_fraction=0.1 --seed=0]
 
 Samples responses from the target with the rollout engine, distils a fresh drafter on them
 (`tlt_jax.drafter.warmup`), saves it to --output (`tlt_jax.drafter.checkpoint`), reloads it to
@@ -13,7 +13,12 @@ one; an existing non-empty --output is replaced only when it is a drafter checkp
 --overwrite is given. Flags, prompts, --row_len and --output are checked before any sampling;
 a bad one is one line `error: ...`. Prompt lines are {"prompt": "text"} (chat-templated when the
 tokenizer has a template, as RL prompts are) or {"prompt_ids": [...]}. The last --eval_fraction
-of the prompts is held out for the reported top-1 agreement.
+of the prompts is held out: training keeps the drafter of its best held-out loss and stops when that
+stops improving, and the summary reports held-out top-1 agreement and, sampling (--temperature > 0),
+what verification can accept per draft step (`heldout_acceptance_per_draft_step`: 1 - TV, the target's
+mass on the drafter's top-1 / 4 / 8 tokens, the coupled draw's agreement). Sampled responses train
+the drafter for that temperature: the loss's distribution term at it, weighted as its features, and
+two draft steps of training-time test.
 
 The target's features come from the sampling rollout itself (captured while decoding, no
 recomputation, as the online trainer gets them); an EAGLE-3 drafter, which reads three target
@@ -64,7 +69,12 @@ cli.check_sampling_flags(temperature=_TEMPERATURE, max_new_tokens=_MAX_NEW)
 flags.register_multi_flags_validator(["num_samples", "temperature"],
                                      lambda f: f["num_samples"] == 1 or f["temperature"] > 0,
                                      "--num_samples > 1 needs --temperature > 0 (greedy draws one response)")
-_STEPS = flags.DEFINE_integer("steps", 1200, "Training steps.", lower_bound=1)
+_STEPS = flags.DEFINE_integer("steps", 1200, "Training steps at most (training stops earlier once the held-out "
+                              "loss stops improving: --eval_every, --patience).", lower_bound=1)
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", 100, "Steps between held-out evaluations; the drafter saved is the "
+                                   "best one's (0: the last step's).", lower_bound=0)
+_PATIENCE = flags.DEFINE_integer("patience", 3, "Evaluations without a better held-out loss before training stops "
+                                 "(0: it runs all --steps).", lower_bound=0)
 _BATCH_ROWS = flags.DEFINE_integer("batch_rows", 8, "Packed rows per training step.", lower_bound=1)
 _ROW_LEN = flags.DEFINE_integer("row_len", 512, "Tokens per packed row; longer sequences are truncated.",
                                 lower_bound=2)
@@ -76,9 +86,9 @@ _DRAFT_VOCAB = flags.DEFINE_integer("draft_vocab_size", -1, "Tokens of the draft
 _COVERAGE = flags.DEFINE_float("draft_vocab_coverage", train.HEAD_COVERAGE, "Share of the training response tokens "
                                "a head chosen by coverage (--draft_vocab_size=-1) holds, in (0, 1].")
 flags.register_validator("draft_vocab_coverage", lambda v: 0 < v <= 1, "--draft_vocab_coverage must lie in (0, 1]")
-_DRAFT_STEPS = flags.DEFINE_integer("draft_steps", 1, "Draft steps trained (EAGLE-3's training-time test): step k "
-                                    "feeds the drafter its own step k-1 features, as drafting a chain does.",
-                                    lower_bound=1)
+_DRAFT_STEPS = flags.DEFINE_integer("draft_steps", 0, "Draft steps trained (EAGLE-3's training-time test): step k "
+                                    "feeds the drafter its own step k-1 features, as drafting a chain does; 0 = 1 for "
+                                    "greedy samples, 2 at --temperature > 0.", lower_bound=0)
 _EAGLE3 = flags.DEFINE_list("eagle3_layers", [], "Three target layer indices (low,mid,high) for an EAGLE-3 "
                             "drafter; empty = EAGLE-1.")
 _EVAL_FRACTION = flags.DEFINE_float("eval_fraction", 0.1, "Fraction of the prompts held out for evaluation.",
@@ -151,8 +161,9 @@ def run() -> dict:
     drafter, distilled = warmup.distil(model, own, steps=_STEPS.value, batch_rows=_BATCH_ROWS.value,
                                        row_len=_ROW_LEN.value, lr=_LR.value, feature_layers=layers,
                                        draft_vocab_size=_DRAFT_VOCAB.value, head_coverage=_COVERAGE.value,
-                                       draft_steps=_DRAFT_STEPS.value,
-                                       seed=_SEED.value, on_step=on_step)
+                                       draft_steps=_DRAFT_STEPS.value or (2 if _TEMPERATURE.value > 0 else 1),
+                                       temperature=_TEMPERATURE.value, eval_every=_EVAL_EVERY.value,
+                                       patience=_PATIENCE.value, seed=_SEED.value, on_step=on_step)
 
   checkpoint.save_drafter(drafter, _OUTPUT.value)
   reloaded = checkpoint.load_drafter(_OUTPUT.value, model.config)

@@ -224,3 +224,38 @@ def test_eagle3_drafter_trains_on_the_logit_loss(target):
   for bad in ((0, 1, 3), (0, 1, 1)):
     with pytest.raises(ValueError, match=r"need 3 increasing indices of the target's 3 layers"):
       train.sequence_pairs(target, bad, packing.pack(random_sequences(1), ROW_LEN))
+
+
+def test_the_acceptance_ceiling_of_a_drafter_that_is_the_target(target):
+  """An oracle predicting the target's own next features has q = p: 1 - TV 1, its coupled draw always the
+  target's, p(top-1 of q) the target's mean top probability; a random drafter falls far below (at a low
+  temperature: this random target's distributions are near uniform at 1)."""
+  pairs = train.sequence_pairs(target, (), packing.pack(random_sequences(6, seed=3), ROW_LEN))
+  t = 0.05
+  [oracle] = train.ceiling_metrics(train.ceiling_sums(Oracle(pairs.next_hidden), target, pairs, 1, t,
+                                                     jax.random.key(0)))
+  p = jax.nn.softmax(target.logits(pairs.next_hidden) / t, axis=-1)
+  w = np.asarray(pairs.weights)
+  top = np.sort(np.asarray(p), axis=-1)[..., ::-1]
+  for k in (1, 2, 8):
+    assert oracle[f"p_top{k}"] == pytest.approx((top[..., :k].sum(-1) * w).sum() / w.sum(), rel=1e-5)
+  assert oracle["1-tv"] == pytest.approx(1.0, abs=1e-5) and oracle["coupled"] == 1.0 and oracle["pairs"] == w.sum()
+  random = train.acceptance_ceiling(target, Drafter(target.config, rngs=nnx.Rngs(5)), pairs, temperature=t,
+                                    draft_steps=2, batch_rows=2)
+  assert len(random) == 2 and all(r["1-tv"] < oracle["1-tv"] - 0.1 and r["coupled"] < 0.9 for r in random)
+  assert all(r["p_top1"] <= r["p_top2"] <= r["p_top8"] <= 1.0 for r in random)
+
+
+def test_distillation_keeps_its_best_held_out_step_and_stops_when_it_stalls(target):
+  """A few training sequences, others held out: the drafter ends with the parameters of its lowest held-out
+  loss, and training stops `patience` evaluations after it (overfitting raises the held-out loss)."""
+  train_seqs, held_out = random_sequences(2, seed=4), random_sequences(8, seed=5)
+  drafter = Drafter(target.config, rngs=nnx.Rngs(2))
+  before = train.evaluate(target, drafter, held_out, batch_rows=2, row_len=ROW_LEN)["loss"]
+  result = train.distill(target, drafter, train_seqs, steps=200, batch_rows=2, row_len=ROW_LEN, lr=3e-2,
+                         eval_data=held_out, eval_every=5, patience=3)
+  steps, losses = zip(*result.eval_history)
+  assert result.best_step == steps[int(np.argmin(losses))] and min(losses) < before
+  assert len(result.losses) == steps[-1] + 1 < 200 and steps[-1] == result.best_step + 3 * 5  # stopped
+  assert result.eval["loss"] == pytest.approx(min(losses), rel=1e-5)  # the drafter holds the best step's
+  assert result.losses[-1] < result.losses[result.best_step]  # it went on fitting the training pairs

@@ -2,8 +2,11 @@
 
 A sequence x_0..x_{L-1} (prompt + response) and the target's features f_0..f_{L-1} give the
 drafter pairs (f_t, x_{t+1}) at position t, each predicting f_{t+1}. The loss at pair t is
-  SmoothL1(predicted, f_{t+1})  +  0.1 * CE(softmax(lm_head(f_{t+1})), log_softmax(lm_head(predicted)))
-over pairs whose x_{t+1} is a response token. A drafter with a reduced-vocabulary head
+  SmoothL1(predicted, f_{t+1})  +  w * CE(softmax(lm_head(f_{t+1}) / T), log_softmax(lm_head(predicted) / T))
+over pairs whose x_{t+1} is a response token: EAGLE's (w = 0.1, T = 1) for greedy rollouts; at a
+sampling temperature T > 0 the soft cross-entropy (the forward KL to the target's sampling
+distribution, what membership verification accepts by) at that T, weighted as much as the features
+(w = 1: `sampling_loss`). A drafter with a reduced-vocabulary head
 (`draft_vocab`) takes the cross-entropy over its N tokens (the target's distribution restricted
 to them, renormalised, as EAGLE-3 trains its `draft_vocab_size` head); `frequent_tokens` picks
 the N from the training data. EAGLE-3 drafters (`feature_layers` set) read a
@@ -40,6 +43,14 @@ from tlt_jax.models.transformer import CausalLM, KVCache
 from tlt_jax.packing import Sequences, pack, segment_mask
 
 LOGIT_WEIGHT = 0.1  # EAGLE's weight of the soft cross-entropy beside the feature regression
+SAMPLING_LOGIT_WEIGHT = 1.0  # its weight for a sampling rollout (T > 0): the distribution is what is verified
+
+
+def sampling_loss(temperature: float) -> dict:
+  """`loss_fn`'s temperature and logit weight for a rollout sampling at `temperature` (0: greedy)."""
+  if temperature > 0:
+    return {"temperature": temperature, "logit_weight": SAMPLING_LOGIT_WEIGHT}
+  return {"temperature": 1.0, "logit_weight": LOGIT_WEIGHT}
 
 @flax.struct.dataclass
 class Pairs:
@@ -106,7 +117,8 @@ def step_predictions(drafter: Drafter, target: CausalLM, pairs: Pairs, draft_ste
 
 
 def loss_fn(drafter: Drafter, target: CausalLM, pairs: Pairs, exact_top1: bool = False,
-            draft_steps: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
+            draft_steps: int = 1, temperature: float = 1.0,
+            logit_weight: float = LOGIT_WEIGHT) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Weighted mean EAGLE loss over the pairs, and metrics (the first step's losses and top-1 agreement,
   later steps' top-1 agreement, pair count).
 
@@ -121,18 +133,18 @@ def loss_fn(drafter: Drafter, target: CausalLM, pairs: Pairs, exact_top1: bool =
   true_next = pairs.next_hidden.astype(jnp.float32)
   head = drafter.head(target)
   target_logits = drafter.logits(target, head, pairs.next_hidden)
-  target_probs = jax.nn.softmax(target_logits)
+  target_probs = jax.nn.softmax(target_logits / temperature)
   target_top = jnp.argmax(target.logits(pairs.next_hidden), -1) if exact_top1 and drafter.draft_vocab else None
   feature_weight = 0.0 if drafter.feature_layers else 1.0
   metrics, total, weight_sum = {}, 0.0, 0.0
   for k, predicted in enumerate(step_predictions(drafter, target, pairs, draft_steps), start=1):
     feature = optax.huber_loss(predicted, true_next, delta=1.0).mean(-1)  # SmoothL1 with beta 1
     logits = drafter.logits(target, head, predicted)
-    logit = -jnp.sum(target_probs * jax.nn.log_softmax(logits), axis=-1)
+    logit = -jnp.sum(target_probs * jax.nn.log_softmax(logits / temperature), axis=-1)
     w = pairs.weights * (pairs.positions >= k - 1)
     n = jnp.maximum(w.sum(), 1.0)
     mean = lambda x, w=w, n=n: jnp.sum(x * w) / n
-    loss = feature_weight * mean(feature) + LOGIT_WEIGHT * mean(logit)
+    loss = feature_weight * mean(feature) + logit_weight * mean(logit)
     if target_top is not None:
       top1 = drafter.target_ids(jnp.argmax(logits, -1)) == target_top
     else:
@@ -215,22 +227,27 @@ def make_optimizer(learning_rate: float | optax.Schedule) -> optax.GradientTrans
                      optax.adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=0.01))
 
 
-def _grads(drafter_def, target_def, draft_steps, drafter_params, target_params, pairs):
+def _grads(drafter_def, target_def, loss_args, drafter_params, target_params, pairs):
   target_model = nnx.merge(target_def, target_params)
-  grad_fn = jax.grad(lambda p: loss_fn(nnx.merge(drafter_def, p), target_model, pairs, draft_steps=draft_steps),
+  grad_fn = jax.grad(lambda p: loss_fn(nnx.merge(drafter_def, p), target_model, pairs, **dict(loss_args)),
                      has_aux=True)
   return grad_fn(drafter_params)
 
 
+def _loss_args(draft_steps: int, temperature: float, logit_weight: float) -> tuple:
+  return (("draft_steps", draft_steps), ("temperature", temperature), ("logit_weight", logit_weight))
+
+
 def make_train_step(drafter: Drafter, target: CausalLM, optimizer: optax.GradientTransformation,
-                    draft_steps: int = 1) -> Callable:
+                    draft_steps: int = 1, temperature: float = 1.0, logit_weight: float = LOGIT_WEIGHT) -> Callable:
   """Jitted `step(drafter_params, opt_state, target_params, pairs) -> (drafter_params, opt_state, metrics)`
-  (`loss_fn` over `draft_steps` steps).
+  (`loss_fn` over `draft_steps` steps, at `temperature` with `logit_weight`).
 
   The graphdefs are captured once; the target's params are an argument, so a live policy's
   new weights go in without recompiling. Drafter params and optimizer state are donated.
   """
-  grads = functools.partial(_grads, nnx.graphdef(drafter), nnx.graphdef(target), draft_steps)
+  grads = functools.partial(_grads, nnx.graphdef(drafter), nnx.graphdef(target),
+                            _loss_args(draft_steps, temperature, logit_weight))
 
   def step(drafter_params, opt_state, target_params, pairs):
     g, metrics = grads(drafter_params, target_params, pairs)
@@ -239,10 +256,12 @@ def make_train_step(drafter: Drafter, target: CausalLM, optimizer: optax.Gradien
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def make_grad_step(drafter: Drafter, target: CausalLM, draft_steps: int = 1) -> Callable:
+def make_grad_step(drafter: Drafter, target: CausalLM, draft_steps: int = 1, temperature: float = 1.0,
+                   logit_weight: float = LOGIT_WEIGHT) -> Callable:
   """Jitted `grads(drafter_params, target_params, pairs) -> (grads, metrics)`: the train step's first
   half, for data-parallel training that averages gradients from several device groups."""
-  return jax.jit(functools.partial(_grads, nnx.graphdef(drafter), nnx.graphdef(target), draft_steps))
+  return jax.jit(functools.partial(_grads, nnx.graphdef(drafter), nnx.graphdef(target),
+                                   _loss_args(draft_steps, temperature, logit_weight)))
 
 
 def apply_gradients(optimizer: optax.GradientTransformation, params, opt_state, grads):
@@ -254,19 +273,84 @@ def apply_gradients(optimizer: optax.GradientTransformation, params, opt_state, 
 EVAL_STEPS = 3  # draft steps an evaluation measures (top1, top1_2, top1_3)
 
 
-def make_eval_step(drafter: Drafter, target: CausalLM) -> Callable:
+def make_eval_step(drafter: Drafter, target: CausalLM, temperature: float = 1.0,
+                   logit_weight: float = LOGIT_WEIGHT) -> Callable:
   """Jitted `evaluate(drafter_params, target_params, pairs) -> metrics` (no update): exact top-1 at
-  each of EVAL_STEPS draft steps (training-time test)."""
+  each of EVAL_STEPS draft steps (training-time test); `loss` the first step's at `temperature`."""
   drafter_def, target_def = nnx.graphdef(drafter), nnx.graphdef(target)
   return jax.jit(lambda dp, tp, pairs: loss_fn(nnx.merge(drafter_def, dp), nnx.merge(target_def, tp), pairs,
-                                               exact_top1=True, draft_steps=EVAL_STEPS)[1])
+                                               exact_top1=True, draft_steps=EVAL_STEPS, temperature=temperature,
+                                               logit_weight=logit_weight)[1])
+
+
+CEILING_TOP_K = 8  # p(top-k of q) is reported for k = 1..this
+
+
+def ceiling_sums(drafter: Drafter, target: CausalLM, pairs: Pairs, draft_steps: int, temperature: float, key):
+  """Per draft step k (a [draft_steps] vector each): sums over the weighted pairs of 1 - TV(p, q), p's mass on
+  q's top-1..CEILING_TOP_K tokens (cumulative), the coupled draw's agreement, and the pair count."""
+  from tlt_jax.rollout import sampling  # pylint: disable=import-outside-toplevel  (the rollout's own draw)
+  logp = jax.nn.log_softmax(target.logits(pairs.next_hidden) / temperature, axis=-1)  # [B, T, V]
+  ids = jnp.asarray(drafter.draft_vocab or range(target.config.vocab_size), jnp.int32)
+  keys = jax.random.split(key, logp.shape[:-1])
+  target_draw = sampling.draw(logp, keys)
+  head = drafter.head(target)
+  out = []
+  for k, predicted in enumerate(step_predictions(drafter, target, pairs, draft_steps), start=1):
+    logq = jax.nn.log_softmax(drafter.logits(target, head, predicted) / temperature, axis=-1)  # [B, T, N]
+    p_on_draft = jnp.exp(jnp.take(logp, ids, axis=-1))  # p at the drafter's tokens
+    tv = 0.5 * (jnp.abs(jnp.exp(logq) - p_on_draft).sum(-1) + (1.0 - p_on_draft.sum(-1)))
+    top = jax.lax.top_k(logq, CEILING_TOP_K)[1]
+    mass = jnp.cumsum(jnp.take_along_axis(p_on_draft, top, axis=-1), axis=-1)  # [B, T, K]
+    full = jnp.full(logp.shape, -jnp.inf).at[..., ids].set(logq)
+    coupled = (sampling.draw(full, keys) == target_draw).astype(jnp.float32)
+    w = pairs.weights * (pairs.positions >= k - 1)
+    out.append((((1.0 - tv) * w).sum(), (mass * w[..., None]).sum((0, 1)), (coupled * w).sum(), w.sum()))
+  return tuple(jnp.stack(x) for x in zip(*out))
+
+
+def ceiling_metrics(sums) -> list[dict[str, float]]:
+  """`acceptance_ceiling`'s figures per draft step from `ceiling_sums` (summed over batches)."""
+  tv, mass, coupled, n = (np.asarray(x) for x in sums)
+  return [{"1-tv": float(tv[k] / n[k]), **{f"p_top{j + 1}": float(mass[k, j] / n[k]) for j in range(CEILING_TOP_K)},
+           "coupled": float(coupled[k] / n[k]), "pairs": float(n[k])} for k in range(len(n))]
+
+
+def acceptance_ceiling(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, temperature: float,
+                       draft_steps: int = EVAL_STEPS, batch_rows: int = 2, row_len: int = 512,
+                       seed: int = 0) -> list[dict[str, float]]:
+  """What verification can accept at `temperature`, per draft step k = 1..`draft_steps` (a chain's k-th
+  draft, the drafter reading its own earlier predictions), averaged over `data`'s response pairs (the
+  target's own samples): `1-tv`, 1 - the total variation between the target's distribution p and the
+  drafter's q (a chain's acceptance rate when drafts are drawn coupled to the target's draw, at best);
+  `p_top1`..`p_top8`, p's mass on q's k most likely tokens (a node's acceptance with those k children);
+  `coupled`, how often the target's draw equals q's drawn with the same key (`sampling.draw`: the first
+  child `speculative.level_scores` proposes). Every figure is a node's acceptance probability, so a
+  chain of rate a accepts 1 + a + a^2 + ... tokens per verify."""
+  pairs = all_pairs(target, drafter.feature_layers, data, row_len=row_len, batch_rows=batch_rows)
+  drafter_def, target_def = nnx.graphdef(drafter), nnx.graphdef(target)
+  fn = jax.jit(lambda dp, tp, chunk, key: ceiling_sums(nnx.merge(drafter_def, dp), nnx.merge(target_def, tp), chunk,
+                                                       draft_steps, max(temperature, 1e-6), key))
+  _, drafter_params = nnx.split(drafter)
+  _, target_params = nnx.split(target)
+  num_rows, key = pairs.tokens.shape[0], jax.random.key(seed)
+  totals = None
+  for start in range(0, num_rows, batch_rows):
+    take = np.arange(start, start + batch_rows)  # one shape: the last chunk's padding rows weigh 0
+    chunk = jax.tree.map(lambda x: np.where(
+        (take < num_rows).reshape((-1,) + (1,) * (x.ndim - 1)), x[np.minimum(take, num_rows - 1)], 0), pairs)
+    sums = jax.device_get(fn(drafter_params, target_params, chunk, jax.random.fold_in(key, start)))
+    totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
+  return ceiling_metrics(totals)
 
 
 @dataclasses.dataclass
 class DistillResult:
   losses: list[float]  # training loss per step
   metrics: list[dict[str, float]]  # per step: loss, feature_loss, logit_loss, top1, pairs
-  eval: dict[str, float] | None  # pair-weighted metrics on `eval_data`, when given
+  eval: dict[str, float] | None  # pair-weighted metrics on `eval_data` of the drafter returned, when given
+  best_step: int  # the step whose parameters the drafter holds (held-out loss at its lowest; else the last)
+  eval_history: list[tuple[int, float]]  # (step, held-out loss) of each evaluation during training
 
 
 def _pairs_in_batches(target: CausalLM, feature_layers, rows: np.ndarray, batch_rows: int) -> list[Pairs]:
@@ -291,16 +375,48 @@ def all_pairs(target: CausalLM, feature_layers, data: Sequences | Pairs, *, row_
   return jax.tree.map(lambda *xs: np.concatenate(xs)[:rows.shape[1]], *batches)
 
 
+def _evaluator(target: CausalLM, drafter: Drafter, pairs: Pairs, batch_rows: int, temperature: float = 1.0,
+               logit_weight: float = LOGIT_WEIGHT) -> Callable[[nnx.State], dict[str, float]]:
+  """`metrics(drafter_params)`: the pair-weighted evaluation metrics of `pairs` (one compilation)."""
+  evaluate_fn = make_eval_step(drafter, target, temperature, logit_weight)
+  _, target_params = nnx.split(target)
+  num_rows = pairs.tokens.shape[0]
+
+  def metrics(drafter_params) -> dict[str, float]:
+    sums, total = {}, 0.0
+    for start in range(0, num_rows, batch_rows):
+      take = np.arange(start, start + batch_rows)  # one shape: the last chunk's padding rows weigh 0
+      chunk = jax.tree.map(lambda x: np.where(
+          (take < num_rows).reshape((-1,) + (1,) * (x.ndim - 1)), x[np.minimum(take, num_rows - 1)], 0), pairs)
+      m = {k: float(v) for k, v in evaluate_fn(drafter_params, target_params, chunk).items()}
+      total += m["pairs"]
+      for k, v in m.items():
+        if k != "pairs":
+          sums[k] = sums.get(k, 0.0) + v * m["pairs"]
+    return {**{k: v / max(total, 1.0) for k, v in sums.items()}, "pairs": total}
+
+  return metrics
+
+
 def distill(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, steps: int, batch_rows: int,
             row_len: int, lr: float, seed: int = 0, eval_data: Sequences | Pairs = (), warmup_steps: int | None = None,
-            draft_steps: int = 1, on_step: Callable[[int, dict[str, float]], None] | None = None) -> DistillResult:
-  """Trains `drafter` in place for `steps` steps of `batch_rows` packed rows of `data`: the target's
+            draft_steps: int = 1, temperature: float = 1.0, logit_weight: float = LOGIT_WEIGHT, eval_every: int = 0,
+            patience: int = 0, on_step: Callable[[int, dict[str, float]], None] | None = None) -> DistillResult:
+  """Trains `drafter` in place for up to `steps` steps of `batch_rows` packed rows of `data`: the target's
   sequences (features recomputed) or `Pairs` of captured features (see `all_pairs`); `draft_steps`:
-  the training-time test's steps (`loss_fn`)."""
+  the training-time test's steps, `temperature` and `logit_weight` the loss's (`loss_fn`).
+
+  With `eval_data` and `eval_every`, the held-out loss is measured every `eval_every` steps; the drafter
+  ends with the parameters of its best measurement, and training stops once `patience` measurements in a
+  row (0: never) have not improved on it: the steps fit the data instead of overfitting a small set."""
   if steps < 1 or batch_rows < 1:
     raise ValueError(f"steps and batch_rows must be positive, got steps={steps}, batch_rows={batch_rows}")
   # One host array per field, from which each step gathers its rows.
   pairs = all_pairs(target, drafter.feature_layers, data, row_len=row_len, batch_rows=batch_rows)
+  has_eval = isinstance(eval_data, Pairs) or len(eval_data) > 0
+  held_out = _evaluator(target, drafter, all_pairs(target, drafter.feature_layers, eval_data, row_len=row_len,
+                                                   batch_rows=batch_rows), batch_rows, temperature,
+                        logit_weight) if has_eval else None
   num_rows = pairs.tokens.shape[0]
   optimizer = make_optimizer(cosine_schedule(lr, steps, warmup_steps))
   _, target_params = nnx.split(target)
@@ -309,11 +425,12 @@ def distill(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, step
   # Compiled ahead of time: a plain jit would compile again at step 2, once the fresh (uncommitted)
   # drafter state has come back committed to the target's mesh.
   abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((batch_rows, *x.shape[1:]), x.dtype), pairs)
-  step = make_train_step(drafter, target, optimizer, draft_steps).lower(params, opt_state, target_params,
-                                                                        abstract_batch).compile()
+  step = make_train_step(drafter, target, optimizer, draft_steps, temperature, logit_weight).lower(
+      params, opt_state, target_params, abstract_batch).compile()
   rng = np.random.default_rng(seed)
   order = np.empty(0, np.int64)
-  losses, metrics = [], []
+  losses, metrics, history = [], [], []
+  best, best_step, since = None, steps - 1, 0
   for i in range(steps):
     while len(order) < batch_rows:  # epochs of shuffled rows; fewer rows than batch_rows repeat
       order = np.concatenate([order, rng.permutation(num_rows)])
@@ -325,28 +442,24 @@ def distill(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, step
     metrics.append(m)
     if on_step is not None:
       on_step(i, m)
-  nnx.update(drafter, params)
-  has_eval = isinstance(eval_data, Pairs) or len(eval_data) > 0
-  eval_metrics = evaluate(target, drafter, eval_data, batch_rows=batch_rows, row_len=row_len) if has_eval else None
-  return DistillResult(losses, metrics, eval_metrics)
+    if held_out is not None and eval_every and ((i + 1) % eval_every == 0 or i == steps - 1):
+      loss = held_out(params)["loss"]
+      history.append((i, loss))
+      if best is None or loss < best[0]:
+        best, best_step, since = (loss, jax.device_get(params)), i, 0
+      else:
+        since += 1
+        if patience and since >= patience:
+          logging.info("distill: held-out loss not improved in %d evaluations; stopping at step %d (best: step %d)",
+                       since, i + 1, best_step + 1)
+          break
+  nnx.update(drafter, params if best is None else best[1])
+  eval_metrics = held_out(nnx.state(drafter)) if held_out is not None else None
+  return DistillResult(losses, metrics, eval_metrics, best_step, history)
 
 
 def evaluate(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, batch_rows: int,
-             row_len: int) -> dict[str, float]:
+             row_len: int, temperature: float = 1.0, logit_weight: float = LOGIT_WEIGHT) -> dict[str, float]:
   """Pair-weighted loss and (exact) top-1 agreement of the drafter on `data` (as `distill` takes it)."""
   pairs = all_pairs(target, drafter.feature_layers, data, row_len=row_len, batch_rows=batch_rows)
-  evaluate_fn = make_eval_step(drafter, target)
-  _, drafter_params = nnx.split(drafter)
-  _, target_params = nnx.split(target)
-  sums, total = {}, 0.0
-  num_rows = pairs.tokens.shape[0]
-  for start in range(0, num_rows, batch_rows):
-    take = np.arange(start, start + batch_rows)  # one shape: the last chunk's padding rows weigh 0
-    chunk = jax.tree.map(lambda x: np.where(
-        (take < num_rows).reshape((-1,) + (1,) * (x.ndim - 1)), x[np.minimum(take, num_rows - 1)], 0), pairs)
-    m = {k: float(v) for k, v in evaluate_fn(drafter_params, target_params, chunk).items()}
-    total += m["pairs"]
-    for k, v in m.items():
-      if k != "pairs":
-        sums[k] = sums.get(k, 0.0) + v * m["pairs"]
-  return {**{k: v / max(total, 1.0) for k, v in sums.items()}, "pairs": total}
+  return _evaluator(target, drafter, pairs, batch_rows, temperature, logit_weight)(nnx.state(drafter))

@@ -43,8 +43,8 @@ from tlt_jax.models.transformer import CausalLM
 
 @dataclasses.dataclass(frozen=True)
 class DrafterTrainerConfig:
-  """The online drafter's updates. Config: `drafter.trainer` (seed: `seed`; `eval_rows` and
-  `checkpoint_dir` keep their defaults in a run)."""
+  """The online drafter's updates. Config: `drafter.trainer` (seed: `seed`; temperature:
+  `rollout.sampling.temperature`; `eval_rows` and `checkpoint_dir` keep their defaults in a run)."""
 
   learning_rate: float = 1e-3
   warmup_steps: int = 20  # linear warmup: a fresh Adam's first steps would jolt a pre-trained drafter
@@ -52,13 +52,14 @@ class DrafterTrainerConfig:
   row_len: int = 128  # pairs per packed row
   eval_rows: int = 8  # packed rows of held-out samples for drafter/top1
   draft_steps: int = 1  # training-time test steps per update (`train.loss_fn`)
+  temperature: float = 0.0  # the rollout's: the loss's distribution term at it (`train.sampling_loss`)
   seed: int = 0
   checkpoint_dir: str | None = None  # async selective checkpoints (params + optimizer) of each new version
 
   def __post_init__(self):
     fields.at_least(self, 1, "rows_per_device", "eval_rows", "draft_steps")
     fields.at_least(self, 2, "row_len")  # a pair needs a token and the next
-    fields.at_least(self, 0, "learning_rate", "warmup_steps")
+    fields.at_least(self, 0, "learning_rate", "warmup_steps", "temperature")
 
 
 @dataclasses.dataclass
@@ -100,8 +101,9 @@ class DrafterTrainer:
     self.graphdef = nnx.graphdef(drafter)
     self.optimizer = train.make_optimizer(optax.linear_schedule(0.0, config.learning_rate,
                                                                 max(config.warmup_steps, 1)))
-    self._grad = train.make_grad_step(drafter, policy, config.draft_steps)
-    self._eval = train.make_eval_step(drafter, policy)
+    loss = train.sampling_loss(config.temperature)
+    self._grad = train.make_grad_step(drafter, policy, config.draft_steps, **loss)
+    self._eval = train.make_eval_step(drafter, policy, **loss)
     self._apply = jax.jit(lambda p, s, g: train.apply_gradients(self.optimizer, p, s, g), donate_argnums=(0, 1))
     self._all_finite = jax.jit(
         lambda tree: jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))

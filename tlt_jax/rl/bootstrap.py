@@ -127,7 +127,8 @@ def load_drafter(config, policy: CausalLM, tok, prompts: datasets.Dataset | None
   with tqdm(total=d.steps, desc="drafter warm-up", unit="step") as bar:
     result = drafter_train.distill(policy, drafter, sequences, steps=d.steps, batch_rows=d.batch_rows,
                                    row_len=d.row_len, lr=d.learning_rate, seed=config.seed, draft_steps=d.draft_steps,
-                                   on_step=lambda *_: bar.update(1))
+                                   on_step=lambda *_: bar.update(1),
+                                   **drafter_train.sampling_loss(config.rollout.sampling.temperature))
   logging.info("drafter warm-up: loss %.3f -> %.3f, top-1 %.2f", result.losses[0], result.losses[-1],
                result.metrics[-1]["top1"])
   drafter_checkpoint.save_drafter(drafter, path)
