@@ -34,19 +34,22 @@ def run_bench(*args):
 
 
 def test_bench_writes_the_grid(tmp_path):
-  """A cell of batch size b rolls out b rows, or --rows: batch 1 over 3 prompts one after another."""
+  """A cell of batch size b rolls out b rows, or --rows: batch 1 over 3 prompts one after another; a grid
+  per temperature, and the acceptance picture."""
   out = tmp_path / "grid.json"
-  run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--batch_sizes=1,2", "--strategies=2_1_3",
-            "--max_new_tokens=12", "--rows=3")
+  run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--batch_sizes=1", "--strategies=2_1_3,3_2_6",
+            "--max_new_tokens=12", "--rows=3", "--temperatures=0,1")
   records = json.loads(out.read_text())
-  assert [(r["batch_size"], r["rows"], r["strategy"]) for r in records] == [(1, 3, "2_1_3"), (2, 3, "2_1_3")]
+  assert [(r["temperature"], r["batch_size"], r["rows"], r["strategy"], r["verify_tokens"]) for r in records] == [
+      (t, 1, 3, s, v) for t in (0.0, 1.0) for s, v in (("2_1_3", 3), ("3_2_6", 6))]
   for r in records:
-    assert set(r) == {"batch_size", "rows", "strategy", "tokens_per_s", "baseline_tokens_per_s", "speedup",
-                      "accept_len"}
+    assert set(r) == {"temperature", "batch_size", "rows", "strategy", "verify_tokens", "tokens_per_s",
+                      "baseline_tokens_per_s", "speedup", "accept_len"}
     assert r["tokens_per_s"] > 0 and r["accept_len"] >= 1
     assert abs(r["speedup"] - r["tokens_per_s"] / r["baseline_tokens_per_s"]) < 1e-2
   with open(tmp_path / "grid.csv", encoding="utf-8") as f:
-    assert len(list(csv.DictReader(f))) == 2
+    assert len(list(csv.DictReader(f))) == 4
+  assert (tmp_path / "grid.png").stat().st_size > 0
 
 
 def test_grid_of_suffix_strategies_with_samples_and_history_needs_no_drafter(tmp_path):

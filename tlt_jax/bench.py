@@ -1,7 +1,7 @@
 """Speculative-decoding speed grid: batch size x strategy, SD vs plain decoding on the same prompts.
 
   python -m tlt_jax.bench --model=DIR --drafter=DIR --output=FILE.json \\
-      [--batch_sizes=1,2,4,8,16,32 --strategies=4_2_8,6_4_16 --temperature=1.0 --max_new_tokens=128]
+      [--batch_sizes=1,2,4,8,16,32 --strategies=4_2_8,6_4_16 --temperatures=0,1 --max_new_tokens=128]
 
   python -m tlt_jax.bench --adaptive --model=DIR --drafter=DIR --output=FILE.json [--rows=64 ...]
 
@@ -22,8 +22,11 @@ long (the tail's regime); rows stop at EOS or `--max_new_tokens`. Compaction is 
 the cell's batch size; a cell of batch size b rolls out b rows, or `--rows` (the same batch size over more
 prompts, b at once, refilled). Each cell times one rollout after a warm-up rollout (compilation excluded). Writes a
 JSON list of
-{batch_size, rows, strategy, tokens_per_s, baseline_tokens_per_s, speedup, accept_len} and the same
-table as CSV next to it. The counterpart of the reference's bench_sd. With `--num_samples` N, a
+{temperature, batch_size, rows, strategy, verify_tokens, tokens_per_s, baseline_tokens_per_s, speedup,
+accept_len} (one grid per `--temperatures`, else `--temperature`), the same table as CSV next to it,
+and, with matplotlib, a PNG beside it: tokens accepted per verify against verify tokens, one line per
+temperature (the paper's Table 4 shape), at the smallest batch size. The counterpart of the
+reference's bench_sd. With `--num_samples` N, a
 cell of batch size b rolls out ceil(b / N) prompts x N samples, b rows at once at most (siblings
 refilled): suffix strategies (`s<depth>_<matches>_<verify>`, no drafter needed) draft from
 siblings. `--history_len` also times each suffix strategy with each prompt's responses from an
@@ -96,6 +99,7 @@ _OUTPUT = flags.DEFINE_string("output", None, "Output JSON file (a CSV is writte
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16", "32"], "Batch sizes.")
 _STRATEGIES = flags.DEFINE_list("strategies", ["4_1_5", "4_2_8", "6_4_16"], "depth_topk_verify strategies.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (0 = greedy).")
+_TEMPERATURES = flags.DEFINE_list("temperatures", [], "Grid mode: one grid per temperature (default: --temperature).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Tokens per row at most.")
 cli.check_sampling_flags(temperature=_TEMPERATURE, max_new_tokens=_MAX_NEW)
 _TASK = flags.DEFINE_string("task", "basic_arithmetic", "Procedural task for prompts (needs a tokenizer in --model).")
@@ -132,6 +136,18 @@ def _batch_sizes() -> list[int]:
   if not sizes or min(sizes) < 1:
     raise cli.InputError(f"--batch_sizes={','.join(_BATCH_SIZES.value)}: expected positive integers")
   return sizes
+
+
+def _temperatures() -> list[float]:
+  if not _TEMPERATURES.value:
+    return [_TEMPERATURE.value]
+  try:
+    values = [float(t) for t in _TEMPERATURES.value]
+  except ValueError:
+    values = []
+  if not values or min(values) < 0:
+    raise cli.InputError(f"--temperatures={','.join(_TEMPERATURES.value)}: expected numbers >= 0")
+  return values
 
 
 def _strategies() -> list[Strategy]:
@@ -212,8 +228,10 @@ def main(argv):
     records = benchmark.run_adaptive(model, drafter, prompts, strategies, temperature, max_new, seed, sorted(stop),
                                      _SD_MAX_BATCH.value, _REPEATS.value, _NUM_SAMPLES.value)
   else:
-    records = benchmark.run_grid(model, drafter, prompts, batch_sizes, strategies, temperature, max_new, seed,
-                                 sorted(stop), _NUM_SAMPLES.value, _HISTORY_LEN.value, grid_rows)
+    records = [{"temperature": t, **r} for t in _temperatures() for r in benchmark.run_grid(
+        model, drafter, prompts, batch_sizes, strategies, t, max_new, seed, sorted(stop), _NUM_SAMPLES.value,
+        _HISTORY_LEN.value, grid_rows)]
+    benchmark.plot_acceptance(records, os.path.splitext(_OUTPUT.value)[0] + ".png")
   with files.atomic_file(_OUTPUT.value) as tmp_json, files.atomic_file(csv_path) as tmp_csv:
     with open(tmp_json, "w", encoding="utf-8") as f:
       json.dump(records, f, indent=2)

@@ -17,6 +17,7 @@ import dataclasses
 import sys
 
 import numpy as np
+from absl import logging
 from tqdm import tqdm
 
 from tlt_jax.drafter.model import Drafter
@@ -215,7 +216,8 @@ def run_grid(model, drafter: Drafter | None, prompts, batch_sizes, strategies, t
         kwargs = {"num_samples": num_samples, **({"history": banked} if history else {})}
         speed, accept_len = _rollout_speed(Engine(model, config, params, drafter=drafter), batch, **kwargs)
         records.append({"batch_size": b, "rows": len(batch) * num_samples,
-                        "strategy": strategy.name + ("+history" if history else ""), "tokens_per_s": round(speed, 2),
+                        "strategy": strategy.name + ("+history" if history else ""),
+                        "verify_tokens": strategy.verify_tokens, "tokens_per_s": round(speed, 2),
                         "baseline_tokens_per_s": round(baseline, 2), "speedup": round(speed / baseline, 3),
                         "accept_len": round(accept_len, 3)})
         bar.update()
@@ -241,3 +243,34 @@ def run_phases(model, drafter: Drafter, prompts, batch_sizes, strategies, temper
           records.append({"batch_size": b, "strategy": strategy.name, "draft_vocab": vocab, **times})
           bar.update()
   return records
+
+
+def plot_acceptance(records: list[dict], path: str) -> str | None:
+  """A PNG of the grid's tokens accepted per verify against verify tokens, a line per temperature (EAGLE
+  strategies, no history) at the smallest batch size; None, one logged line, without matplotlib."""
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel  (optional)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    logging.warning("no acceptance figure: matplotlib is not installed (pip install matplotlib)")
+    return None
+  batch = min(r["batch_size"] for r in records)
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for t in sorted({r["temperature"] for r in records}):
+    cells = sorted((r for r in records if r["temperature"] == t and r["batch_size"] == batch
+                    and not r["strategy"].startswith("s") and "+" not in r["strategy"]),
+                   key=lambda r: r["verify_tokens"])
+    if cells:
+      ax.plot([r["verify_tokens"] for r in cells], [r["accept_len"] for r in cells], marker="o",
+              label="greedy" if t == 0 else f"T = {t:g}")
+      for r in cells:
+        ax.annotate(f"{r['speedup']:.2f}x", (r["verify_tokens"], r["accept_len"]), fontsize=7,
+                    textcoords="offset points", xytext=(3, 3))
+  ax.set(xlabel="verify tokens per iteration", ylabel="tokens accepted per verify",
+         title=f"acceptance vs tree size, batch {batch} (labels: speed-up over plain on this machine)")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
