@@ -88,7 +88,7 @@ def tiny_notebook():
       v4.new_code_cell(
           'import math\n\n'
           'from configs import tiny\n'
-          'from tlt_jax import config as config_lib\n'
+          'from tlt_jax import distributed\n'
           'from tlt_jax import metrics\n'
           'from tlt_jax.rl import bootstrap\n'
           'from tlt_jax.rl.trainer import Trainer\n\n'
@@ -96,7 +96,7 @@ def tiny_notebook():
           'config.unlock()\n'
           'config.workdir = WORKDIR\n'
           'config.steps = 1 if SMOKE else STEPS\n'
-          'config_lib.setup_devices(config)  # simulated CPU devices on a CPU runtime; before any computation\n'
+          'distributed.setup_devices(config)  # simulated CPU devices on a CPU runtime; before any computation\n'
           'config.rollout.groups = math.gcd(config.rollout.groups, jax.device_count())\n'
           'print(jax.devices())'),
       v4.new_markdown_cell(
@@ -138,13 +138,13 @@ def qwen_notebook():
       v4.new_code_cell(SETUP),
       v4.new_code_cell(
           'from configs import qwen2_5_0_5b, tiny\n'
-          'from tlt_jax import config as config_lib\n'
+          'from tlt_jax import distributed\n'
           'from tlt_jax import metrics\n'
-          'from tlt_jax.rl import bootstrap, tasks\n'
+          'from tlt_jax.rl import bootstrap, builders, tasks\n'
           'from tlt_jax.rl.trainer import Trainer\n\n'
           'config = qwen2_5_0_5b.get_config("smoke" if SMOKE else "")\n'
           'config.unlock()\n'
-          'config_lib.setup_devices(config)  # before any computation\n'
+          'distributed.setup_devices(config)  # before any computation\n'
           'print(jax.devices())'),
       v4.new_markdown_cell(
           "## Model and data\n\n"
@@ -222,7 +222,7 @@ def qwen_notebook():
           'batch_sizes = [1] if SMOKE else [1, 4, 16]\n'
           'dataset = tlt_datasets.from_file(DATA, tok, max_prompt_len=config.data.max_prompt_len)\n'
           'prompts = [ex.prompt_ids for ex in dataset][:max(batch_sizes)]\n'
-          'grid = benchmark.run_grid(model, drafter, prompts, batch_sizes, config_lib.strategies(config),\n'
+          'grid = benchmark.run_grid(model, drafter, prompts, batch_sizes, builders.strategies(config),\n'
           '                          temperature=1.0, max_new_tokens=8 if SMOKE else 512, seed=0,\n'
           '                          stop_ids=[tok.eos_token_id])\n'
           'for r in grid:\n'
@@ -250,7 +250,7 @@ def smollm2_notebook():
       v4.new_code_cell(SETUP),
       v4.new_code_cell(
           'from configs import smollm2, tiny\n'
-          'from tlt_jax import config as config_lib\n'
+          'from tlt_jax import distributed\n'
           'from tlt_jax import metrics\n'
           'from tlt_jax.rl import bootstrap\n'
           'from tlt_jax.rl.trainer import Trainer\n\n'
@@ -259,7 +259,7 @@ def smollm2_notebook():
           'config.workdir = WORKDIR\n'
           'config.steps = 1 if SMOKE else STEPS\n'
           'config.eval.every = 0  # the arms are compared on their training rewards here\n'
-          'config_lib.setup_devices(config)  # before any computation\n'
+          'distributed.setup_devices(config)  # before any computation\n'
           'config.policy.scan_layers = jax.default_backend() != "cpu"  # unrolled layers decode faster on a CPU\n'
           'print(jax.devices())'),
       v4.new_markdown_cell(

@@ -13,7 +13,7 @@ unless the config names one, spares a rerun the compiling):
   target  configs/accelerator.py's target: Qwen2.5-0.5B's shape and Qwen2 architecture (bf16), SFT from
           scratch on the tiny world's worked solutions (tlt_jax.rl.bootstrap, <out>/init/policy), and
           its EAGLE drafter with a reduced-vocabulary head (`drafter.draft_vocab_size`) distilled from
-          the policy's own samples (tlt_jax.drafter.warmup, <out>/init/drafter). target.json: its size,
+          the policy's own samples (tlt_jax.rl.warmup, <out>/init/drafter). target.json: its size,
           the policy's entropy per token on its own samples (peaked: well under 1 nat), the drafter's
           held-out top-1 agreement.
   grid    plain vs speculative decoding tokens/s at each --batch_sizes for each of the config's
@@ -57,9 +57,11 @@ from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
 import side_by_side  # pylint: disable=wrong-import-position
 from tlt_jax import cli, files  # pylint: disable=wrong-import-position
-from tlt_jax import config as config_lib  # pylint: disable=wrong-import-position
+from tlt_jax import distributed  # pylint: disable=wrong-import-position
+from tlt_jax.rl import builders, checks  # pylint: disable=wrong-import-position
 from tlt_jax.cli import InputError  # pylint: disable=wrong-import-position
-from tlt_jax.drafter import checkpoint, warmup  # pylint: disable=wrong-import-position
+from tlt_jax.drafter import checkpoint  # pylint: disable=wrong-import-position
+from tlt_jax.rl import warmup  # pylint: disable=wrong-import-position
 from tlt_jax.models import hf  # pylint: disable=wrong-import-position
 from tlt_jax.rl import bootstrap, datasets, sft, tasks  # pylint: disable=wrong-import-position
 from tlt_jax.rollout import benchmark  # pylint: disable=wrong-import-position
@@ -195,7 +197,7 @@ def grid(config, out: str, model, tok, drafter, saved) -> list[str]:
   prompts = [ex.prompt_ids for ex in datasets.from_tasks(config.task.family, tok, size=max(sizes), seed=config.seed,
                                                          difficulty=difficulty,
                                                          max_prompt_len=config.data.max_prompt_len)]
-  strategies = config_lib.strategies(config)
+  strategies = builders.strategies(config)
   heads = [("reduced" if drafter.draft_vocab else "full", drafter, sizes)]
   if drafter.draft_vocab:
     heads.append(("full", drafter.with_full_vocab(), [min(sizes)]))
@@ -219,7 +221,7 @@ def grid(config, out: str, model, tok, drafter, saved) -> list[str]:
 def bandit(config, out: str, model, tok, drafter) -> None:
   problems = datasets.from_tasks(config.task.family, tok, size=value(_BANDIT_ROWS), seed=config.seed + 5,
                                  difficulty=sft.difficulty(config), max_prompt_len=config.data.max_prompt_len)
-  records = benchmark.run_adaptive(model, drafter, [ex.prompt_ids for ex in problems], config_lib.strategies(config),
+  records = benchmark.run_adaptive(model, drafter, [ex.prompt_ids for ex in problems], builders.strategies(config),
                                    config.rollout.sampling.temperature, config.rollout.sampling.max_new_tokens,
                                    config.seed, stop_ids(model, tok), config.rollout.engine.sd_max_batch,
                                    value(_REPEATS))
@@ -375,14 +377,14 @@ def main(argv):
   if not sizes or min(sizes) < 1:
     raise InputError(f"--batch_sizes={','.join(value(_BATCH_SIZES))}: expected positive integers")
   try:
-    config_lib.check(config)
+    checks.check(config)
   except ValueError as e:
     raise InputError(str(e)) from None
   os.makedirs(out, exist_ok=True)
   check_settings(out, config)
   if not config.rollout.compilation_cache_dir:
     config.rollout.compilation_cache_dir = os.path.join(out, "xla_cache")
-  config_lib.setup_devices(config)
+  distributed.setup_devices(config)
   logging.info("devices: %s", jax.devices())
 
   policy_dir, drafter_dir, model, tok, drafter, target_record = target(config, out)

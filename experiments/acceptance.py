@@ -20,7 +20,8 @@ import os
 from absl import flags
 
 from tlt_jax import cli
-from tlt_jax.drafter import checkpoint, train, warmup
+from tlt_jax.drafter import checkpoint, train
+from tlt_jax.rl import warmup
 from tlt_jax.models import hf
 from tlt_jax.prompts import read_prompts
 
@@ -39,8 +40,9 @@ def main(argv):
   del argv
   cfg, _ = hf.read_config(_MODEL.value)
   tok = hf.load_tokenizer(_MODEL.value)
-  prompts = read_prompts(_PROMPTS.value, tok, chat=tok is not None and bool(tok.chat_template),
-                         max_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
+  with cli.named("prompts", _PROMPTS.value):
+    prompts = read_prompts(_PROMPTS.value, tok, chat=tok is not None and bool(tok.chat_template),
+                           max_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
   model = hf.from_pretrained(_MODEL.value, scan_layers=False)
   drafter = checkpoint.load_drafter(_DRAFTER.value, model.config)
   stop = sorted(set(model.config.stop_token_ids) | ({tok.eos_token_id} if tok is not None else set()))

@@ -36,7 +36,7 @@ from ml_collections import config_flags
 
 import side_by_side
 import starting_point
-from tlt_jax import config as config_lib
+from tlt_jax import distributed
 from tlt_jax import report
 
 _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname(__file__), "..", "configs",
@@ -56,7 +56,7 @@ def main(argv):
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   os.makedirs(out, exist_ok=True)
-  config_lib.setup_devices(_CONFIG.value)
+  distributed.setup_devices(_CONFIG.value)
   policy_dir, drafter_dir = starting_point.policy_and_drafter(_CONFIG.value, out)
   rows = side_by_side.step_alternately(
       side_by_side.trainers(_CONFIG.value, arms, _STEPS.value, out, policy_dir, drafter_dir), _STEPS.value)

@@ -37,7 +37,7 @@ from flax import nnx  # pylint: disable=wrong-import-position
 from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
 import starting_point  # pylint: disable=wrong-import-position
-from tlt_jax import config as config_lib  # pylint: disable=wrong-import-position
+from tlt_jax import distributed  # pylint: disable=wrong-import-position
 from tlt_jax.rl import bootstrap  # pylint: disable=wrong-import-position
 from tlt_jax.rl.trainer import Trainer  # pylint: disable=wrong-import-position
 from tlt_jax.rollout.engine import Engine  # pylint: disable=wrong-import-position
@@ -122,7 +122,7 @@ def main(argv):
   del argv
   out = _OUT.value
   os.makedirs(out, exist_ok=True)
-  config_lib.setup_devices(_CONFIG.value)
+  distributed.setup_devices(_CONFIG.value)
   c = _CONFIG.value.copy_and_resolve_references()
   c.policy.path, c.drafter.path = starting_point.policy_and_drafter(c, out)
   c.steps = _STEPS.value

@@ -26,7 +26,7 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
-from tlt_jax import config as config_lib
+from tlt_jax.rl import builders
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
 from tlt_jax.models.transformer import CausalLM
@@ -59,12 +59,12 @@ def models(config) -> dict[bool, CausalLM]:
 
 def compile_time(config, model: CausalLM) -> float:
   """Seconds to compile one rollout group's executable pool, as the trainer's TLT engines need it."""
-  strategies = config_lib.strategies(config) if config.rollout.speculative else ()
+  strategies = builders.strategies(config) if config.rollout.speculative else ()
   drafter = Drafter(model.config, rngs=nnx.Rngs(0)) if strategies else None
-  bandit = config_lib.bandit(config, strategies) if strategies else None  # the trainer's group engines have one
+  bandit = builders.bandit(config, strategies) if strategies else None  # the trainer's group engines have one
   r = config.rollout
-  engine = Engine(model, config_lib.engine_config(config, strategies, capture_hidden=bool(strategies)),
-                  config_lib.sampling_params(config), drafter=drafter, bandit=bandit)
+  engine = Engine(model, builders.engine_config(config, strategies, capture_hidden=bool(strategies)),
+                  builders.sampling_params(config), drafter=drafter, bandit=bandit)
   rows = -(-r.prompts_per_step // r.groups) * r.num_samples
   start = time.perf_counter()
   engine.prepare(rows)

@@ -181,9 +181,9 @@ def tiny_policy_dir(tmp_path_factory):
 def xla_cache(tmp_path_factory):
   """One persistent compilation cache for the tiny trainer's tests (subprocesses included): the
   same executables compile once per session. Set for this process as main's start-up sets it."""
-  from tlt_jax import config as config_lib
+  from tlt_jax import distributed
   path = str(tmp_path_factory.mktemp("xla_cache"))
-  config_lib.setup_compilation_cache(path)
+  distributed.setup_compilation_cache(path)
   return path
 
 

@@ -23,7 +23,7 @@ from tlt_jax.rl import actor as actor_lib
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.tlt import TLTConfig
 from tlt_jax.kernels import tree_attention
-from tlt_jax.rl import grpo
+from tlt_jax.rl import builders, checks, grpo
 from tlt_jax.rl import rewards
 
 COUNTS = (  # must be >= 1
@@ -114,7 +114,7 @@ def assign(config, key: str, value) -> None:
 @pytest.mark.parametrize("name", ["base", "tiny", "r1_7b", "qwen2_5_0_5b", "qwen2_5_7b", "qwen2_5_32b", "accelerator",
                                   "gsm8k_style", "smollm2"])
 def test_shipped_configs_pass(name):
-  config_lib.check(config_lib.base() if name == "base" else __import__(f"configs.{name}", fromlist=["_"]).get_config())
+  checks.check(config_lib.base() if name == "base" else __import__(f"configs.{name}", fromlist=["_"]).get_config())
 
 
 def test_accelerator_target_is_qwen2_5_0_5b_shaped_with_r1_7b_arms():
@@ -123,11 +123,11 @@ def test_accelerator_target_is_qwen2_5_0_5b_shaped_with_r1_7b_arms():
   c = accelerator.get_config()
   assert c.model.to_dict() == qwen2_5_0_5b.get_config().model.to_dict()
   assert c.rollout.strategies == r1_7b.get_config().rollout.strategies
-  cfg = config_lib.model_config(c)
+  cfg = builders.model_config(c)
   assert cfg.architecture == "Qwen2ForCausalLM" and cfg.qkv_bias
   shapes = nnx.state(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))), nnx.Param)
   assert 0.49e9 < sum(x.size for x in jax.tree.leaves(shapes)) < 0.5e9
-  config_lib.check(accelerator.get_config("smoke"))
+  checks.check(accelerator.get_config("smoke"))
 
 
 @settings(max_examples=200)
@@ -137,7 +137,7 @@ def test_fuzz_bad_values_are_rejected_by_name(setting):
   config = config_lib.base()
   assign(config, key, value)
   with pytest.raises(ValueError, match=f"^config.{re.escape(named)}="):
-    config_lib.check(config)
+    checks.check(config)
 
 
 @pytest.mark.parametrize("changes,message", [
@@ -152,26 +152,26 @@ def test_bad_suffix_settings_are_named(changes, message):
   for key, value in changes.items():
     assign(config, f"rollout.{key}", value)
   with pytest.raises(ValueError, match=f"^config.{re.escape(message)}"):
-    config_lib.check(config)
+    checks.check(config)
   config.rollout.update(strategies=("3_1_4", "s4_1_5"), drafter="eagle")
   config.rollout.engine.suffix_bank_len = 130
-  config_lib.check(config)
-  assert [s.name for s in config_lib.strategies(config)] == ["3_1_4", "s4_1_5"]
+  checks.check(config)
+  assert [s.name for s in builders.strategies(config)] == ["3_1_4", "s4_1_5"]
   config.rollout.drafter = "suffix"
-  assert [s.name for s in config_lib.strategies(config)] == ["s3_1_4", "s4_1_5"]
+  assert [s.name for s in builders.strategies(config)] == ["s3_1_4", "s4_1_5"]
 
 
 @pytest.mark.parametrize("name", ["base", "tiny", "r1_7b", "qwen2_5_0_5b", "smollm2"])
 def test_subtrees_build_the_dataclasses_they_mirror(name):
   """Each dataclass subtree holds its fields by their names, nothing else (`Dataclass(**subtree)`)."""
   c = config_lib.base() if name == "base" else __import__(f"configs.{name}", fromlist=["_"]).get_config()
-  assert config_lib.sampling_params(c, (2,)) == SamplingParams(**c.rollout.sampling, stop_token_ids=(2,), seed=c.seed)
-  engine = config_lib.engine_config(c, config_lib.strategies(c))
+  assert builders.sampling_params(c, (2,)) == SamplingParams(**c.rollout.sampling, stop_token_ids=(2,), seed=c.seed)
+  engine = builders.engine_config(c, builders.strategies(c))
   assert engine.batch_buckets == c.rollout.engine.batch_buckets and engine.attention == c.rollout.engine.attention
   assert engine.max_new_tokens == c.rollout.sampling.max_new_tokens
-  assert config_lib.bandit(c, ()).thresholds == c.rollout.bandit.thresholds
-  assert config_lib.tlt_config(c) == TLTConfig(**c.rollout.tlt)
-  assert config_lib.drafter_trainer_config(c) == DrafterTrainerConfig(
+  assert builders.bandit(c, ()).thresholds == c.rollout.bandit.thresholds
+  assert builders.tlt_config(c) == TLTConfig(**c.rollout.tlt)
+  assert builders.drafter_trainer_config(c) == DrafterTrainerConfig(
       **c.drafter.trainer, temperature=c.rollout.sampling.temperature, seed=c.seed)
   assert BufferConfig(**c.drafter.buffer).max_pairs == c.drafter.buffer.max_pairs
   assert set(c.rl.optimizer) == set(inspect.signature(actor_lib.make_optimizer).parameters)
@@ -193,14 +193,14 @@ def test_old_keys_are_refused_with_their_new_name(old):
   new = config_lib.RENAMED[old].split(" and ")
   assert all(key in dict(config_lib.leaves(config)) for key in new)
   with pytest.raises(ValueError, match=f"^config.{re.escape(old)} is now config.{re.escape(new[0])}"):
-    config_lib.check(config)
+    checks.check(config)
 
 
 def test_unknown_keys_are_refused():
   config = config_lib.base()
   config.rollout.engine.nonsense = 3
   with pytest.raises(ValueError, match=r"^config.rollout.engine.nonsense: unknown key"):
-    config_lib.check(config)
+    checks.check(config)
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
@@ -210,7 +210,7 @@ def test_non_finite_floats_are_rejected(key, value):
   config = config_lib.base()
   assign(config, key, value)
   with pytest.raises(ValueError, match=f"^config.{re.escape(key)}={value}: must be a finite number$"):
-    config_lib.check(config)
+    checks.check(config)
 
 
 @settings(max_examples=100)
@@ -229,11 +229,11 @@ def test_fuzz_ill_typed_values_are_rejected_by_name(key, value):
 # A bad value must never start a run: set up devices and it exits 3 instead.
 _LET_THROUGH = """
 import sys
-import tlt_jax.config
+import tlt_jax.distributed
 def let_through(config):
   print("check() let it through", file=sys.stderr)
   sys.exit(3)
-tlt_jax.config.setup_devices = let_through
+tlt_jax.distributed.setup_devices = let_through
 """
 CLI_CONFIG = tiny.get_config()  # what python -m tlt_jax.main starts from
 _LEAVES = dict(config_lib.leaves(CLI_CONFIG))
@@ -270,11 +270,12 @@ def test_setup_devices_sets_the_compilation_cache(tmp_path):
   import jax
   import numpy as np
   from jax.experimental.compilation_cache import compilation_cache
+  from tlt_jax import distributed
   config = config_lib.base()
   config.rollout.compilation_cache_dir = str(tmp_path)
   before = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
   try:
-    config_lib.setup_devices(config)
+    distributed.setup_devices(config)
     assert jax.config.jax_compilation_cache_dir == str(tmp_path)
     jax.jit(lambda x: x * 3 + 1).lower(np.arange(5.0)).compile()
     assert list(tmp_path.iterdir())
@@ -288,12 +289,12 @@ def test_setup_devices_sets_the_compilation_cache(tmp_path):
 _SHOW_CONFIG = """
 import json
 import sys
-import tlt_jax.config
+import tlt_jax.distributed
 def show(config):
   r = config.rollout
   print(json.dumps([r.strategies, r.engine.batch_buckets, r.bandit.thresholds, config.drafter.feature_layers]))
   sys.exit(3)
-tlt_jax.config.setup_devices = show
+tlt_jax.distributed.setup_devices = show
 """
 
 
@@ -310,7 +311,6 @@ def test_tuple_overrides_parse_on_the_command_line(tmp_path, flags, parsed):
   assert json.loads(out.strip().splitlines()[-1]) == parsed
 
 
-
 def test_evaluation_sets_are_checked_key_by_key():
   """`eval.sets.<name>` holds `config.eval_set`'s keys: each set's values are checked like the others, and
   sets need `eval.every`."""
@@ -319,7 +319,7 @@ def test_evaluation_sets_are_checked_key_by_key():
     c.eval.every = 5
     c.eval.sets.gsm8k = config_lib.eval_set(**{"path": "test.jsonl", **keys})
     return c
-  config_lib.check(with_set(num_samples=8, k=4, temperature=0.0))
+  checks.check(with_set(num_samples=8, k=4, temperature=0.0))
   for keys, message in [
       (dict(k=9, num_samples=8), r"config.eval.sets.gsm8k.k=9: must be <= its num_samples"),
       (dict(num_samples=0), r"config.eval.sets.gsm8k.num_samples=0: must be an integer >= 1"),
@@ -328,14 +328,14 @@ def test_evaluation_sets_are_checked_key_by_key():
       (dict(reward="accuracy"), r"config.eval.sets.gsm8k.reward='accuracy': unknown reward"),
       (dict(answer_regex="(x"), r"config.eval.sets.gsm8k.answer_regex='\(x': answer_regex")]:
     with pytest.raises(ValueError, match=message):
-      config_lib.check(with_set(**keys))
+      checks.check(with_set(**keys))
   c = with_set()
   c.eval.sets.gsm8k.samples = 4  # not a key of a set
   with pytest.raises(ValueError, match=r"config.eval.sets.gsm8k.samples: unknown key"):
-    config_lib.check(c)
+    checks.check(c)
   c = with_set()
   c.eval.every = 0
   with pytest.raises(ValueError, match=r"config.eval.every=0: must be > 0: evaluation set 'gsm8k'"):
-    config_lib.check(c)
+    checks.check(c)
   with pytest.raises(ValueError, match="eval_set: unknown key 'samples'"):
     config_lib.eval_set(samples=4)

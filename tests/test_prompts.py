@@ -5,7 +5,6 @@ import json
 import pytest
 
 from tlt_jax import prompts
-from tlt_jax.cli import InputError
 
 
 def write_jsonl(path, rows):
@@ -35,7 +34,7 @@ def test_ids_and_text_prompts(tmp_path):
 ])
 def test_bad_lines_are_named(line, message, tmp_path):
   path = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [3, 4]}, line])
-  with pytest.raises(InputError, match=message):
+  with pytest.raises(ValueError, match=message):
     prompts.read_prompts(path, None, chat=False, max_len=256, vocab_size=1000)
 
 
@@ -44,7 +43,7 @@ def test_bad_lines_are_named(line, message, tmp_path):
 def test_non_utf8_line_is_named(tmp_path):
   path = tmp_path / "in.jsonl"
   path.write_bytes(b'{"prompt_ids": [3]}\n\xff\xfe{"prompt_ids": [4]}\n')
-  with pytest.raises(InputError, match=r"in.jsonl:2: not UTF-8 text \(invalid start byte at byte 0\)"):
+  with pytest.raises(ValueError, match=r"in.jsonl:2: not UTF-8 text \(invalid start byte at byte 0\)"):
     prompts.read_prompts(str(path), None, chat=False, max_len=256, vocab_size=1000)
 
 
@@ -53,6 +52,6 @@ def test_chat_template_failure_names_line_tokenizer_and_cause(tmp_path):
   tok = tokenizer_lib.build_tokenizer()
   tok.chat_template = "{{ raise_exception('no chats here') }}"
   path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "1+2"}])
-  with pytest.raises(InputError, match=r"in.jsonl:1: the in-memory tokenizer \(\w+\): chat template failed "
+  with pytest.raises(ValueError, match=r"in.jsonl:1: the in-memory tokenizer \(\w+\): chat template failed "
                      r"\(TemplateError: no chats here\)"):
     prompts.read_prompts(path, tok, chat=True, max_len=256, vocab_size=len(tok))

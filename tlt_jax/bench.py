@@ -160,8 +160,9 @@ def _strategies() -> list[Strategy]:
 def _prompts(tokenizer, cfg, needed: int) -> list[list[int]]:
   """`needed` prompts: the first of --prompts, else --task problems (long ones outside --adaptive)."""
   if _PROMPTS.value:
-    prompts = read_prompts(_PROMPTS.value, tokenizer, chat=tokenizer is not None and bool(tokenizer.chat_template),
-                           max_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
+    with cli.named("prompts", _PROMPTS.value):
+      prompts = read_prompts(_PROMPTS.value, tokenizer, chat=tokenizer is not None and bool(tokenizer.chat_template),
+                             max_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
     if len(prompts) < needed:
       raise cli.InputError(f"--prompts={_PROMPTS.value} has {len(prompts)} prompts; this run needs {needed}")
     return prompts[:needed]

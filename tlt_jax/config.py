@@ -1,47 +1,26 @@
 """Every key `python -m tlt_jax.main` understands, with defaults; experiment configs start from `base()`.
 
 This file is also the CLIs' default config file: its `get_config()` is the tiny world (configs/tiny.py),
-found inside the installed package.
+found inside the installed package. It is a leaf: it imports nothing from the package.
 
 A config file is `get_config()` returning `base()` with its values set. The returned ConfigDict is
 locked, so a mistyped key in a `--config.key=value` override is an error that names the key, and
-`check` rejects keys base() does not have (an old key: naming its new name, `RENAMED`) and values
-that would fail later (naming the key).
+`tlt_jax.rl.checks.check` rejects keys base() does not have (an old key: naming its new name,
+`RENAMED`) and values that would fail later (naming the key).
 
 A subtree that builds a dataclass mirrors it: `SamplingParams(**rollout.sampling, ...)`,
 `EngineConfig(**rollout.engine, ...)`, `Bandit(strategies, **rollout.bandit)`, `TLTConfig(**rollout.tlt)`,
 `DrafterTrainerConfig(**drafter.trainer, ...)`, `BufferConfig(**drafter.buffer)`,
-`actor.make_optimizer(**rl.optimizer)`, `actor.Actor(policy, optimizer, **rl.actor)` (the builders below;
-tlt_jax.rl.rollouts uses them); the dataclasses check their own fields' ranges (`check` re-raises their
-errors naming the key) and `check` the rest. Tuples are tuples; on the command line they are Python
-literals, strings quoted: `--config.rollout.strategies="('3_1_4','4_2_6')"`,
-`--config.rollout.engine.batch_buckets="(1,2,4,8)"`, `--config.drafter.feature_layers="(1,3,5)"`.
+`actor.make_optimizer(**rl.optimizer)`, `actor.Actor(policy, optimizer, **rl.actor)` (tlt_jax.rl.builders
+builds them); the dataclasses check their own fields' ranges (the check re-raises their errors naming
+the key). Tuples are tuples; on the command line they are Python literals, strings quoted:
+`--config.rollout.strategies="('3_1_4','4_2_6')"`, `--config.rollout.engine.batch_buckets="(1,2,4,8)"`,
+`--config.drafter.feature_layers="(1,3,5)"`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import os
-
-import jax
 import ml_collections
-from absl import logging
-from jax.experimental.compilation_cache import compilation_cache
-
-from tlt_jax import fields
-from tlt_jax.drafter.buffer import BufferConfig
-from tlt_jax.drafter.trainer import DrafterTrainerConfig
-from tlt_jax.models import ModelConfig
-from tlt_jax.rl import datasets
-from tlt_jax.rl import grpo
-from tlt_jax.rl import rewards
-from tlt_jax.rl import tasks
-from tlt_jax.rollout.bandit import Bandit
-from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.speculative import Strategy
-from tlt_jax.rollout.state import EngineConfig
-from tlt_jax.rollout.tlt import TLTConfig
 
 
 def base() -> ml_collections.ConfigDict:
@@ -320,63 +299,6 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   return c
 
 
-def strategies(config) -> tuple[Strategy, ...]:
-  """The strategies `rollout.strategies` names ('4_1_5' is 's4_1_5' with `rollout.drafter='suffix'`)."""
-  suffix_only = config.rollout.drafter == "suffix"
-  return tuple(Strategy.parse(name, suffix_only) for name in config.rollout.strategies)
-
-
-def sampling_params(config, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
-  return SamplingParams(**config.rollout.sampling, stop_token_ids=tuple(stop_token_ids), seed=config.seed)
-
-
-def engine_config(config, strategies: tuple[Strategy, ...] = (), largest_bucket: int | None = None,
-                  **engine_fields) -> EngineConfig:
-  """`EngineConfig(**rollout.engine)` with the fields other keys set; `largest_bucket`: the buckets 1, 2, 4,
-  ... up to it instead of `rollout.engine.batch_buckets` (a power of two); `engine_fields`: the rest."""
-  engine = config.rollout.engine.to_dict()
-  if largest_bucket is not None:
-    engine["batch_buckets"] = tuple(2**i for i in range(largest_bucket.bit_length()))
-  return EngineConfig(**engine, max_prompt_len=config.data.max_prompt_len,
-                      max_new_tokens=config.rollout.sampling.max_new_tokens, strategies=tuple(strategies),
-                      **engine_fields)
-
-
-def model_config(config, tokenizer=None) -> ModelConfig:
-  """`model.*` as a ModelConfig: the architecture's switches as its config.json gives them (Qwen2's q/k/v
-  bias, Qwen3's q/k norm), the layers as `policy.scan_layers` says. With the `tokenizer` a new policy is
-  built for: its special tokens, and its size as the vocabulary when `model.vocab_size` is 0 (a larger
-  one pads it, e.g. to a real model's LM-head shape)."""
-  m = config.model
-  vocab = m.vocab_size or (len(tokenizer) if tokenizer is not None else 0)
-  if not vocab:
-    raise ValueError("config.model.vocab_size: needed without a tokenizer (0 means the tokenizer's size)")
-  if tokenizer is not None and vocab < len(tokenizer):
-    raise ValueError(f"config.model.vocab_size={vocab}: smaller than the tokenizer's {len(tokenizer)} tokens")
-  hf = {"architectures": [m.architecture], "vocab_size": vocab, "hidden_size": m.hidden_size,
-        "intermediate_size": m.intermediate_size, "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
-        "max_position_embeddings": m.max_position_embeddings, "rope_theta": m.rope_theta,
-        "tie_word_embeddings": m.tie_word_embeddings}
-  if tokenizer is not None:
-    hf.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-              pad_token_id=tokenizer.pad_token_id)
-  return dataclasses.replace(ModelConfig.from_hf(hf, source="config.model"), scan_layers=config.policy.scan_layers)
-
-
-def bandit(config, strategies: tuple[Strategy, ...]) -> Bandit:
-  return Bandit(strategies, **config.rollout.bandit, seed=config.seed)
-
-
-def tlt_config(config) -> TLTConfig:
-  return TLTConfig(**config.rollout.tlt)
-
-
-def drafter_trainer_config(config) -> DrafterTrainerConfig:
-  return DrafterTrainerConfig(**config.drafter.trainer, temperature=config.rollout.sampling.temperature,
-                              seed=config.seed)
-
-
 # Keys that were renamed or moved into the subtree of the dataclass they build: a config file or a
 # --config override that sets one is an error naming the new key.
 RENAMED = {
@@ -408,41 +330,19 @@ def renamed(key: str) -> str | None:
   return None
 
 
-# Smallest valid value of each numeric key of the sections no dataclass is built from ('>' where a key
-# must be strictly above it); the others are checked by their dataclasses. Every float must be finite.
-_AT_LEAST = {
-    "steps": 0, "mesh.cpu_devices": 0, "mesh.device_memory_gb": 0, "mesh.dry_run_devices": 1,
-    "model.vocab_size": 0, "model.hidden_size": 1, "model.num_layers": 1, "model.num_heads": 1,
-    "model.num_kv_heads": 1, "model.head_dim": 1, "model.intermediate_size": 1, "model.max_position_embeddings": 1,
-    "task.min_terms": 1, "data.size": 1, "data.max_prompt_len": 1,
-    "sft.num_problems": 1, "sft.steps": 0, "sft.batch_rows": 1, "sft.row_len": 2, "sft.learning_rate": 0,
-    "sft.warmup_steps": 0, "sft.weight_decay": 0, "sft.unanswered": 0, "sft.eval_size": 0, "sft.eval_max_new_tokens": 1,
-    "rollout.prompts_per_step": 1, "rollout.num_samples": 1, "rollout.groups": 1, "rollout.mean_response_len": 0,
-    "drafter.draft_vocab_size": -1, "drafter.distill.steps": 0, "drafter.distill.learning_rate": 0,
-    "drafter.distill.batch_rows": 1, "drafter.distill.row_len": 2, "drafter.distill.draft_steps": 1,
-    "drafter.distill.prompts": 1,
-    "rl.mini_batches": 1, "rl.max_skipped_updates": 1, "rl.row_len": 2, "rl.overlong_buffer": 0, "rl.tis_cap": 0,
-    "rl.advantage_eps": 0, "data.reward_workers": 0,
-    "rl.optimizer.learning_rate": 0, "rl.optimizer.warmup_steps": 0, "rl.optimizer.weight_decay": 0,
-    "rl.actor.micro_batch_rows": 1, "rl.actor.logits_chunk": 1, "rl.actor.attention_block": 0,
-    "rl.actor.clip_low": 0, "rl.actor.clip_high": 0, "rl.actor.kl_coef": 0,
-    "eval.every": 0, "eval.size": 1, "eval.num_samples": 1, "checkpoint.every": 1, "checkpoint.keep": 1,
-}
-_ABOVE = {"model.rope_theta": 0, "task.tail_alpha": 0, "rl.optimizer.max_grad_norm": 0, "data.reward_timeout_s": 0,
-          "drafter.draft_vocab_coverage": 0}
-_AT_MOST = {"sft.unanswered": 1, "drafter.draft_vocab_coverage": 1}
-_CHOICES = {
-    "policy.dtype": ("float32", "bfloat16"),
-    "policy.weight_dtype": ("float32", "bfloat16"),
-    "policy.export_dtype": ("", "float32", "bfloat16"),
-    "task.family": tuple(sorted(tasks.FAMILIES)),
-    "rl.loss_aggregation": grpo.AGGREGATIONS,
-    "rl.advantage_std": grpo.ADVANTAGE_STDS,
-    "rollout.drafter": ("eagle", "suffix"),
-}
-# Tuple keys and what they hold (a --config override writes a tuple as a Python literal).
-_TUPLES = {"rollout.strategies": ("strategy names", str), "rollout.engine.batch_buckets": ("integers", int),
-           "rollout.bandit.thresholds": ("integers", int), "drafter.feature_layers": ("integers", int)}
+def leaves(config, prefix=""):
+  """(dotted key, value) of every leaf."""
+  for key, value in config.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      yield from leaves(value, f"{prefix}{key}.")
+    else:
+      yield prefix + key, value
+
+
+def config_value(config, key: str):
+  for part in key.split("."):
+    config = config[part]
+  return config
 
 
 def eval_set(**keys) -> ml_collections.ConfigDict:
@@ -460,139 +360,3 @@ def eval_set(**keys) -> ml_collections.ConfigDict:
       raise ValueError(f"eval_set: unknown key {key!r}; its keys: {', '.join(s)}")
     s[key] = value
   return s
-
-
-def check(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the first bad key: an old or unknown key, an unset, ill-typed or out-of-range
-  value (the dataclasses built from their subtrees check theirs), or sections that do not fit together."""
-  def need(ok: bool, key: str, why: str):
-    if not ok:
-      raise ValueError(f"config.{key}={config_value(config, key)!r}: {why}")
-  known = dict(leaves(base()))
-  for name, s in config.eval.sets.items():  # user-named: each checked against eval_set's keys
-    template = eval_set()
-    if not isinstance(s, ml_collections.ConfigDict):
-      raise ValueError(f"config.eval.sets.{name}: must be a set of keys, e.g. config.eval_set(path=...)")
-    known.update({f"eval.sets.{name}.{k}": v for k, v in template.items()})
-    for key in ("size", "num_samples", "k"):
-      need(isinstance(s[key], int) and s[key] >= (1 if key == "num_samples" else 0), f"eval.sets.{name}.{key}",
-           "must be an integer >= " + ("1" if key == "num_samples" else "0"))
-    need(s.k <= s.num_samples, f"eval.sets.{name}.k", "must be <= its num_samples")
-    need(s.temperature == -1 or s.temperature >= 0, f"eval.sets.{name}.temperature",
-         "must be >= 0, or -1 (the rollout's)")
-    need(bool(s.path), f"eval.sets.{name}.path", "must name a file")
-    need(config.eval.every > 0, "eval.every",
-         f"must be > 0: evaluation set {name!r} is evaluated every eval.every steps")
-  for key, value in leaves(config):
-    if key not in known:
-      raise ValueError(renamed(key) or f"config.{key}: unknown key; every key and its default is listed in "
-                       "tlt_jax/config.py")
-    need(value is not None, key, "must be set")
-    need(not isinstance(value, float) or math.isfinite(value), key, "must be a finite number")
-  for key, (what, kind) in _TUPLES.items():
-    need(all(isinstance(x, kind) and not isinstance(x, bool) for x in config_value(config, key)), key,
-         f"must be a tuple of {what}" + (" in quotes, e.g. --config.rollout.strategies=\"('3_1_4','4_2_6')\""
-                                         if kind is str else ""))
-  for key, low in _AT_LEAST.items():
-    need(config_value(config, key) >= low, key, f"must be >= {low}")
-  for key, low in _ABOVE.items():
-    need(config_value(config, key) > low, key, f"must be > {low}")
-  for key, high in _AT_MOST.items():
-    need(config_value(config, key) <= high, key, f"must be <= {high}")
-  need(config.rl.actor.clip_low < 1, "rl.actor.clip_low", "must be < 1")
-  for key, choices in _CHOICES.items():
-    need(config_value(config, key) in choices, key, f"must be one of {choices}")
-  for key in ("mesh.data", "mesh.fsdp", "mesh.tensor"):
-    need(config_value(config, key) == -1 or config_value(config, key) >= 1, key, "must be >= 1, or -1 (the rest)")
-  for key in ["data.reward", *(f"eval.sets.{name}.reward" for name in config.eval.sets)]:
-    try:
-      rewards.check(config_value(config, key))
-    except rewards.RewardError as e:
-      need(False, key, str(e))
-  for prefix in ["data", *(f"eval.sets.{name}" for name in config.eval.sets)]:
-    try:
-      datasets.Keys(*(config_value(config, f"{prefix}.{k}") for k in ("prompt_key", "answer_key", "answer_regex",
-                                                                        "system_prompt")))
-    except ValueError as e:
-      need(False, f"{prefix}.answer_regex", str(e))
-  need(config.policy.weight_dtype != "bfloat16" or config.policy.dtype == "bfloat16", "policy.weight_dtype",
-       "bfloat16 master weights need policy.dtype=bfloat16 (weights narrower than the compute)")
-  need(config.rl.tis_cap == 0 or config.rl.tis_cap >= 1, "rl.tis_cap", "must be 0 (off) or >= 1")
-  need(config.model.num_heads % config.model.num_kv_heads == 0, "model.num_heads",
-       "must be a multiple of model.num_kv_heads")
-  need(config.task.max_terms >= config.task.min_terms, "task.max_terms", "must be >= task.min_terms")
-  try:
-    named = strategies(config)
-  except ValueError as e:
-    need(False, "rollout.strategies", str(e))
-  need(named or not config.rollout.speculative, "rollout.strategies",
-       "must name at least one strategy when rollout.speculative (False: the plain baseline)")
-  need(len({s.name for s in named}) == len(named), "rollout.strategies", "must not name a strategy twice")
-  layers = list(config.drafter.feature_layers)
-  need(not layers or (len(layers) == 3 and layers == sorted(set(layers)) and layers[0] >= 0), "drafter.feature_layers",
-       "EAGLE-3 needs three increasing target layers (low, mid, high), or none")
-  # Each dataclass checks its own fields; a bad one is named by the key that set it.
-  for prefix, build, keys in (
-      ("rollout.sampling", lambda: sampling_params(config), {}),
-      ("rollout.engine", lambda: engine_config(config, named),
-       {"max_prompt_len": "data.max_prompt_len", "max_new_tokens": "rollout.sampling.max_new_tokens"}),
-      ("rollout.bandit", lambda: bandit(config, named), {}),
-      ("rollout.tlt", lambda: tlt_config(config), {}),
-      ("drafter.trainer", lambda: drafter_trainer_config(config), {}),
-      ("drafter.buffer", lambda: BufferConfig(**config.drafter.buffer), {})):
-    try:
-      build()
-    except fields.FieldError as e:
-      need(False, keys.get(e.field, f"{prefix}.{e.field}"), e.why)
-  need(config.rl.row_len >= config.data.max_prompt_len + config.rollout.sampling.max_new_tokens, "rl.row_len",
-       "must hold data.max_prompt_len + rollout.sampling.max_new_tokens")
-  need(not config.rl.actor.attention_block or config.rl.row_len % config.rl.actor.attention_block == 0,
-       "rl.actor.attention_block", "must divide rl.row_len")
-  need(not config.eval.every or config.eval.path or not config.data.path, "eval.path",
-       "needs a held-out prompt file when data.path is set and eval.every > 0")
-
-
-def leaves(config, prefix=""):
-  """(dotted key, value) of every leaf."""
-  for key, value in config.items():
-    if isinstance(value, ml_collections.ConfigDict):
-      yield from leaves(value, f"{prefix}{key}.")
-    else:
-      yield prefix + key, value
-
-
-def config_value(config, key: str):
-  for part in key.split("."):
-    config = config[part]
-  return config
-
-
-def setup_devices(config) -> None:
-  """Simulated CPU devices, the multi-process runtime and the compilation cache, before any computation."""
-  cpu_devices = config.mesh.dry_run_devices if config.dry_run else config.mesh.cpu_devices
-  if cpu_devices:  # only the CPU backend's device count: on an accelerator host this changes nothing
-    jax.config.update("jax_num_cpu_devices", cpu_devices)
-  d = config.distributed
-  if (d.enabled or _multi_host_environment()) and not config.dry_run:  # a dry run simulates the devices
-    kwargs = {}
-    if d.coordinator_address:  # else jax finds them in the Slurm / Kubernetes / Cloud TPU environment
-      kwargs = dict(coordinator_address=d.coordinator_address, num_processes=d.num_processes, process_id=d.process_id)
-    jax.distributed.initialize(**kwargs)
-    logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
-  setup_compilation_cache(config.rollout.compilation_cache_dir)
-
-
-def setup_compilation_cache(path: str) -> None:
-  """Points JAX's persistent compilation cache at `path` ("": leaves it as it is), caching every
-  executable: later processes load what this one compiles. Process-wide: call it once at start-up."""
-  previous = jax.config.jax_compilation_cache_dir
-  if not path or previous == path:
-    return
-  jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  if previous:  # JAX opens the cache once per process: make it open the new dir
-    compilation_cache.reset_cache()
-
-
-def _multi_host_environment() -> bool:
-  return int(os.environ.get("SLURM_NTASKS", "1")) > 1 or "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")

@@ -11,13 +11,16 @@ process every function here is the identity (or a no-op), so single-process runs
 from __future__ import annotations
 
 import itertools
+import os
 import pickle
 import zlib
 from typing import Any
 
 import jax
 import numpy as np
+from absl import logging
 from jax.experimental import multihost_utils
+from jax.experimental.compilation_cache import compilation_cache
 
 TIMEOUT_S = 3600  # a process that does not answer by then has died or hangs: fail, don't wait forever
 
@@ -78,3 +81,35 @@ def to_host(tree: Any) -> Any:
       return np.asarray(x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return jax.tree.map(host, tree)
+
+
+def setup_devices(config) -> None:
+  """Simulated CPU devices, the multi-process runtime and the compilation cache of a run's config (its
+  `mesh`, `distributed` and `rollout.compilation_cache_dir` keys), before any computation."""
+  cpu_devices = config.mesh.dry_run_devices if config.dry_run else config.mesh.cpu_devices
+  if cpu_devices:  # only the CPU backend's device count: on an accelerator host this changes nothing
+    jax.config.update("jax_num_cpu_devices", cpu_devices)
+  d = config.distributed
+  if (d.enabled or _multi_host_environment()) and not config.dry_run:  # a dry run simulates the devices
+    kwargs = {}
+    if d.coordinator_address:  # else jax finds them in the Slurm / Kubernetes / Cloud TPU environment
+      kwargs = dict(coordinator_address=d.coordinator_address, num_processes=d.num_processes, process_id=d.process_id)
+    jax.distributed.initialize(**kwargs)
+    logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+  setup_compilation_cache(config.rollout.compilation_cache_dir)
+
+
+def setup_compilation_cache(path: str) -> None:
+  """Points JAX's persistent compilation cache at `path` ("": leaves it as it is), caching every
+  executable: later processes load what this one compiles. Process-wide: call it once at start-up."""
+  previous = jax.config.jax_compilation_cache_dir
+  if not path or previous == path:
+    return
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  if previous:  # JAX opens the cache once per process: make it open the new dir
+    compilation_cache.reset_cache()
+
+
+def _multi_host_environment() -> bool:
+  return int(os.environ.get("SLURM_NTASKS", "1")) > 1 or "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")

@@ -35,13 +35,13 @@ import jax.numpy as jnp
 from absl import logging
 from flax import nnx
 
-from tlt_jax import config as config_lib
 from tlt_jax import sharding
 from tlt_jax.drafter.buffer import BufferConfig
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, ModelConfig
 from tlt_jax.rl import actor as actor_lib
 from tlt_jax.rl import bootstrap
+from tlt_jax.rl import builders, checks
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.state import EngineConfig
 
@@ -58,9 +58,9 @@ def model_config(config) -> tuple[ModelConfig, str]:
     if not config.model.vocab_size:
       raise ValueError(f"config.model.vocab_size: {path} is not there, so a dry run takes the architecture from "
                        "config.model and needs the vocabulary size")
-    return config_lib.model_config(config), "config.model"
+    return builders.model_config(config), "config.model"
   # The tiny world: its tokenizer (procedural, or the one SFT saved with the policy) gives the vocabulary.
-  return config_lib.model_config(config, bootstrap.load_tokenizer(config)), "config.model"
+  return builders.model_config(config, bootstrap.load_tokenizer(config)), "config.model"
 
 
 def _abstract(build, mesh):
@@ -96,7 +96,7 @@ def _sizes(compiled) -> dict[str, float]:
 
 def run(config) -> dict:
   start = time.perf_counter()
-  config_lib.check(config)
+  checks.check(config)
   cfg, source = model_config(config)
   cfg = dataclasses.replace(cfg, scan_layers=config.policy.scan_layers)
   dtype = jnp.dtype(config.policy.dtype)
@@ -128,7 +128,7 @@ def run(config) -> dict:
   group_mesh = sharding.make_mesh({"tensor": len(devices) // groups}, devices=devices[:len(devices) // groups])
   report["rollout_group_mesh"] = dict(group_mesh.shape)
   group_policy = _abstract(build_copy, group_mesh)
-  strategies = config_lib.strategies(config) if config.rollout.speculative else ()
+  strategies = builders.strategies(config) if config.rollout.speculative else ()
   eagle = any(not s.suffix for s in strategies)  # an EAGLE drafter (else suffix arms alone, or none)
   # A reduced head's ids come from the warm-up data; any N ids size the executables alike. One chosen
   # by coverage (-1) is sized as the whole vocabulary, its largest.
@@ -136,14 +136,14 @@ def run(config) -> dict:
   build_drafter = lambda: Drafter(cfg, feature_layers=config.drafter.feature_layers, draft_vocab=vocab, dtype=dtype,
                                   rngs=nnx.Rngs(0))
   drafter = _abstract(build_drafter, group_mesh) if eagle else None
-  sampling = config_lib.sampling_params(config)
-  base = config_lib.engine_config(config, strategies)
+  sampling = builders.sampling_params(config)
+  base = builders.engine_config(config, strategies)
   report["rollout_batches"] = batches(config, base.batch_buckets[-1])
   rows = report["rollout_batches"]["rows_per_group"]
   sd_bucket = base.bucket(min(base.sd_max_batch, base.batch_buckets[-1]))
   for label, largest in (("rollout", base.batch_buckets[-1]), ("rollout_tail", sd_bucket)):
-    engine_cfg = config_lib.engine_config(config, strategies, largest_bucket=largest, compact=False)
-    bandit = config_lib.bandit(config, strategies) if strategies else None
+    engine_cfg = builders.engine_config(config, strategies, largest_bucket=largest, compact=False)
+    bandit = builders.bandit(config, strategies) if strategies else None
     engine = Engine(group_policy, engine_cfg, sampling, mesh=group_mesh, drafter=drafter, bandit=bandit)
     logging.info("dry run: compiling %s executables (bucket %d)", label, largest)
     with jax.set_mesh(group_mesh):

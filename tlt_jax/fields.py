@@ -1,5 +1,5 @@
 """Range checks of config dataclasses (in their `__post_init__`) with one error type that names the
-field, so that `tlt_jax.config.check` can name the config key that set it."""
+field, so that `tlt_jax.rl.checks.check` can name the config key that set it."""
 
 from __future__ import annotations
 

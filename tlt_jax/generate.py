@@ -92,8 +92,9 @@ def main(argv):
   with cli.named("model", _MODEL.value):  # the cheap parts first: config, tokenizer, prompts, drafter
     cfg, _ = hf.read_config(_MODEL.value)
     tokenizer = hf.load_tokenizer(_MODEL.value)
-  prompts = read_prompts(_PROMPTS.value, tokenizer, chat=_CHAT.value, max_len=cfg.max_position_embeddings,
-                         vocab_size=cfg.vocab_size)
+  with cli.named("prompts", _PROMPTS.value):
+    prompts = read_prompts(_PROMPTS.value, tokenizer, chat=_CHAT.value, max_len=cfg.max_position_embeddings,
+                           vocab_size=cfg.vocab_size)
   drafter = None
   if _DRAFTER.value == "random":
     drafter = Drafter(cfg, rngs=nnx.Rngs(_SEED.value))

@@ -27,9 +27,11 @@ from absl import flags, logging
 
 from tlt_jax import cli
 from tlt_jax import config as config_lib
+from tlt_jax import distributed
 from tlt_jax import files
 from tlt_jax import metrics
 from tlt_jax import report
+from tlt_jax.rl import checks
 
 _CONFIG = cli.define_config(config_lib.__file__)  # its get_config(): the tiny world, found in an installed copy too
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Same as --config.dry_run=True.")
@@ -84,11 +86,11 @@ def main(argv):
   if _DRY_RUN.value:
     config.dry_run = True
   try:
-    config_lib.check(config)
+    checks.check(config)
   except ValueError as e:
     cli.fail(str(e))
   try:
-    config_lib.setup_devices(config)
+    distributed.setup_devices(config)
   except (RuntimeError, ValueError) as e:  # jax.distributed could not start (config.distributed.*)
     cli.fail(f"config.distributed: {e}")
   if config.dry_run:

@@ -15,6 +15,7 @@ import json
 from tlt_jax import cli
 from tlt_jax import config as config_lib
 from tlt_jax.rl import sft
+from tlt_jax.rl import checks
 
 _CONFIG = cli.define_config(config_lib.__file__)  # its get_config(): the tiny world
 
@@ -23,7 +24,7 @@ def main(argv):
   del argv
   config = cli.config_value(_CONFIG)
   try:
-    config_lib.check(config)
+    checks.check(config)
   except ValueError as e:
     cli.fail(str(e))
   print(json.dumps(sft.run(config), indent=2))

@@ -7,7 +7,7 @@
        --draft_steps=0 --eagle3_layers= --eval_fraction=0.1 --seed=0]
 
 Samples responses from the target with the rollout engine, distils a fresh drafter on them
-(`tlt_jax.drafter.warmup`), saves it to --output (`tlt_jax.drafter.checkpoint`), reloads it to
+(`tlt_jax.rl.warmup`), saves it to --output (`tlt_jax.drafter.checkpoint`), reloads it to
 check, and prints a JSON summary. --output must not be an input (--model, --prompts) or hold
 one; an existing non-empty --output is replaced only when it is a drafter checkpoint and
 --overwrite is given. Flags, prompts, --row_len and --output are checked before any sampling;
@@ -45,7 +45,8 @@ from tqdm import tqdm
 
 from tlt_jax import cli
 from tlt_jax.cli import InputError
-from tlt_jax.drafter import checkpoint, train, warmup
+from tlt_jax.drafter import checkpoint, train
+from tlt_jax.rl import warmup
 from tlt_jax.drafter.model import check_feature_layers
 from tlt_jax.models import hf
 from tlt_jax.prompts import read_prompts
@@ -101,8 +102,9 @@ def build_prompts(model_dir: str, tokenizer, cfg) -> list[list[int]]:
     raise InputError("give exactly one of --prompts and --task")
   if _PROMPTS.value is not None:
     chat = tokenizer is not None and bool(tokenizer.chat_template)
-    return read_prompts(_PROMPTS.value, tokenizer, chat=chat, max_len=cfg.max_position_embeddings,
-                        vocab_size=cfg.vocab_size)
+    with cli.named("prompts", _PROMPTS.value):
+      return read_prompts(_PROMPTS.value, tokenizer, chat=chat, max_len=cfg.max_position_embeddings,
+                          vocab_size=cfg.vocab_size)
   if _TASK.value not in tasks.FAMILIES:
     raise InputError(f"--task={_TASK.value}: unknown task family; known: {sorted(tasks.FAMILIES)}")
   if tokenizer is None:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.transformer import CausalLM, DecoderLayer, KVCache, _linear, rope_tables
+from tlt_jax.models.transformer import CausalLM, DecoderLayer, KVCache, linear, rope_tables
 
 
 def check_draft_vocab(vocab_size: int, draft_vocab: Sequence[int]) -> None:
@@ -62,8 +62,8 @@ class Drafter(nnx.Module):
     check_draft_vocab(target.vocab_size, draft_vocab)
     self.feature_layers = tuple(feature_layers)
     self.draft_vocab = tuple(int(i) for i in draft_vocab)  # () = the target's whole vocabulary
-    self.fuse = _linear(3 * h, h, ("embed", "embed"), False, dtype, rngs) if self.feature_layers else None
-    self.fc = _linear(2 * h, h, ("embed", "embed"), True, dtype, rngs)
+    self.fuse = linear(3 * h, h, ("embed", "embed"), False, dtype, rngs) if self.feature_layers else None
+    self.fc = linear(2 * h, h, ("embed", "embed"), True, dtype, rngs)
     self.layer = DecoderLayer(target, dtype, rngs, input_norm=False)
 
   @property

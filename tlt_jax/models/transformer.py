@@ -46,7 +46,8 @@ def _partitioned(init, names):
   return nnx.with_partitioning(init, names, eager_sharding=False)
 
 
-def _linear(n_in, n_out, names, bias, dtype, rngs, param_dtype=None):
+def linear(n_in, n_out, names, bias, dtype, rngs, param_dtype=None):
+  """A Linear layer with the package's initialisation and logical axis `names` (the drafter's too)."""
   return nnx.Linear(
       n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=param_dtype or dtype, rngs=rngs,
       kernel_init=_partitioned(_init, names),
@@ -139,11 +140,11 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, param_dtype=None):
     self.cfg = cfg
     h, d = cfg.hidden_size, cfg.head_dim
-    linear = lambda n_in, n_out, names, bias: _linear(n_in, n_out, names, bias, dtype, rngs, param_dtype)
-    self.q_proj = linear(h, cfg.num_heads * d, ("embed", "q_heads"), cfg.qkv_bias)
-    self.k_proj = linear(h, cfg.num_kv_heads * d, ("embed", "kv_heads"), cfg.qkv_bias)
-    self.v_proj = linear(h, cfg.num_kv_heads * d, ("embed", "kv_heads"), cfg.qkv_bias)
-    self.o_proj = linear(cfg.num_heads * d, h, ("q_heads", "embed"), False)
+    proj = lambda n_in, n_out, names, bias: linear(n_in, n_out, names, bias, dtype, rngs, param_dtype)
+    self.q_proj = proj(h, cfg.num_heads * d, ("embed", "q_heads"), cfg.qkv_bias)
+    self.k_proj = proj(h, cfg.num_kv_heads * d, ("embed", "kv_heads"), cfg.qkv_bias)
+    self.v_proj = proj(h, cfg.num_kv_heads * d, ("embed", "kv_heads"), cfg.qkv_bias)
+    self.o_proj = proj(cfg.num_heads * d, h, ("q_heads", "embed"), False)
     if cfg.qk_norm:
       self.q_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim", param_dtype)
       self.k_norm = _norm(d, cfg.rms_norm_eps, dtype, rngs, "head_dim", param_dtype)
@@ -171,9 +172,9 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, param_dtype=None):
     h, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-    self.gate_proj = _linear(h, f, ("embed", "mlp"), bias, dtype, rngs, param_dtype)
-    self.up_proj = _linear(h, f, ("embed", "mlp"), bias, dtype, rngs, param_dtype)
-    self.down_proj = _linear(f, h, ("mlp", "embed"), bias, dtype, rngs, param_dtype)
+    self.gate_proj = linear(h, f, ("embed", "mlp"), bias, dtype, rngs, param_dtype)
+    self.up_proj = linear(h, f, ("embed", "mlp"), bias, dtype, rngs, param_dtype)
+    self.down_proj = linear(f, h, ("mlp", "embed"), bias, dtype, rngs, param_dtype)
 
   def __call__(self, x):
     return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -243,7 +244,7 @@ class CausalLM(nnx.Module):
     self.dtype = jnp.dtype(dtype)
     self.model = Decoder(cfg, dtype, rngs, param_dtype)
     if not cfg.tie_word_embeddings:
-      self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), False, dtype, rngs, param_dtype)
+      self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), False, dtype, rngs, param_dtype)
 
   def logits(self, hidden):
     """LM head over final hidden states: float32 logits, the matmul's inputs in the compute dtype and its

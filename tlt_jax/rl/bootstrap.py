@@ -19,9 +19,10 @@ from tlt_jax import config as config_lib
 from tlt_jax import distributed
 from tlt_jax.drafter import checkpoint as drafter_checkpoint
 from tlt_jax.drafter import train as drafter_train
-from tlt_jax.drafter import warmup
+from tlt_jax.rl import warmup
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, hf
+from tlt_jax.rl import checks
 from tlt_jax.rl import datasets, rollouts, sft, tokenizer as tokenizer_lib
 
 
@@ -38,7 +39,7 @@ class Loaded(NamedTuple):
 def load(config) -> Loaded:
   """The run's inputs. Prompt files are read, and checked, before the policy loads or the tiny
   policy's SFT warm start runs; errors (OSError, ValueError) name the config key."""
-  config_lib.check(config)
+  checks.check(config)
   rollouts.check(config)
   tok = load_tokenizer(config)
   prompts = load_prompts(config, tok)

@@ -21,11 +21,11 @@ from typing import Sequence
 import jax
 import ml_collections
 
-from tlt_jax import config as config_lib
 from tlt_jax import distributed, sharding
 from tlt_jax.drafter.buffer import BufferConfig, DataBuffer
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM
+from tlt_jax.rl import builders
 from tlt_jax.rollout.base import BaseRollout
 from tlt_jax.rollout.plain import PlainRollout
 from tlt_jax.rollout.tlt import TLTRollout
@@ -33,7 +33,7 @@ from tlt_jax.rollout.tlt import TLTRollout
 
 def uses_drafter(config) -> bool:
   """Whether the rollout speculates with an EAGLE drafter (else suffix arms alone, or no speculation)."""
-  return config.rollout.speculative and any(not s.suffix for s in config_lib.strategies(config))
+  return config.rollout.speculative and any(not s.suffix for s in builders.strategies(config))
 
 
 def check(config) -> None:
@@ -48,12 +48,12 @@ def make_eval(config: ml_collections.ConfigDict, policy: CausalLM, tok, rows: in
               temperature: float = -1.0) -> PlainRollout:
   """A rollout for evaluations of `rows` rows at once (a set's prompts x samples) on this process's
   devices, sampling at `temperature` (-1: the rollout's), without compaction: one bucket to compile."""
-  sampling = config_lib.sampling_params(config, (tok.eos_token_id,))
+  sampling = builders.sampling_params(config, (tok.eos_token_id,))
   if temperature >= 0:
     sampling = dataclasses.replace(sampling, temperature=temperature)
   devices = jax.local_devices()
   mesh = sharding.make_mesh({"data": len(devices)}, devices) if len(devices) > 1 else None
-  return PlainRollout(policy, config_lib.engine_config(config, largest_bucket=1 << max(rows - 1, 0).bit_length(),
+  return PlainRollout(policy, builders.engine_config(config, largest_bucket=1 << max(rows - 1, 0).bit_length(),
                                                        compact=False), sampling, mesh)
 
 
@@ -70,20 +70,20 @@ def make(config: ml_collections.ConfigDict, policy: CausalLM, drafter: Drafter |
   """
   check(config)
   c = config
-  strategies = config_lib.strategies(c) if c.rollout.speculative else ()
-  sampling = config_lib.sampling_params(c, (tok.eos_token_id,))
-  make_bandit = lambda: config_lib.bandit(c, strategies)
+  strategies = builders.strategies(c) if c.rollout.speculative else ()
+  sampling = builders.sampling_params(c, (tok.eos_token_id,))
+  make_bandit = lambda: builders.bandit(c, strategies)
   devices = list(devices)
   mesh = sharding.make_mesh({"data": len(devices)}, devices) if len(devices) > 1 else None
   if not uses_drafter(c):
     largest = c.rollout.engine.batch_buckets[-1] * c.rollout.groups
-    rollout = PlainRollout(policy, config_lib.engine_config(c, strategies, largest_bucket=largest), sampling, mesh,
+    rollout = PlainRollout(policy, builders.engine_config(c, strategies, largest_bucket=largest), sampling, mesh,
                            bandit=make_bandit() if strategies else None)
     return rollout, rollout if c.eval.every else None
   if drafter is None:
     raise ValueError("config.rollout.speculative=True with EAGLE strategies needs a drafter")
   rollout = TLTRollout(
-      policy, drafter, config_lib.engine_config(c, strategies, capture_hidden=True), sampling, devices,
-      c.rollout.groups, DataBuffer(BufferConfig(**c.drafter.buffer)), config_lib.tlt_config(c),
-      config_lib.drafter_trainer_config(c), make_bandit)
+      policy, drafter, builders.engine_config(c, strategies, capture_hidden=True), sampling, devices,
+      c.rollout.groups, DataBuffer(BufferConfig(**c.drafter.buffer)), builders.tlt_config(c),
+      builders.drafter_trainer_config(c), make_bandit)
   return rollout, make_eval(c, policy, tok, c.eval.size * c.eval.num_samples) if c.eval.every else None

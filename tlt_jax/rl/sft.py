@@ -20,9 +20,9 @@ from absl import logging
 from flax import nnx
 from tqdm import tqdm
 
-from tlt_jax import config as config_lib
 from tlt_jax import packing
 from tlt_jax.models import CausalLM, KVCache, hf
+from tlt_jax.rl import builders
 from tlt_jax.rl import datasets, rewards, tasks, tokenizer as tokenizer_lib
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.state import EngineConfig
@@ -40,7 +40,7 @@ def difficulty(config) -> tasks.Difficulty:
 def build_policy(config, tok) -> CausalLM:
   """A fresh policy of `model.*`'s architecture and shape for the tokenizer `tok` (the tiny world's:
   Qwen3, tied embeddings, the tokenizer's vocabulary)."""
-  return CausalLM(config_lib.model_config(config, tok), rngs=nnx.Rngs(config.seed))
+  return CausalLM(builders.model_config(config, tok), rngs=nnx.Rngs(config.seed))
 
 
 def sequences(examples, tok, unanswered: float = 0.0, seed: int = 0):

@@ -42,7 +42,6 @@ from flax import nnx
 from tqdm import tqdm
 
 from tlt_jax import checkpoint as checkpoint_lib
-from tlt_jax import config as config_lib
 from tlt_jax import distributed
 from tlt_jax import metrics as metrics_lib
 from tlt_jax import packing
@@ -52,6 +51,7 @@ from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, hf
 from tlt_jax.rl import actor as actor_lib
 from tlt_jax.rl import datasets, evaluation, grpo, rewards, rollouts
+from tlt_jax.rl import checks
 from tlt_jax.rollout import profile
 
 class NonFiniteUpdates(RuntimeError):
@@ -77,7 +77,7 @@ class Trainer:
       eval_sets: with `eval.every`, the held-out prompts (name "") and `eval.sets`' (bootstrap.load_eval_sets).
       devices: what the rollouts run on (default: all; split into config.rollout.groups groups).
     """
-    config_lib.check(config)
+    checks.check(config)
     self.config = c = config
     eval_sets = eval_sets or {}
     if c.eval.every and set(eval_sets) != {"", *c.eval.sets}:

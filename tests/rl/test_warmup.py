@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tlt_jax.drafter import train, warmup
+from tlt_jax.drafter import train
+from tlt_jax.rl import warmup
 from tlt_jax.models import CausalLM, ModelConfig
 
 
