@@ -16,7 +16,8 @@ import pytest
 from tests.conftest import xla_flags_without_device_count
 
 EXPERIMENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
-HELPERS = ("starting_point.py", "side_by_side.py")  # imported by the scripts; no flags of their own
+# imported by the scripts; no flags of their own
+HELPERS = ("starting_point.py", "side_by_side.py", "gpu_parts.py", "gpu_plan.py")
 SCRIPTS = sorted(f[:-3] for f in os.listdir(EXPERIMENTS) if f.endswith(".py") and f not in HELPERS)
 
 
@@ -113,13 +114,12 @@ def test_gpu_check_smoke_runs_every_part_and_continues(tmp_path):
 
 PLAN = """
 import json, sys
-sys.argv = ["gpu_check"]
 sys.path.insert(0, "..")
-import gpu_check
+import gpu_plan
 from configs import accelerator
 c = accelerator.get_config()
-print(json.dumps({"plans": {str(s): gpu_check.plan(c, s, {}) for s in (200, 250, 300, 540, 800, 1200)},
-                  "after_b1": gpu_check.plan(c, 300, {"target": True, "grid_b1": True}),
+print(json.dumps({"plans": {str(s): gpu_plan.plan(c, s, {}) for s in (200, 250, 300, 540, 800, 1200)},
+                  "after_b1": gpu_plan.plan(c, 300, {"target": True, "grid_b1": True}),
                   "sft_steps": c.sft.steps}))
 """
 
