@@ -149,4 +149,4 @@ def test_two_processes_match_one(tmp_path, tiny_policy_dir, xla_cache, monkeypat
   assert all(r["train/grad_norm"] > 0 for r in reference)
   initial = nnx.state(hf.from_pretrained(tiny_policy_dir))
   exported = nnx.state(hf.from_pretrained(str(two / "export" / "policy")))
-  assert not float_order_mismatches(initial, (params, stats(reference)), (exported, stats(records)))
+  assert not float_order_mismatches(initial, (params, stats(reference)), (exported, stats(records[1:])))
