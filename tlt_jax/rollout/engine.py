@@ -19,7 +19,7 @@ executable on SmolLM2-135M, which would make that arm look several times slower 
 
 Paged (`EngineConfig.page_size`): the caches are a pool of pages shared by the rows through
 page tables the host keeps (`tlt_jax.rollout.pages`) and hands to every play; rows enter when the
-pool has their pages and are preempted when it runs short (see `_run`).
+pool has their pages and are preempted when it runs short (`tlt_jax.rollout.schedule`).
 
 Guard: once a row's drafter outputs are not finite (`RowState.drafter_finite`, read with each
 play's sync), the drafter's strategies are off for the rest of the rollout (suffix strategies,
@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import itertools
 import math
 import time
 from typing import Callable, Sequence
@@ -50,9 +49,9 @@ from tlt_jax.kernels import tree_attention
 from tlt_jax.models import transformer
 from tlt_jax.rollout import steps, suffix
 from tlt_jax.rollout.bandit import Bandit
-from tlt_jax.rollout.pages import Pages
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.schedule import Schedule, bucket_for
 from tlt_jax.rollout.speculative import Strategy
 from tlt_jax.rollout.state import (FINISH_REASONS, EngineConfig, Rollout, RolloutMetrics, RowState, Sample,
                                    SegmentRecord, SlotRows)
@@ -70,6 +69,28 @@ class _Counters:
   def read(cls, st: RowState) -> _Counters:
     """Waits for `st` and copies its counters to the host."""
     return jax.device_get(cls(st.done, st.num_generated, st.passes))
+
+
+@dataclasses.dataclass
+class _Job:
+  """One `_run`: its rows and what they read (the prompts, per prompt `budgets` and `history`), where
+  its outputs go (the samples harvested, the metrics, the progress callback) and the bank's rows."""
+
+  prompts: Sequence[Sequence[int]]
+  rows: list[tuple[int, int]]  # (prompt index, sample index), in order of entry
+  budgets: list[int]
+  prompt_offset: int
+  history: Sequence[Sequence[int]] | None
+  bank: suffix.BankRows | None
+  metrics: RolloutMetrics
+  on_progress: Callable[[int, int], None]
+  out: list[Sample] = dataclasses.field(default_factory=list)
+  prompt_lens: list[int] = dataclasses.field(init=False)  # per row
+  harvested: np.ndarray = dataclasses.field(init=False)  # bool per row
+
+  def __post_init__(self):
+    self.prompt_lens = [len(self.prompts[i]) for i, _ in self.rows]
+    self.harvested = np.zeros((len(self.rows),), bool)
 
 
 class Engine:
@@ -126,7 +147,7 @@ class Engine:
     """The equal ranges a paged pool splits into, one per device its rows split over, where the
     attention kernels run per device (each reads its rows' pages from its own range); 1 on one
     device or with attention='xla' (the jnp reference, which gathers any page anywhere). Buckets
-    smaller than that are not used (`_bucket`): their rows would not split like the pages."""
+    smaller than that are not used (`schedule.bucket_for`): their rows would not split like the pages."""
     if not config.paged or mesh is None or mesh.size == 1 or \
         tree_attention.select(config.attention, jax.default_backend())[0] == "xla":
       return 1
@@ -186,11 +207,6 @@ class Engine:
         return jitted.lower(*abstract).compile()
     return self.pool.get_or_compile(key, build)
 
-  def _bucket(self, rows: int) -> int:
-    """The batch bucket that holds `rows` rows: the config's, and with a pool split over devices at
-    least one row per device."""
-    return max(self.config.bucket(rows), self.page_shards)
-
   def _uses_sd(self, bucket: int) -> bool:
     """Speculation is an option at `bucket` (it holds the tail)."""
     cfg = self.config
@@ -205,7 +221,7 @@ class Engine:
     largest = cfg.batch_buckets[-1]
     if rows > largest and not cfg.refill and rows % largest:
       self.prepare(rows % largest, prompt_lens)
-    b0 = self._bucket(min(rows, largest))
+    b0 = bucket_for(cfg, min(rows, largest), self.page_shards)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     table = lambda b: i32(b, cfg.pages_per_row) if cfg.paged else None
     params = (self.params, self.drafter_params)
@@ -325,8 +341,8 @@ class Engine:
     metrics = RolloutMetrics()
     samples = []
     for batch in batches:
-      samples += self._run(prompts, batch, budgets, metrics, on_progress or (lambda rows, tokens: None),
-                           prompt_offset, history)
+      samples += self._run(_Job(prompts, batch, budgets, prompt_offset, history, self._bank_rows(batch), metrics,
+                                on_progress or (lambda rows, tokens: None)))
     samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
     if metrics.preemptions:
       logging.info("%d rows were preempted and resumed (%d tokens prefilled again): the KV cache's %d pages ran "
@@ -384,235 +400,144 @@ class Engine:
                                            write_from, table)
     return st
 
-  def _run(self, prompts, rows, budgets, metrics, on_progress, prompt_offset, history) -> list[Sample]:
-    """Decodes (prompt index, sample index) `rows`, in this order of entry, until every one is done.
-
-    The batch takes the first rows that fit the largest bucket (and, paged, the pool). While rows
-    wait, it stays at that bucket: once `refill_chunk` of its slots are free (or every waiting row
-    fits) the play ends on the device, the finished rows are harvested and waiting rows are
-    prefilled into their slots. Each refill pays one sync and a fixed-shape prefill whatever the
-    rows it brings, so waiting for a chunk amortises it while keeping the batch at least 3/4 full
-    (default chunk: a quarter). Once nothing waits, the tail compacts into smaller buckets and may
-    speculate.
-
-    Paged: a row enters once the pool has its pages (its prompt's shared pages are taken by the
-    first of its samples in flight), finished rows give theirs back at once, and before each play
-    every active row takes the pages the play may write; a row enters only if the rows in flight
-    keep a play's growth each. When the pool runs short, the rows with the fewest tokens are
-    preempted: their pages freed, their tokens kept on the host, back to the front of the queue;
-    when a row comes back, its prompt and its tokens are prefilled again (`Steps.resume`) and it
-    goes on where it stopped. The tail compacts only once the pool holds every active row to its
-    budget, so a smaller bucket never preempts. With the pool split over devices (`page_shards`),
-    a slot's row takes pages on the slot's device: admission, preemption and that check count
-    pages per device, and compaction keeps every row on its device.
-    """
-    cfg, pool = self.config, self.pool
-    b = self._bucket(min(len(rows), cfg.batch_buckets[-1]))
+  def _run(self, job: _Job) -> list[Sample]:
+    """Decodes `job.rows`, in this order of entry, until every one is done: each turn refills free
+    slots with waiting rows, or compacts the tail, chooses an arm, reserves the play's pages and
+    plays (`tlt_jax.rollout.schedule` takes the host's decisions)."""
+    cfg = self.config
+    sched = Schedule(cfg, job.rows, job.prompt_lens, [job.budgets[i] for i, _ in job.rows], self.page_shards)
     t0 = time.perf_counter()
-    bank = self._bank_rows(rows)
-    prompt_lens = [len(prompts[i]) for i, _ in rows]
-    pages = Pages(cfg.pool_pages, cfg.page_size, cfg.pages_per_row, self.page_shards) if cfg.paged else None
-    shards = self.page_shards
-    waiting = collections.deque(range(len(rows)))
-    slot_row = np.full((b,), -1)  # the host's view of which row each slot holds
-    entered = np.zeros((b,), np.int64)  # when it entered (of rows as far along, preemption takes the latest)
-    kept: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # a preempted row's tokens and log-probs
-    clock = itertools.count()
-    table = lambda: None if pages is None else pages.table(slot_row)
-    b0, window = b, max([s.window for s in cfg.strategies] + [1])
-    shard_of = lambda slot: slot * shards // b0  # the device range of a slot's pages (rows enter at b0 only)
-
-    def slots_for(r: int, slots: int) -> int:  # what row r may write is bounded by its budget
-      return min(slots, prompt_lens[r] + budgets[rows[r][0]] + window)
-
-    def entry(r: int, shard: int) -> tuple:  # what admitting row r on `shard` needs: (prompt, prompt len, slots,
-      # pages to leave free). Headroom: the rows already in flight keep a play's growth each, so
-      # admission does not preempt them at the next play (a preempted row's tokens are prefilled again).
-      play, resumed = cfg.play_slots(None), len(kept[r][0]) - 1 if r in kept else 0
-      return (rows[r][0], prompt_lens[r], slots_for(r, prompt_lens[r] + resumed + play),
-              pages.rows_on(shard) * -(-play // cfg.page_size), shard)
-
-    def admit(free_slots) -> tuple[np.ndarray, np.ndarray]:
-      """Waiting rows into `free_slots` while the pool has their pages: (slot -> new row, -1: none;
-      the prompt slot each row's prefill writes from)."""
-      new, write_from = np.full((b,), -1, np.int32), np.zeros((b,), np.int32)
-      for slot in free_slots:
-        if not waiting:
-          break
-        r = waiting[0]
-        if pages is not None:
-          start = pages.admit(r, *entry(r, shard_of(slot)))
-          if start is None:
-            continue  # another free slot's device may have its pages
-          write_from[slot] = start
-        waiting.popleft()
-        new[slot], slot_row[slot], entered[slot] = r, r, next(clock)
-      metrics.started += [rows[r] for r in new if r >= 0]
-      return new, write_from
-
-    def enter(st, new, write_from, t0):
-      """Prefills the rows `admit` put in slots `new` (preempted ones: with their tokens) and counts
-      them in: (state, host counters). A row whose prompt's shared pages a sibling in flight wrote
-      earlier prefills only its prompt's tail after them."""
-      writers = {rows[r][0] for slot, r in enumerate(new) if r >= 0 and write_from[slot] == 0}
-      tails = [(slot, r) for slot, r in enumerate(new) if r >= 0 and write_from[slot] > 0 and rows[r][0] not in writers]
-      full = new.copy()
-      full[[slot for slot, _ in tails]] = -1
-      st = self._prefill_slots(st, prompts, rows, full, history, write_from, table(), self._refills(len(rows)))
-      for slot, r in tails:
-        prompt, start = prompts[rows[r][0]], int(write_from[slot])
-        tokens = np.zeros((cfg.tail_bucket(len(prompt) - start),), np.int32)
-        tokens[:len(prompt) - start] = prompt[start:]
-        sibling = next(s for s, q in enumerate(slot_row)
-                       if q >= 0 and new[s] < 0 and rows[q][0] == rows[r][0] and pages.holds(q))
-        st = pool[("tail", b, len(tokens))](self.params, self.drafter_params, st, np.int32(slot), tokens,
-                                            np.int32(start), np.int32(len(prompt) - start), np.int32(sibling), table())
-      back = [(slot, r) for slot, r in enumerate(new) if r in kept]
-      for slot, r in back:
-        tokens, logprobs = kept.pop(r)
-        n = len(tokens)
-        size = cfg.resume_bucket(n)
-        tokens = np.concatenate([[prompts[rows[r][0]][-1]], tokens, np.zeros((size - n,), np.int32)]).astype(np.int32)
-        logprobs = np.concatenate([logprobs, np.zeros((size - n,), np.float32)]).astype(np.float32)
-        st = pool[("resume", b, size)](self.params, self.drafter_params, st, np.int32(slot), tokens, logprobs,
-                                       np.int32(n), table())
-        metrics.resumed_tokens += n
-      host = _Counters.read(st)
-      self._check_drafter(st, metrics)
-      metrics.prefill_s += time.perf_counter() - t0
-      entering = int((new >= 0).sum()) - len(back)  # a preempted row's tokens were counted before
-      metrics.tokens += entering
-      on_progress(int(host.done[new >= 0].sum()), entering)
-      return st, host
-
-    new, write_from = admit(range(b))
-    st = pool[("init", b)](self._slot_rows(rows, new, budgets, prompt_offset, bank), table())
-    if bank is not None:
-      bank.take_fresh()  # init's bank is empty: only later prompts' rows need emptying
-    st, host = enter(st, new, write_from, t0)
-    out: list[Sample] = []
-    harvested = np.zeros((len(rows),), bool)
-
-    def harvest(st):
-      samples = self._harvest(st, harvested, prompt_lens)
-      for s in samples if bank is not None else ():  # their bank rows are free once a prompt's rows are all in
-        bank.harvested(s.prompt_index - prompt_offset)
-      return samples
-
-    def play_need(slot, strategy):  # cache slots the row of `slot` may fill by the end of a play of `strategy`
-      r = slot_row[slot]
-      return slots_for(r, prompt_lens[r] + int(host.generated[slot]) - 1 + cfg.play_slots(strategy))
-
-    def short(need) -> list[int]:  # the shards whose free pages cannot give each active row `need(slot)` slots
-      lack = collections.Counter()
-      for i in np.flatnonzero(~host.done):
-        lack[pages.shard(slot_row[i])] += pages.missing(slot_row[i], prompt_lens[slot_row[i]], need(i))
-      return [s for s, n in lack.items() if n > pages.free_on(s)]
-
-    def halved(done, b) -> np.ndarray | None:
-      """The slots bucket b // 2 keeps (-1: empty): each device's active rows into the first half of its
-      slots, so no row changes device (with its pages); None if a device has too many."""
-      per = b // shards
-      keep = []
-      for s in range(shards):
-        active = [i for i in range(s * per, (s + 1) * per) if not done[i]]
-        if len(active) > per // 2:
-          return None
-        keep += active + [-1] * (per // 2 - len(active))
-      return np.asarray(keep, np.int32)
-
-    while waiting or not host.done.all():
-      if pages is not None:  # finished rows give their pages back at once
-        for slot in np.flatnonzero(host.done & (slot_row >= 0)):
-          if pages.holds(slot_row[slot]):
-            pages.release(slot_row[slot])
-      active = int((~host.done).sum())
-      blocked = False  # rows wait for pages (to enter, or for the tail to compact), not slots
-      if waiting and b - active >= min(cfg.refill_chunk, len(waiting)):
-        r = waiting[0]
-        if pages is None or any(pages.fits(*entry(r, s)) for s in {shard_of(i) for i in np.flatnonzero(host.done)}):
-          t0 = time.perf_counter()
-          out += harvest(st)
-          new, write_from = admit(np.flatnonzero(host.done))
-          st = pool[("reset", b)](st, self._slot_rows(rows, new, budgets, prompt_offset, bank),
-                                  np.zeros((0,), bool) if bank is None else bank.take_fresh())
-          st, host = enter(st, new, write_from, t0)
-          metrics.refills += 1
-          continue
-        blocked = True
-      shrink = not waiting and cfg.compact and self._bucket(active) < b
-      if shrink and pages is not None and (short(lambda i: slots_for(slot_row[i], 1 << 30))
-                                           or halved(host.done, b) is None):
-        # The pool cannot hold the rows to their budgets yet (or, split over devices, a device's rows
-        # do not fit its half): wait for one to finish.
-        shrink, blocked = False, True
-      if shrink:
-        t0 = time.perf_counter()
-        out += harvest(st)
-        done = host.done
-        while self._bucket(active) < b and (keep := halved(done, b)) is not None:
-          st = pool[("halve", b // 2, b)](st, keep)
-          done = np.where(keep >= 0, done[keep], True)
-          slot_row, entered = np.where(keep >= 0, slot_row[keep], -1), entered[keep]
-          b //= 2
-        host = _Counters.read(st)
-        metrics.compact_s += time.perf_counter() - t0
-      arms = [s for s in cfg.strategies if s.suffix or not metrics.drafter_nonfinite]
-      speculating = self._uses_sd(b) and bool(arms)
+    new, write_from, slots = self._admit(job, sched, range(sched.bucket))
+    st = self.pool[("init", sched.bucket)](slots, sched.table())
+    if job.bank is not None:
+      job.bank.take_fresh()  # init's bank is empty: only later prompts' rows need emptying
+    st, host = self._enter(job, sched, st, new, write_from, t0)
+    while not sched.finished:
+      sched.release_finished()
+      if sched.refill_ready():
+        st, host = self._refill(job, sched, st)
+        continue
+      if sched.compactable():
+        st, host = self._compact(job, sched, st)
+      active = sched.active
+      arms = [s for s in cfg.strategies if s.suffix or not job.metrics.drafter_nonfinite]
+      speculating = self._uses_sd(sched.bucket) and bool(arms)
       tail = speculating and active <= cfg.sd_max_batch
       strategy, probe = None, False
       if tail:
         strategy, probe = (arms[0], False) if self.bandit is None else self.bandit.choose(active, arms)
-      if pages is not None:  # every active row takes the pages this play may write, preempting if short
-        while lacking := short(lambda i: play_need(i, strategy)):
-          slots = np.asarray([i for i in np.flatnonzero(~host.done) if pages.shard(slot_row[i]) == lacking[0]])
-          victim = slots[np.lexsort((-entered[slots], host.generated[slots]))[0]]  # the least work lost
-          if len(slots) == 1 or b != b0:  # neither happens: a row fits the pool, the tail compacts once all fit
-            raise RuntimeError(f"the page pool ({pages.num_pages} pages) cannot hold the rows of bucket {b}")
-          pages.release(slot_row[victim])
-          waiting.appendleft(slot_row[victim])
-          k = int(host.generated[victim])
-          tokens, logprobs = jax.device_get((st.tokens, st.logprobs))  # whole arrays: a slice would compile
-          kept[slot_row[victim]] = tokens[victim, :k], logprobs[victim, :k]
-          metrics.preemptions += 1
-          slot_row[victim] = -1
-          st = pool[("drop", b)](st, np.arange(b) == victim)
-          host = _Counters.read(st)
-          active -= 1
-        for i in np.flatnonzero(~host.done):
-          pages.grow(slot_row[i], prompt_lens[slot_row[i]], play_need(i, strategy))
-        metrics.peak_pages = max(metrics.peak_pages, pages.held)
-      metrics.peak_rows = max(metrics.peak_rows, active)
-      # The play ends on the device once enough slots are free for a refill (paged, when rows wait
-      # for pages, or the tail for the pages to compact: once a row finishes), or, with nothing
-      # waiting, once a smaller bucket fits the active rows (compaction); before the tail, once the
-      # tail begins (the bandit's turn).
-      n_waiting = len(waiting)
-      stop_at = b - min(cfg.refill_chunk, n_waiting) if n_waiting else (b // 2 if cfg.compact else 0)
-      if blocked:
-        stop_at = active - 1
-      if speculating and not tail:
-        stop_at = max(stop_at, cfg.sd_max_batch)
-      key = self._segment_key(b, strategy)
-      first_run = key not in self._ran
-      self._ran.add(key)
-      t0 = time.perf_counter()
-      st = pool[key](self.params, self.drafter_params, st, np.int32(stop_at), table(),
-                     np.int32(cfg.probe_steps if probe else cfg.segment_steps))
-      before, host = host, _Counters.read(st)  # waits for the play
-      seconds = time.perf_counter() - t0
+      st = self._reserve(job, sched, st, strategy)
+      st, host = self._play(job, sched, st, host, strategy, probe, tail, speculating and not tail)
+    return job.out + self._harvest(job, st)
+
+  def _admit(self, job: _Job, sched: Schedule, free_slots) -> tuple[np.ndarray, np.ndarray, SlotRows]:
+    """`Schedule.admit`, with what `init` or `reset` writes for the slots."""
+    new, write_from = sched.admit(free_slots)
+    job.metrics.started += [job.rows[r] for r in new if r >= 0]
+    return new, write_from, self._slot_rows(job.rows, new, job.budgets, job.prompt_offset, job.bank)
+
+  def _enter(self, job: _Job, sched: Schedule, st: RowState, new: np.ndarray, write_from: np.ndarray,
+             t0: float) -> tuple[RowState, _Counters]:
+    """Prefills the rows `admit` put in slots `new` (preempted ones: with their tokens) and counts
+    them in: (state, host counters). A row whose prompt's shared pages a sibling in flight wrote
+    earlier prefills only its prompt's tail after them."""
+    cfg, b, metrics = self.config, sched.bucket, job.metrics
+    whole, tails, back = sched.prefills(new, write_from)
+    st = self._prefill_slots(st, job.prompts, job.rows, whole, job.history, write_from, sched.table(),
+                             self._refills(len(job.rows)))
+    for slot, start, sibling in tails:
+      prompt = job.prompts[job.rows[new[slot]][0]]
+      tokens = np.zeros((cfg.tail_bucket(len(prompt) - start),), np.int32)
+      tokens[:len(prompt) - start] = prompt[start:]
+      st = self.pool[("tail", b, len(tokens))](self.params, self.drafter_params, st, np.int32(slot), tokens,
+                                               np.int32(start), np.int32(len(prompt) - start), np.int32(sibling),
+                                               sched.table())
+    for slot, tokens, logprobs in back:
+      n = len(tokens)
+      size = cfg.resume_bucket(n)
+      tokens = np.concatenate([[job.prompts[job.rows[new[slot]][0]][-1]], tokens,
+                               np.zeros((size - n,), np.int32)]).astype(np.int32)
+      logprobs = np.concatenate([logprobs, np.zeros((size - n,), np.float32)]).astype(np.float32)
+      st = self.pool[("resume", b, size)](self.params, self.drafter_params, st, np.int32(slot), tokens, logprobs,
+                                          np.int32(n), sched.table())
+      metrics.resumed_tokens += n
+    host = self._observe(sched, st, metrics)
+    metrics.prefill_s += time.perf_counter() - t0
+    entering = int((new >= 0).sum()) - len(back)  # a preempted row's tokens were counted before
+    metrics.tokens += entering
+    job.on_progress(int(host.done[new >= 0].sum()), entering)
+    return st, host
+
+  def _refill(self, job: _Job, sched: Schedule, st: RowState) -> tuple[RowState, _Counters]:
+    """Harvests the finished rows and prefills waiting ones into their slots."""
+    t0 = time.perf_counter()
+    job.out += self._harvest(job, st)
+    new, write_from, slots = self._admit(job, sched, np.flatnonzero(sched.done))
+    fresh = np.zeros((0,), bool) if job.bank is None else job.bank.take_fresh()  # bank rows to empty
+    st = self.pool[("reset", sched.bucket)](st, slots, fresh)
+    job.metrics.refills += 1
+    return self._enter(job, sched, st, new, write_from, t0)
+
+  def _compact(self, job: _Job, sched: Schedule, st: RowState) -> tuple[RowState, _Counters]:
+    """Harvests the finished rows and gathers the active ones into smaller buckets."""
+    t0 = time.perf_counter()
+    job.out += self._harvest(job, st)
+    b = sched.bucket
+    for keep in sched.compact():
+      st = self.pool[("halve", b // 2, b)](st, keep)
+      b //= 2
+    host = self._observe(sched, st)
+    job.metrics.compact_s += time.perf_counter() - t0
+    return st, host
+
+  def _reserve(self, job: _Job, sched: Schedule, st: RowState, strategy: Strategy | None) -> RowState:
+    """Every active row takes the pages a play of `strategy` may write, preempting rows while the
+    pool is short."""
+    metrics = job.metrics
+    if sched.pages is not None:
+      while (victim := sched.victim(strategy)) is not None:
+        k = int(sched.generated[victim])
+        tokens, logprobs = jax.device_get((st.tokens, st.logprobs))  # whole arrays: a slice would compile
+        sched.preempt(victim, tokens[victim, :k], logprobs[victim, :k])
+        st = self.pool[("drop", sched.bucket)](st, np.arange(sched.bucket) == victim)
+        metrics.preemptions += 1
+      sched.reserve(strategy)
+      metrics.peak_pages = max(metrics.peak_pages, sched.pages.held)
+    metrics.peak_rows = max(metrics.peak_rows, sched.active)
+    return st
+
+  def _play(self, job: _Job, sched: Schedule, st: RowState, before: _Counters, strategy: Strategy | None,
+            probe: bool, tail: bool, before_tail: bool) -> tuple[RowState, _Counters]:
+    """One play of `strategy` (None: plain) until `sched.stop_at`, recorded (and rewarded to the
+    bandit, but on an executable's first run)."""
+    cfg, b, active, metrics = self.config, sched.bucket, sched.active, job.metrics
+    key = self._segment_key(b, strategy)
+    first_run = key not in self._ran
+    self._ran.add(key)
+    t0 = time.perf_counter()
+    st = self.pool[key](self.params, self.drafter_params, st, np.int32(sched.stop_at(before_tail)), sched.table(),
+                        np.int32(cfg.probe_steps if probe else cfg.segment_steps))
+    host = self._observe(sched, st, metrics)  # waits for the play
+    seconds = time.perf_counter() - t0
+    produced = int(host.generated.sum() - before.generated.sum())
+    passes = host.passes - before.passes
+    metrics.decode_s += seconds
+    metrics.tokens += produced
+    metrics.segments.append(SegmentRecord(b, active, produced, seconds, strategy and strategy.name,
+                                          passes=int(passes.sum()), steps=int(passes.max()), tail=tail,
+                                          waiting=len(sched.waiting), probe=probe, first_run=first_run))
+    if self.bandit is not None and tail and not first_run:
+      self.bandit.update(active, strategy, produced, seconds)
+    job.on_progress(active - sched.active, produced)
+    return st, host
+
+  def _observe(self, sched: Schedule, st: RowState, metrics: RolloutMetrics | None = None) -> _Counters:
+    """Waits for `st`, hands its counters to the schedule (and checks the drafter's outputs)."""
+    host = _Counters.read(st)
+    sched.observe(host.done, host.generated)
+    if metrics is not None:
       self._check_drafter(st, metrics)
-      produced = int(host.generated.sum() - before.generated.sum())
-      passes = host.passes - before.passes
-      metrics.decode_s += seconds
-      metrics.tokens += produced
-      metrics.segments.append(SegmentRecord(b, active, produced, seconds, strategy and strategy.name,
-                                            passes=int(passes.sum()), steps=int(passes.max()), tail=tail,
-                                            waiting=n_waiting, probe=probe, first_run=first_run))
-      if self.bandit is not None and tail and not first_run:
-        self.bandit.update(active, strategy, produced, seconds)
-      on_progress(active - int((~host.done).sum()), produced)
-    return out + harvest(st)
+    return host
 
   def _check_drafter(self, st: RowState, metrics: RolloutMetrics) -> None:
     """Turns the drafter's strategies off for the rest of the rollout once its outputs are not finite."""
@@ -624,20 +549,22 @@ class Engine:
       logging.warning("the drafter's outputs are not finite (NaN/inf) for %d of %d rows: its strategies are off for "
                       "the rest of this rollout (outputs are unaffected)", int((~finite).sum()), finite.size)
 
-  def _harvest(self, st: RowState, harvested: np.ndarray, prompt_lens: Sequence[int]) -> list[Sample]:
+  def _harvest(self, job: _Job, st: RowState) -> list[Sample]:
     """Host copies of the finished rows not yet taken (before compaction drops them)."""
     host = jax.device_get(dataclasses.replace(st.per_row(), draft_feat=None))
     out = []
     for r in np.flatnonzero(host.done & (host.row_id >= 0)):
       rid = host.row_id[r]
-      if harvested[rid]:
+      if job.harvested[rid]:
         continue
-      harvested[rid] = True
+      job.harvested[rid] = True
       k = host.num_generated[r]
       out.append(Sample(prompt_index=int(host.prompt_index[r]), sample_index=int(host.sample_index[r]),
                         tokens=host.tokens[r, :k].copy(), logprobs=host.logprobs[r, :k].copy(),
                         finish_reason=FINISH_REASONS[host.finish[r]],
                         hidden=None if host.hidden is None else np.asarray(host.hidden[r, :k]),
                         prompt_hidden=None if host.prompt_hidden is None else
-                        np.asarray(host.prompt_hidden[r, :prompt_lens[rid]])))
+                        np.asarray(host.prompt_hidden[r, :job.prompt_lens[rid]])))
+    for sample in out if job.bank is not None else ():  # bank rows are free once a prompt's rows are all in
+      job.bank.harvested(sample.prompt_index - job.prompt_offset)
     return out
