@@ -1,9 +1,9 @@
 """The TLT rollout: a data-parallel rollout over device groups whose idle groups train the drafter.
 
 The devices are split into G groups; each group runs its own `Engine` (speculative tail, bandit)
-on a sub-mesh of its devices over a contiguous shard of the prompts (host threads drive the groups;
-`prompt_offset` keeps every sample's RNG keys global, so the samples are exactly those of one
-engine). The caller's thread is the scheduler and tracks each group as BUSY (decoding its shard),
+on a sub-mesh of its devices over a contiguous shard of the prompts (a host thread per group,
+tlt_jax.rollout.groups; `prompt_offset` keeps every sample's RNG keys global, so the samples are
+exactly those of one engine). The caller's thread is the scheduler and tracks each group as BUSY (decoding its shard),
 IDLE (done, its samples, with the prompt and response features the engine captured, are in the
 drafter's buffer) or TRAINING. While any group is BUSY, every round takes all groups that are not
 BUSY (a set that only grows) and runs one synchronous update of the ONE master drafter on them
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import threading
 import time
 from typing import Callable, Sequence
 
@@ -56,11 +55,9 @@ from tlt_jax.models.transformer import CausalLM
 from tlt_jax.rollout.bandit import Bandit
 from tlt_jax.rollout.base import BaseRollout
 from tlt_jax.rollout.engine import Engine
+from tlt_jax.rollout.groups import GroupRun
 from tlt_jax.rollout.state import EngineConfig, Sample
 from tlt_jax.rollout.sampling import SamplingParams
-
-BUSY, IDLE, TRAINING = "busy", "idle", "training"
-
 
 @dataclasses.dataclass(frozen=True)
 class TLTConfig:
@@ -170,68 +167,38 @@ class TLTRollout(BaseRollout):
     trainer.compile(self._policy_params())
     version_used = min(self.engine_versions)
 
-    state, results, errors, finished = {g: BUSY for g in self.groups}, [None] * G, [None] * G, [0.0] * G
-    cond = threading.Condition()
-
     def work(g):
       a, b = bounds[g], bounds[g + 1]
-      try:
-        out = self._engine[g].generate(prompts[a:b], num_samples, limit(a, b), prompt_offset=int(prompt_offset + a),
-                                       history=None if history is None else history[a:b])
-        local = [dataclasses.replace(s, prompt_index=s.prompt_index - prompt_offset) for s in out.samples]
-        results[g] = dataclasses.replace(out, samples=local)
-        with cond:
-          trainer.buffer.add(rl_step, results[g].samples, prompts)
-      except BaseException as e:  # re-raised by the scheduler
-        errors[g] = e
-      with cond:
-        finished[g] = time.perf_counter()
-        state[g] = IDLE
-        cond.notify_all()
+      out = self._engine[g].generate(prompts[a:b], num_samples, limit(a, b), prompt_offset=int(prompt_offset + a),
+                                     history=None if history is None else history[a:b])
+      local = [dataclasses.replace(s, prompt_index=s.prompt_index - prompt_offset) for s in out.samples]
+      return dataclasses.replace(out, samples=local)
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=work, args=(g,), name=f"rollout-group-{g}", daemon=True) for g in self.groups]
-    for t in threads:
-      t.start()
-    rounds: list[Round] = []
-    deadline = start + self.config.timeout_s
     multi = distributed.multiprocess()
+    run = GroupRun(self.groups, work, lambda g, out: trainer.buffer.add(rl_step, out.samples, prompts),
+                   self.config.timeout_s, self.config.poll_s if multi else None)
+    trains = lambda: trainer.trainable() and self.config.enabled
+    rounds: list[Round] = []
     while True:
-      with cond:
-        busy = lambda: [g for g in self.groups if state[g] == BUSY]
-        ready = lambda: not busy() or (len(busy()) < len(self.groups) and trainer.trainable() and self.config.enabled)
-        left = max(deadline - time.perf_counter(), 0.0)
-        if (not cond.wait_for(ready, timeout=min(left, self.config.poll_s) if multi else left) and not multi) or (
-            busy() and time.perf_counter() > deadline):
-          raise TimeoutError(f"rollout groups {busy()} did not finish within timeout_s={self.config.timeout_s}")
-        done = not busy()
-        trains = trainer.trainable() and self.config.enabled
-        idle = tuple(g for g in self.groups if state[g] != BUSY) if trains else ()
+      done, idle = run.wait(trains)
       if multi:  # one round for all processes: done when all are, trained by every idle group
-        views = distributed.allgather((done, idle), timeout_s=left + distributed.TIMEOUT_S)
+        views = distributed.allgather((done, idle), timeout_s=run.left_s() + distributed.TIMEOUT_S)
         done, idle = all(d for d, _ in views), tuple(sorted(g for _, groups in views for g in groups))
       if done:
         break
-      if not idle:
-        continue
-      with cond:
-        for g in idle:
-          if g in state:
-            state[g] = TRAINING
-        batches = {g: trainer.batch(g, len(rounds)) for g in idle if g in state}
-      rounds.append(trainer.round(idle, batches, self._policy_params()))
-    for t in threads:
-      t.join()
-    for e in errors:
-      if e is not None:
-        raise e
+      if idle:
+        batches = run.claim(idle, lambda g: trainer.batch(g, len(rounds)))
+        rounds.append(trainer.round(idle, batches, self._policy_params()))
+    start, results, finished = run.start, [None] * G, [0.0] * G
+    for g, out in run.join().items():
+      results[g], finished[g] = out, run.finished[g]
     if multi:  # every process returns every group's samples (features stay where they were captured)
       strip = lambda s: dataclasses.replace(s, hidden=None, prompt_hidden=None)
       mine = {g: (dataclasses.replace(results[g], samples=[strip(s) for s in results[g].samples]), finished[g] - start)
               for g in self.groups}
       for part in distributed.allgather(mine):
         for g, (result, after) in part.items():
-          if g not in state:
+          if g not in run.state:
             results[g], finished[g] = result, start + after
     end = max(finished)
     stop = time.perf_counter()
