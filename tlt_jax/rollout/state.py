@@ -4,8 +4,8 @@
 `RowState` is everything a rollout keeps on the device, one entry per batch slot ("row"): the
 KV caches, the last token, counters, outputs and, with a drafter, its cache and last output. The
 pure functions of `tlt_jax.rollout.steps` take it and return it; `SlotRows` says which row each
-slot gets, `Pairs` carries committed (feature, token) pairs to the drafter and `Verified` is what
-a verify step returns.
+slot gets, `CommittedPairs` carries committed (feature, token) pairs to the drafter and `Verified`
+is what a verify step returns.
 
 The token bank of suffix strategies (`RowState.bank`, `tlt_jax.rollout.suffix`) is held per
 prompt in flight, not per row: every prompt holds a row of it (its prompt and its samples'
@@ -231,7 +231,7 @@ class SlotRows:
 
 
 @flax.struct.dataclass
-class Pairs:
+class CommittedPairs:
   """Committed (feature, token) pairs for the drafter: pair j of row b is (f_p, x_{p+1})."""
 
   features: jax.Array  # [B, M, H]
@@ -245,7 +245,7 @@ class Verified:
   (feature, token) pairs for the drafter (None without a drafter)."""
 
   state: RowState
-  pairs: Pairs | None
+  pairs: CommittedPairs | None
 
 
 @dataclasses.dataclass

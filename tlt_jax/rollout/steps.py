@@ -40,7 +40,7 @@ from tlt_jax.models.transformer import KVCache
 from tlt_jax.rollout import speculative, suffix
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
-from tlt_jax.rollout.state import EngineConfig, Pairs, RowState, SlotRows, Verified
+from tlt_jax.rollout.state import EngineConfig, CommittedPairs, RowState, SlotRows, Verified
 
 
 @flax.struct.dataclass
@@ -49,7 +49,7 @@ class _Carry:
 
   step: jax.Array
   state: RowState
-  pairs: Pairs | None = None
+  pairs: CommittedPairs | None = None
 
 
 def _where_rows(mask_B, new, old):
@@ -192,7 +192,7 @@ class Steps:
     return drafter(model, features_BxMxH, tokens_BxM, positions, dcache, causal, kv_block=kv_block,
                    attention=attention or self.config.attention)
 
-  def feed_drafter(self, model, drafter, st: RowState, pairs: Pairs, kv_block: int | None) -> RowState:
+  def feed_drafter(self, model, drafter, st: RowState, pairs: CommittedPairs, kv_block: int | None) -> RowState:
     """Writes the committed pairs (f_p, x_{p+1}) into the drafter cache and advances its lengths;
     keeps the last output as `draft_feat` and whether it was finite in `drafter_finite`. Rows
     without pairs write nothing into a paged cache: a row entering has a stale length until its
@@ -267,7 +267,7 @@ class Steps:
     shifted = jnp.concatenate([tokens_PxT[:, 1:], jnp.zeros((p, 1), jnp.int32)], axis=1)
     _, shared = self._drafter_pass(model, drafter, drafter.empty_cache(p, t, self.dtype), features, shifted, None)
     dcache = write(st.drafter_cache, shared, last)
-    first = Pairs(features[src][rows, last][:, None], acc.tokens[:, :1], sel.astype(jnp.int32))
+    first = CommittedPairs(features[src][rows, last][:, None], acc.tokens[:, :1], sel.astype(jnp.int32))
     return self.feed_drafter(model, drafter, dataclasses.replace(st, drafter_cache=dcache), first, None)
 
   def prefill_tail(self, params, drafter_params, st: RowState, slot, tokens_P, start, count, sibling,
@@ -311,7 +311,8 @@ class Steps:
     _, written = self._drafter_pass(model, drafter, view(st.drafter_cache, start), features, shifted, None, "xla")
     st = dataclasses.replace(st, drafter_cache=put(st.drafter_cache, written, start + count - 1))
     feature = features[0, count - 1]
-    first = Pairs(jnp.broadcast_to(feature, (b, feature.shape[-1]))[:, None], acc.tokens[:, :1], sel.astype(jnp.int32))
+    first = CommittedPairs(jnp.broadcast_to(feature, (b, feature.shape[-1]))[:, None], acc.tokens[:, :1],
+                           sel.astype(jnp.int32))
     return self.feed_drafter(model, drafter, st, first, None)
 
   def resume(self, params, drafter_params, st: RowState, slot, tokens_R1, logprobs_R, count, pages_BxM) -> RowState:
@@ -407,7 +408,7 @@ class Steps:
     st = record(dataclasses.replace(st, cache=cache), active, acc, out.hidden[rows, acc.nodes])
     if drafter is None:
       return Verified(st, None)
-    return Verified(st, Pairs(drafter.target_features(out.hidden, out.aux_hidden)[rows, acc.nodes], acc.tokens,
+    return Verified(st, CommittedPairs(drafter.target_features(out.hidden, out.aux_hidden)[rows, acc.nodes], acc.tokens,
                               acc.count))
 
   def segment(self, params, drafter_params, st: RowState, stop_at, pages_BxM=None, max_steps=None, *,
@@ -464,13 +465,14 @@ class Steps:
       pairs, new = c.pairs, verified.pairs
       if pairs is not None:  # append each row's committed pair (0 or 1 of them) at its own count
         at = jnp.where(new.count > 0, pairs.count, n)  # n: dropped
-        pairs = Pairs(pairs.features.at[rows, at].set(new.features[:, 0].astype(pairs.features.dtype), mode="drop"),
-                      pairs.tokens.at[rows, at].set(new.tokens[:, 0], mode="drop"), pairs.count + new.count)
+        features = pairs.features.at[rows, at].set(new.features[:, 0].astype(pairs.features.dtype), mode="drop")
+        pairs = CommittedPairs(features, pairs.tokens.at[rows, at].set(new.tokens[:, 0], mode="drop"),
+                               pairs.count + new.count)
       return _Carry(c.step + 1, verified.state, pairs)
 
     pairs = None
     if drafter is not None:
-      pairs = Pairs(jnp.zeros((b, n, st.draft_feat.shape[-1]), self.dtype), jnp.zeros((b, n), jnp.int32),
+      pairs = CommittedPairs(jnp.zeros((b, n, st.draft_feat.shape[-1]), self.dtype), jnp.zeros((b, n), jnp.int32),
                     jnp.zeros((b,), jnp.int32))
     out = jax.lax.while_loop(running, step, _Carry(jnp.int32(0), st, pairs))
     return out.state if out.pairs is None else self.feed_drafter(model, drafter, out.state, out.pairs, kv_block)
