@@ -3,9 +3,11 @@
   python -m tlt_jax.main --config=configs/qwen2_5_0_5b.py \
       --config.policy.path=/content/Qwen2.5-0.5B-Instruct --config.data.path=/content/gsm8k_train.jsonl \
       --config.drafter.path=/content/qwen_0_5b_drafter
-  python -m tlt_jax.train_drafter --model=/content/Qwen2.5-0.5B-Instruct --output=/content/qwen_0_5b_drafter
+  python -m tlt_jax.train_drafter --model=/content/Qwen2.5-0.5B-Instruct \
+      --prompts=/content/drafter_prompts.jsonl --output=/content/qwen_0_5b_drafter --num_samples=4
 
-colab/tlt_qwen2_5_0_5b.ipynb downloads the model and data and runs exactly these commands.
+colab/tlt_qwen2_5_0_5b.ipynb downloads the model and data and runs the same steps (the drafter's
+prompts: the first 512 training questions as {"prompt": ...} lines; shorter training there).
 `get_config("smoke")` is the same recipe at the tiny world's smoke shapes, for a tiny local policy on
 a CPU (the notebook's offline smoke mode).
 """

@@ -6,7 +6,8 @@
   python -m tlt_jax.main --config=configs/r1_7b.py --config.dry_run=True   # size it anywhere, no weights
 
 The policy is a local Hugging Face directory; the drafter a checkpoint from
-`python -m tlt_jax.train_drafter --model=<policy dir>` (warm-up); prompts a local Eurus-2-RL /
+`python -m tlt_jax.train_drafter --model=DIR --prompts=FILE.jsonl --output=DIR --temperature=1`
+(the warm-up, on the policy's own samples at the rollout's temperature); prompts a local Eurus-2-RL /
 DAPO-style JSONL or Parquet file. config.model below is only used by a dry run when the policy
 directory is absent (it is the checkpoint's config.json shape).
 """

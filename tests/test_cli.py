@@ -4,6 +4,8 @@ engine, the policy's SFT warm start or the export exits 3 here). Plus `tlt_jax.c
 
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 from flax import nnx
@@ -81,7 +83,7 @@ CASES = [  # (base command, more flags, what the one line must say)
      "replace it"),
     (T_OUT, ["--output={I}/drafter"], "--output={I}/drafter already holds a drafter checkpoint; pass --overwrite"),
     (T, ["--prompts=", "--task=nosuchtask"], "--task=nosuchtask: unknown task family"),
-    (T, ["--task=basic_arithmetic"], "give exactly one of --prompts and --task"),
+    (T, ["--task=basic_arithmetic"], "Exactly one of (prompts, task) must have a value other than None"),
     (T, ["--row_len=5"], "--row_len=5 cannot hold prompt 1 (10 tokens as encoded) and a response token"),
     (T, ["--learning_rate=nan"], "--learning_rate=nan: must be a finite number"),
     (T, ["--eval_fraction=nan"], "--eval_fraction=nan: must be a finite number"),
@@ -212,3 +214,18 @@ def test_token_budgets_cut_only_the_long_prompt():
   capacity, cut = cli.token_budgets(prompts, 64, 128)
   assert capacity == 64 and cut == {0: 4}
   assert cli.token_budgets(prompts[1:], 64, 128) == (64, {})
+
+
+def test_a_missing_optional_dependency_is_one_line_naming_its_extra(monkeypatch):
+  monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None if name == "accelerate" else object())
+  with pytest.raises(SystemExit) as e:
+    cli.require("gguf", "accelerate")
+  assert str(e.value) == 'error: accelerate is not installed: it comes with the gguf extra, pip install -e ".[gguf]"'
+  # A tool whose work imports one (here: a stand-in main) ends the same way, without a traceback.
+  script = ("from tlt_jax import cli\n"
+            "def main(argv):\n  raise ModuleNotFoundError(\"No module named 'wandb.sdk'\", name='wandb.sdk')\n"
+            "cli.run(main)\n")
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, check=False)
+  assert out.returncode == 1 and "Traceback" not in out.stderr
+  assert out.stderr.strip().splitlines()[-1] == ('error: wandb is not installed: it comes with the wandb extra, '
+                                                 'pip install -e ".[wandb]"')

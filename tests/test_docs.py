@@ -1,11 +1,16 @@
 """The docs hold together: every relative link and `#anchor` in README.md and docs/*.md resolves, every
-command in the README's `bash` blocks names flags its tool defines and config keys that exist, and
-the README stays short."""
+command in the README's `bash` blocks names flags its tool defines and config keys that exist, every
+tool line in the configs' docstrings and the notebooks names its tool's flags and keys (required
+ones given), and the README stays short."""
 
+import ast
+import collections
+import importlib.util
 import json
 import os
 import re
 
+import ml_collections
 import pytest
 
 from tlt_jax import config as config_lib
@@ -90,6 +95,59 @@ def test_readme_commands_name_flags_and_keys_that_exist():
           assert flag in defined, f"{command}: {tool} has no --{flag}"
         checked += 1
   assert checked > 20
+
+
+_TOOL = re.compile(r"-m (tlt_jax\.\w+)((?:[ \t]+--[\w.]+(?:=[^\s`]+)?)*)")
+
+def _tool_lines() -> dict[str, list[tuple[str, list[str]]]]:
+  """tool -> (where, flags) of each `python -m tlt_jax.<tool>` line in the configs' docstrings and the
+  notebooks' code cells (a cell's `args = f"..."` spliced in, its {placeholders} filled)."""
+  found = collections.defaultdict(list)
+  texts = [(f"configs/{n}", ast.get_docstring(ast.parse(_read(f"configs/{n}"))) or "")
+           for n in sorted(os.listdir(os.path.join(REPO, "configs"))) if n.endswith(".py")]
+  for name in sorted(os.listdir(os.path.join(REPO, "colab"))):
+    if name.endswith(".ipynb"):
+      for cell in json.loads(_read(f"colab/{name}"))["cells"]:
+        source = "".join(cell["source"])
+        args = re.search(r'args = f"([^"]*)"', source)
+        source = source.replace("{args}", args.group(1) if args else "")
+        texts += [(f"colab/{name}", re.sub(r"\{[^{}]*\}", "X", source))] if cell["cell_type"] == "code" else []
+  for where, text in texts:
+    for m in _TOOL.finditer(text.replace("\\\n", " ")):
+      found[m.group(1)].append((where, m.group(2).split()))
+  return found
+
+
+def _required(tool: str) -> list[set[str]]:
+  """The tool's required flags, each as the set of which one must be given."""
+  text = _read(tool.replace(".", "/") + ".py")
+  return [{name} for name in re.findall(r"DEFINE_\w+\(\s*\"(\w+)\".*required=True\)", text)] + \
+      [set(re.findall(r"\w+", group)) for group in
+       re.findall(r"mark_flags_as_mutual_exclusive\(\[([^]]*)\], required=True\)", text)]
+
+
+def _config_file(flag: str) -> ml_collections.ConfigDict:
+  """What `--config=FILE[:variant]` loads."""
+  path, _, variant = flag.partition(":")
+  spec = importlib.util.spec_from_file_location("config_file", os.path.join(REPO, path))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(variant) if variant else module.get_config()
+
+
+def test_tool_lines_in_configs_and_notebooks_name_flags_and_keys_that_exist_and_the_required_flags():
+  lines = _tool_lines()
+  assert {"tlt_jax.main", "tlt_jax.train_drafter", "tlt_jax.convert_gguf", "tlt_jax.sft"} <= set(lines)
+  for tool, commands in lines.items():
+    defined = _defined_flags(tool)
+    for where, args in commands:
+      given = dict(a.removeprefix("--").partition("=")[::2] for a in args)
+      config = _config_file(given["config"]) if "config" in given else config_lib.base()
+      for flag in given:
+        assert flag in defined or flag.startswith("config.") and "config" in defined, f"{where}: {tool} --{flag}"
+        assert not flag.startswith("config.") or _has_key(config, flag.removeprefix("config.")), f"{where}: --{flag}"
+      for need in _required(tool):
+        assert len(need & set(given)) == 1, f"{where}: {tool} needs one of {sorted(need)}: {args}"
 
 
 def test_readme_is_short_and_the_docs_are_a_results_page():

@@ -3,7 +3,8 @@
 A CLI runs `run(main)` instead of `app.run(main)`: a bad flag (unknown, ill-typed, out of bounds, a
 non-finite float, a config file that does not load or an unknown `--config.*` key) and every
 `InputError` / `files.OutputError` that `main` raises print one line `error: ...` naming the flag,
-file or key, and exit 1 with no traceback. Checks run before the expensive work: `named` turns a
+file or key, and exit 1 with no traceback; so does an optional dependency that is not installed
+(naming the extra that installs it, `EXTRAS`). Checks run before the expensive work: `named` turns a
 failure to load what a flag names into such an error, `check_output` refuses an output that is an
 input or would replace something its tool did not make.
 """
@@ -11,6 +12,7 @@ input or would replace something its tool did not make.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 import re
@@ -29,6 +31,22 @@ from tlt_jax.rollout import sampling
 
 class InputError(ValueError):
   """Bad input; the message names the flag, file (and line) or key."""
+
+
+# The optional dependencies a tool may need, and the extra of setup.py that installs each.
+EXTRAS = {"gguf": "gguf", "accelerate": "gguf", "torch": "gguf", "datasets": "data", "wandb": "wandb",
+          "jax_triton": "gpu", "triton": "gpu"}
+
+
+def _not_installed(module: str) -> str:
+  return f"{module} is not installed: it comes with the {EXTRAS[module]} extra, pip install -e \".[{EXTRAS[module]}]\""
+
+
+def require(*modules: str) -> None:
+  """Fails on one line, naming the extra to install, when one of `modules` (keys of EXTRAS) is missing."""
+  for module in modules:
+    if importlib.util.find_spec(module) is None:
+      fail(_not_installed(module))
 
 
 def fail(message: str) -> NoReturn:
@@ -54,6 +72,10 @@ def run(main: Callable[[list[str]], None]) -> None:
       main(argv)
     except (InputError, files.OutputError) as e:
       fail(str(e))
+    except ModuleNotFoundError as e:
+      if (e.name or "").split(".")[0] not in EXTRAS:
+        raise
+      fail(_not_installed(e.name.split(".")[0]))
   app.run(checked, flags_parser=parse_flags)
 
 

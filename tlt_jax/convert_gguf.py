@@ -30,6 +30,7 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the model directory 
 
 def main(argv):
   del argv
+  cli.require("gguf", "accelerate", "torch")  # transformers reads GGUF files with them
   with cli.named("gguf", _GGUF.value):
     path = gguf.find_gguf(_GGUF.value)
     gguf.check_architecture(path)

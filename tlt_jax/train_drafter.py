@@ -60,6 +60,7 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the drafter checkpoi
 _PROMPTS = flags.DEFINE_string("prompts", None, "Prompts JSONL file (exclusive with --task).")
 _TASK = flags.DEFINE_string("task", None, "Procedural task family, e.g. basic_arithmetic (exclusive with --prompts).")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 512, "Prompts generated for --task.", lower_bound=1)
+flags.mark_flags_as_mutual_exclusive(["prompts", "task"], required=True)
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Samples per prompt (more than one: give --temperature > 0).",
                                     lower_bound=1)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature of the responses the drafter learns "
@@ -98,8 +99,6 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed for prompts, sampling, drafter ini
 
 
 def build_prompts(model_dir: str, tokenizer, cfg) -> list[list[int]]:
-  if (_PROMPTS.value is None) == (_TASK.value is None):
-    raise InputError("give exactly one of --prompts and --task")
   if _PROMPTS.value is not None:
     chat = tokenizer is not None and bool(tokenizer.chat_template)
     with cli.named("prompts", _PROMPTS.value):
