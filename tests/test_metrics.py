@@ -1,4 +1,5 @@
-"""Metrics: JSONL records, what a resume keeps, and the optional Weights & Biases run (offline)."""
+"""Metrics: JSONL records, what a resume keeps, TensorBoard's scalars and the optional Weights & Biases run
+(offline)."""
 
 import os
 
@@ -17,6 +18,15 @@ def test_a_resume_keeps_the_records_up_to_its_step(tmp_path):
   resumed.close()
   assert [(r["step"], r["reward/mean"]) for r in metrics.read(str(tmp_path / "metrics.jsonl"))] == [
       (1, 0.1), (2, 0.2), (3, 0.7)]
+
+
+def test_tensorboard_gets_every_finite_scalar_under_a_name_it_takes(tmp_path, monkeypatch):
+  tags = []
+  writer = metrics.Writer(str(tmp_path))
+  monkeypatch.setattr(writer.tensorboard, "add_scalar", lambda tag, value, step: tags.append((tag, value, step)))
+  writer.write(1, {"eval/pass@4": 0.5, "reward/mean": 0.25, "eval/prompt_rewards": [0.5], "bad": float("nan")})
+  writer.close()
+  assert tags == [("eval/pass_4", 0.5, 1), ("reward/mean", 0.25, 1)]
 
 
 def test_a_wandb_run_gets_every_scalar_and_a_resume_continues_it(tmp_path, monkeypatch):

@@ -73,8 +73,8 @@ class Writer:
     with open(self.path, "a", encoding="utf-8") as f:
       f.write(json.dumps({"step": step, **record}) + "\n")
     scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-    for key, value in scalars.items():
-      self.tensorboard.add_scalar(key, value, step)
+    for key, value in scalars.items():  # TensorBoard's names take no '@' (pass@k): it would log each rename
+      self.tensorboard.add_scalar(key.replace("@", "_"), value, step)
     self.tensorboard.flush()
     if self.wandb is not None:
       self.wandb.log(scalars, step=step, commit=True)  # a record is a whole step
