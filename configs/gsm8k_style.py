@@ -49,6 +49,7 @@ def get_config(variant: str = ""):
     config_lib.smoke(c)
     c.policy.dtype = "float32"
     c.data.max_prompt_len, c.rollout.sampling.max_new_tokens, c.rl.row_len = 96, 24, 120
+    c.drafter.distill.row_len = c.drafter.trainer.row_len = 120  # a prompt and its response, as rl.row_len
     c.rollout.prompts_per_step, c.rollout.num_samples = 2, 4
     c.data.reward_workers = 1
     c.eval.every, c.eval.size = 1, 2
