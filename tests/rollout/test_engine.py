@@ -37,12 +37,14 @@ def test_greedy_matches_transformers_generate(family, models, hf_dirs):
     np.testing.assert_allclose(s.logprobs, ref_logp, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", ["qwen2_untied", "llama3"])
 def test_bfloat16_greedy_leaves_transformers_bfloat16_only_at_near_ties(family, hf_dirs):
   """A bfloat16 engine (float32 masters cast, as the RL rollouts hold them) against transformers in
   bfloat16: the greedy tokens agree until both implementations' rounding may pick either of two
   near-tied tokens, i.e. every divergence is where transformers' own top-2 logits are within two
-  bfloat16 steps (float32 stays exact: test_greedy_matches_transformers_generate)."""
+  bfloat16 steps (float32 stays exact: test_greedy_matches_transformers_generate). Two families:
+  the GPU configs' (Qwen2, untied) and Llama's (bfloat16 matmuls are slow on a CPU; every family
+  runs in float32 above)."""
   path, ref = hf_dirs[family]
   ref = copy.deepcopy(ref).to(torch.bfloat16)
   ps = prompts(5, seed=1)
