@@ -158,6 +158,7 @@ def test_seeds_runs_the_config_once_per_seed_and_reports_the_spread(tmp_path):
   env = {**os.environ, "XLA_FLAGS": xla_flags_without_device_count()}
   run = lambda: subprocess.run([sys.executable, "seeds.py", "--seeds=0,1", f"--out={out}",
                                 "--config=../configs/tiny.py:smoke", "--config.eval.every=1", "--config.eval.size=4",
+                                "--config.rollout.speculative=False",  # seeds, not speculation: no drafter warm-up
                                 f"--config.rollout.compilation_cache_dir={tmp_path / 'xla'}"], cwd=EXPERIMENTS, env=env,
                                capture_output=True, text=True, timeout=900)
   done = run()
