@@ -71,6 +71,8 @@ CASES = [  # (base command, more flags, what the one line must say)
     (G, ["extra"], "unexpected arguments: ['extra']"),
     (B, ["--batch_sizes=0"], "--batch_sizes=0: expected positive integers"),
     (B, ["--batch_sizes=two"], "--batch_sizes=two: expected positive integers"),
+    (B, ["--temperatures=0,nan"], "--temperatures=0,nan: expected numbers >= 0"),
+    (B, ["--temperatures=-1"], "--temperatures=-1: expected numbers >= 0"),
     (B, ["--strategies=bogus"], "--strategies=bogus: strategy 'bogus' is not"),
     (B, ["--temperature=nan"], "flag --temperature=nan: must be a finite number >= 0"),
     (B, ["--task=nosuchtask"], "--task=nosuchtask: unknown task family"),

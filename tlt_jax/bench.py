@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 
 from absl import flags
@@ -128,26 +129,23 @@ _HISTORY_LEN = flags.DEFINE_integer("history_len", 0, "Grid mode: also time suff
                                     "of an earlier rollout's responses per prompt in the bank (0: off).", lower_bound=0)
 
 
-def _batch_sizes() -> list[int]:
+def _numbers(flag: flags.FlagHolder, kind: type, least: float, what: str) -> list:
+  """A list flag's values as finite numbers of `kind`, each at least `least`."""
   try:
-    sizes = [int(b) for b in _BATCH_SIZES.value]
+    values = [kind(v) for v in flag.value]
   except ValueError:
-    sizes = []
-  if not sizes or min(sizes) < 1:
-    raise cli.InputError(f"--batch_sizes={','.join(_BATCH_SIZES.value)}: expected positive integers")
-  return sizes
+    values = []
+  if not values or not all(math.isfinite(v) and v >= least for v in values):
+    raise cli.InputError(f"--{flag.name}={','.join(flag.value)}: expected {what}")
+  return values
+
+
+def _batch_sizes() -> list[int]:
+  return _numbers(_BATCH_SIZES, int, 1, "positive integers")
 
 
 def _temperatures() -> list[float]:
-  if not _TEMPERATURES.value:
-    return [_TEMPERATURE.value]
-  try:
-    values = [float(t) for t in _TEMPERATURES.value]
-  except ValueError:
-    values = []
-  if not values or min(values) < 0:
-    raise cli.InputError(f"--temperatures={','.join(_TEMPERATURES.value)}: expected numbers >= 0")
-  return values
+  return _numbers(_TEMPERATURES, float, 0, "numbers >= 0") if _TEMPERATURES.value else [_TEMPERATURE.value]
 
 
 def _strategies() -> list[Strategy]:
