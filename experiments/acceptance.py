@@ -9,7 +9,7 @@ depth d (the drafter reading its own d - 1 earlier predictions, as a chain does)
 target's mass on the drafter's top-k tokens for k = 1..8 (a tree node's acceptance with those k
 children under membership verification) and how often the drafter's draw coupled to the target's key
 is the target's. A chain accepting at rate a gives 1 / (1 - a) tokens per verify at most. Writes
-acceptance.json and prints one line per (temperature, depth).
+acceptance.json (with the command, machine, commit and date) and prints one line per (temperature, depth).
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ def main(argv):
             f"({c['pairs']:.0f} tokens)", flush=True)
   os.makedirs(_OUT.value, exist_ok=True)
   with open(os.path.join(_OUT.value, "acceptance.json"), "w", encoding="utf-8") as f:
-    json.dump({"model": _MODEL.value, "drafter": _DRAFTER.value, "prompts": _PROMPTS.value, "records": records}, f,
-              indent=1)
+    json.dump({**cli.provenance(), "records": records}, f, indent=1)
 
 
 if __name__ == "__main__":

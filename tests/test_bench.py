@@ -39,7 +39,10 @@ def test_bench_writes_the_grid(tmp_path):
   out = tmp_path / "grid.json"
   run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--batch_sizes=1", "--strategies=2_1_3,3_2_6",
             "--max_new_tokens=12", "--rows=3", "--temperatures=0,1")
-  records = json.loads(out.read_text())
+  record = json.loads(out.read_text())
+  assert record["command"].startswith("python -m tlt_jax.bench --drafter=random") and "CPU cores" in record["machine"]
+  assert record["date"].endswith("UTC") and set(record) == {"command", "machine", "commit", "date", "rows"}
+  records = record["rows"]
   assert [(r["temperature"], r["batch_size"], r["rows"], r["strategy"], r["verify_tokens"]) for r in records] == [
       (t, 1, 3, s, v) for t in (0.0, 1.0) for s, v in (("2_1_3", 3), ("3_2_6", 6))]
   for r in records:
@@ -58,7 +61,7 @@ def test_grid_of_suffix_strategies_with_samples_and_history_needs_no_drafter(tmp
   out = tmp_path / "grid.json"
   run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--batch_sizes=1,8", "--strategies=s3_1_4",
             "--drafter=", "--num_samples=4", "--history_len=64", "--max_new_tokens=12")
-  records = json.loads(out.read_text())
+  records = json.loads(out.read_text())["rows"]
   assert [(r["batch_size"], r["rows"], r["strategy"]) for r in records] == [
       (1, 4, "s3_1_4"), (1, 4, "s3_1_4+history"), (8, 8, "s3_1_4"), (8, 8, "s3_1_4+history")]
   assert all(r["tokens_per_s"] > 0 and r["accept_len"] >= 1 for r in records)
@@ -76,7 +79,7 @@ def test_adaptive_mode_compares_bandit_fixed_and_plain(tmp_path):
   out = tmp_path / "adaptive.json"
   run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--adaptive", "--rows=2", "--num_samples=2",
             "--strategies=2_1_3,s2_1_3", "--max_new_tokens=12", "--sd_max_batch=4", "--repeats=1")
-  records = json.loads(out.read_text())
+  records = json.loads(out.read_text())["rows"]
   assert [r["mode"] for r in records] == ["plain", "sd_off", "2_1_3", "s2_1_3", "bandit"]
   assert records[0]["speedup"] == 1.0 and all(r["tokens_per_s"] > 0 for r in records)
   assert all(r["compilations"] == 0 for r in records)  # the warm-up round compiled every engine
@@ -100,7 +103,7 @@ def test_phases_mode_splits_an_iteration_and_reads_prompt_files(tmp_path):
   # One batch size: each cell compiles an engine and its phases; the grid test covers the batch-size loop.
   run_bench(f"--model={model_dir}", f"--output={out}", "--phases", "--batch_sizes=2", "--strategies=2_2_4",
             "--max_new_tokens=40", f"--prompts={prompts}", f"--drafter={drafter_dir}")
-  records = json.loads(out.read_text())
+  records = json.loads(out.read_text())["rows"]
   half = (cfg.vocab_size + 1) // 2
   assert [(r["batch_size"], r["strategy"], r["draft_vocab"]) for r in records] == [
       (2, "2_2_4", half), (2, "2_2_4", cfg.vocab_size)]
@@ -114,7 +117,7 @@ def test_refill_mode_compares_refill_with_waves(tmp_path):
   out = tmp_path / "refill.json"
   run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--refill", "--rows=6", "--num_samples=2",
             "--bucket=4", "--max_new_tokens=16", "--temperature=1.0", "--repeats=1")
-  records = json.loads(out.read_text())
+  records = json.loads(out.read_text())["rows"]
   assert [r["mode"] for r in records] == ["waves", "refill", "longest_first"]
   waves, refill, longest = records
   assert waves["rows"] == refill["rows"] == longest["rows"] == 12 and waves["speedup"] == 1.0
@@ -132,7 +135,7 @@ def test_paged_mode_compares_pages_with_the_contiguous_cache(tmp_path):
   run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--paged", "--rows=3", "--num_samples=4",
             "--bucket=2", "--paged_bucket=8", "--page_size=16", "--max_new_tokens=64", "--temperature=1.0",
             "--repeats=1")
-  contiguous, paged = json.loads(out.read_text())
+  contiguous, paged = json.loads(out.read_text())["rows"]
   assert (contiguous["mode"], paged["mode"]) == ("contiguous", "paged")
   assert contiguous["rows"] == paged["rows"] == 12 and contiguous["cache_slots"] == paged["cache_slots"]
   assert paged["same_samples"] and paged["peak_rows"] > contiguous["peak_rows"] == 2

@@ -20,8 +20,8 @@ train_drafter reads them), else procedural `--task` problems.
 Grid mode: prompts are procedural problems with at least `--min_terms` terms, so responses are
 long (the tail's regime); rows stop at EOS or `--max_new_tokens`. Compaction is off, so every step runs at
 the cell's batch size; a cell of batch size b rolls out b rows, or `--rows` (the same batch size over more
-prompts, b at once, refilled). Each cell times one rollout after a warm-up rollout (compilation excluded). Writes a
-JSON list of
+prompts, b at once, refilled). Each cell times one rollout after a warm-up rollout (compilation excluded). Writes
+JSON: `cli.provenance()` (command, machine, commit, date) and "rows", a list of
 {temperature, batch_size, rows, strategy, verify_tokens, tokens_per_s, baseline_tokens_per_s, speedup,
 accept_len} (one grid per `--temperatures`, else `--temperature`), the same table as CSV next to it,
 and, with matplotlib, a PNG beside it: tokens accepted per verify against verify tokens, one line per
@@ -233,7 +233,7 @@ def main(argv):
     benchmark.plot_acceptance(records, os.path.splitext(_OUTPUT.value)[0] + ".png")
   with files.atomic_file(_OUTPUT.value) as tmp_json, files.atomic_file(csv_path) as tmp_csv:
     with open(tmp_json, "w", encoding="utf-8") as f:
-      json.dump(records, f, indent=2)
+      json.dump({**cli.provenance(), "rows": records}, f, indent=2)
     with open(tmp_csv, "w", encoding="utf-8", newline="") as f:
       writer = csv.DictWriter(f, fieldnames=list(records[0]), extrasaction="ignore")
       writer.writeheader()

@@ -6,16 +6,21 @@ non-finite float, a config file that does not load or an unknown `--config.*` ke
 file or key, and exit 1 with no traceback; so does an optional dependency that is not installed
 (naming the extra that installs it, `EXTRAS`). Checks run before the expensive work: `named` turns a
 failure to load what a flag names into such an error, `check_output` refuses an output that is an
-input or would replace something its tool did not make.
+input or would replace something its tool did not make. `provenance` is what a record of measurements
+carries: the command, the machine, the commit and the date.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib.util
 import math
 import os
+import platform
 import re
+import shlex
+import subprocess
 import sys
 import traceback
 from typing import Callable, Iterator, NoReturn
@@ -36,6 +41,24 @@ class InputError(ValueError):
 # The optional dependencies a tool may need, and the extra of setup.py that installs each.
 EXTRAS = {"gguf": "gguf", "accelerate": "gguf", "torch": "gguf", "datasets": "data", "wandb": "wandb",
           "jax_triton": "gpu", "triton": "gpu"}
+
+
+def provenance() -> dict[str, str | None]:
+  """Where a record of measurements comes from: the command as typed (`python -m tool ...`), the
+  machine (CPU cores, JAX's devices and version), the commit of this checkout (`+changes` when its
+  tracked files differ from it; None outside a git checkout) and the date (UTC)."""
+  main = sys.modules.get("__main__")
+  spec = getattr(main, "__spec__", None)
+  program = f"python -m {spec.name}" if spec else f"python {os.path.relpath(sys.argv[0])}"
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  git = lambda *args: subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, check=False)
+  head, changed = git("rev-parse", "--short=10", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+  commit = head.stdout.strip() + ("+changes" if changed.stdout.strip() else "") if head.returncode == 0 else None
+  devices = jax.devices()
+  return {"command": " ".join([program, *map(shlex.quote, sys.argv[1:])]),
+          "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {len(devices)} x {devices[0].device_kind}, "
+                     f"JAX {jax.__version__}",
+          "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
 def _not_installed(module: str) -> str:

@@ -2,7 +2,7 @@
 
   python -m tlt_jax.train_drafter --model=DIR --output=DIR [--overwrite] \\
       [--prompts=FILE.jsonl | --task=basic_arithmetic --num_prompts=512] \\
-      [--num_samples=1 --temperature=0 --max_new_tokens=256 --steps=1200 --eval_every=100 --patience=3 \\
+      [--num_samples=1 --temperature=0 --max_new_tokens=256 --steps=1200 --epochs=8 --eval_every=100 --patience=3 \\
        --batch_rows=8 --row_len=512 --learning_rate=3e-3 --draft_vocab_size=-1 --draft_vocab_coverage=0.99 \\
        --draft_steps=0 --eagle3_layers= --eval_fraction=0.1 --seed=0]
 
@@ -13,10 +13,12 @@ one; an existing non-empty --output is replaced only when it is a drafter checkp
 --overwrite is given. Flags, prompts, --row_len and --output are checked before any sampling;
 a bad one is one line `error: ...`. Prompt lines are {"prompt": "text"} (chat-templated when the
 tokenizer has a template, as RL prompts are) or {"prompt_ids": [...]}. The last --eval_fraction
-of the prompts is held out: training keeps the drafter of its best held-out loss and stops when that
-stops improving, and the summary reports held-out top-1 agreement and, sampling (--temperature > 0),
-what verification can accept per draft step (`heldout_acceptance_per_draft_step`: 1 - TV, the target's
-mass on the drafter's top-1 / 4 / 8 tokens, the coupled draw's agreement). Sampled responses train
+of the prompts is held out: training (at most --epochs passes over the training rows, at most --steps)
+keeps the drafter of its best held-out loss, measured at least once an epoch, and stops when that stops
+improving (`loss_heldout_history` in the summary); the summary reports held-out top-1 agreement and,
+sampling (--temperature > 0), what verification can accept per draft step
+(`heldout_acceptance_per_draft_step`: 1 - TV, the target's mass on the drafter's top-1 / 4 / 8 tokens,
+the coupled draw's agreement). Sampled responses train
 the drafter for that temperature: the loss's distribution term at it, weighted as its features, and
 two draft steps of training-time test.
 
@@ -73,8 +75,10 @@ flags.register_multi_flags_validator(["num_samples", "temperature"],
                                      "--num_samples > 1 needs --temperature > 0 (greedy draws one response)")
 _STEPS = flags.DEFINE_integer("steps", 1200, "Training steps at most (training stops earlier once the held-out "
                               "loss stops improving: --eval_every, --patience).", lower_bound=1)
-_EVAL_EVERY = flags.DEFINE_integer("eval_every", 100, "Steps between held-out evaluations; the drafter saved is the "
-                                   "best one's (0: the last step's).", lower_bound=0)
+_EPOCHS = flags.DEFINE_float("epochs", 8.0, "Passes over the training rows at most (fewer steps than --steps on a "
+                             "small set; 0: --steps alone).", lower_bound=0.0)
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", 100, "Steps between held-out evaluations, at most an epoch's; the "
+                                   "drafter saved is the best one's (0: the last step's).", lower_bound=0)
 _PATIENCE = flags.DEFINE_integer("patience", 3, "Evaluations without a better held-out loss before training stops "
                                  "(0: it runs all --steps).", lower_bound=0)
 _BATCH_ROWS = flags.DEFINE_integer("batch_rows", 8, "Packed rows per training step.", lower_bound=1)
@@ -164,7 +168,8 @@ def run() -> dict:
                                        draft_vocab_size=_DRAFT_VOCAB.value, head_coverage=_COVERAGE.value,
                                        draft_steps=_DRAFT_STEPS.value or (2 if _TEMPERATURE.value > 0 else 1),
                                        temperature=_TEMPERATURE.value, eval_every=_EVAL_EVERY.value,
-                                       patience=_PATIENCE.value, seed=_SEED.value, on_step=on_step)
+                                       patience=_PATIENCE.value, epochs=_EPOCHS.value, seed=_SEED.value,
+                                       on_step=on_step)
 
   checkpoint.save_drafter(drafter, _OUTPUT.value)
   reloaded = checkpoint.load_drafter(_OUTPUT.value, model.config)

@@ -1,6 +1,7 @@
 """EAGLE distillation: pairing, masking, frozen target, packing isolation, and that it learns."""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -259,3 +260,9 @@ def test_distillation_keeps_its_best_held_out_step_and_stops_when_it_stalls(targ
   assert len(result.losses) == steps[-1] + 1 < 200 and steps[-1] == result.best_step + 3 * 5  # stopped
   assert result.eval["loss"] == pytest.approx(min(losses), rel=1e-5)  # the drafter holds the best step's
   assert result.losses[-1] < result.losses[result.best_step]  # it went on fitting the training pairs
+  # `epochs` caps the steps at that many passes over the rows, and the evaluations at one per pass.
+  rows = train.all_pairs(target, (), train_seqs, row_len=ROW_LEN, batch_rows=1).tokens.shape[0]
+  capped = train.distill(target, Drafter(target.config, rngs=nnx.Rngs(2)), train_seqs, steps=200, batch_rows=1,
+                         row_len=ROW_LEN, lr=3e-2, eval_data=held_out, eval_every=100, epochs=2.5)
+  assert capped.steps == len(capped.losses) == math.ceil(2.5 * rows) < 200
+  assert [s for s, _ in capped.eval_history] == list(range(rows - 1, capped.steps - 1, rows)) + [capped.steps - 1]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, Sequence
 
 import flax.struct
@@ -351,6 +352,7 @@ class DistillResult:
   eval: dict[str, float] | None  # pair-weighted metrics on `eval_data` of the drafter returned, when given
   best_step: int  # the step whose parameters the drafter holds (held-out loss at its lowest; else the last)
   eval_history: list[tuple[int, float]]  # (step, held-out loss) of each evaluation during training
+  steps: int  # the steps planned (`steps`, or fewer where `epochs` caps them)
 
 
 def _pairs_in_batches(target: CausalLM, feature_layers, rows: np.ndarray, batch_rows: int) -> list[Pairs]:
@@ -401,18 +403,25 @@ def _evaluator(target: CausalLM, drafter: Drafter, pairs: Pairs, batch_rows: int
 def distill(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, steps: int, batch_rows: int,
             row_len: int, lr: float, seed: int = 0, eval_data: Sequences | Pairs = (), warmup_steps: int | None = None,
             draft_steps: int = 1, temperature: float = 1.0, logit_weight: float = LOGIT_WEIGHT, eval_every: int = 0,
-            patience: int = 0, on_step: Callable[[int, dict[str, float]], None] | None = None) -> DistillResult:
+            patience: int = 0, epochs: float = 0.0,
+            on_step: Callable[[int, dict[str, float]], None] | None = None) -> DistillResult:
   """Trains `drafter` in place for up to `steps` steps of `batch_rows` packed rows of `data`: the target's
   sequences (features recomputed) or `Pairs` of captured features (see `all_pairs`); `draft_steps`:
-  the training-time test's steps, `temperature` and `logit_weight` the loss's (`loss_fn`).
+  the training-time test's steps, `temperature` and `logit_weight` the loss's (`loss_fn`). `epochs` > 0
+  caps the steps at that many passes over the rows (the learning-rate schedule spans the steps left)
+  and `eval_every` at one pass.
 
-  With `eval_data` and `eval_every`, the held-out loss is measured every `eval_every` steps; the drafter
-  ends with the parameters of its best measurement, and training stops once `patience` measurements in a
-  row (0: never) have not improved on it: the steps fit the data instead of overfitting a small set."""
-  if steps < 1 or batch_rows < 1:
-    raise ValueError(f"steps and batch_rows must be positive, got steps={steps}, batch_rows={batch_rows}")
+  With `eval_data` and `eval_every`, the held-out loss is measured every `eval_every` steps; the drafter ends with the parameters of its best measurement, and
+  training stops once `patience` measurements in a row (0: never) have not improved on it: the steps
+  fit the data instead of overfitting a small set."""
+  if steps < 1 or batch_rows < 1 or epochs < 0:
+    raise ValueError(f"steps and batch_rows must be positive and epochs >= 0, got steps={steps}, "
+                     f"batch_rows={batch_rows}, epochs={epochs}")
   # One host array per field, from which each step gathers its rows.
   pairs = all_pairs(target, drafter.feature_layers, data, row_len=row_len, batch_rows=batch_rows)
+  epoch = -(-pairs.tokens.shape[0] // batch_rows)  # steps per pass over the rows
+  if epochs:
+    steps, eval_every = min(steps, max(1, math.ceil(epochs * epoch))), min(eval_every, epoch)
   has_eval = isinstance(eval_data, Pairs) or len(eval_data) > 0
   held_out = _evaluator(target, drafter, all_pairs(target, drafter.feature_layers, eval_data, row_len=row_len,
                                                    batch_rows=batch_rows), batch_rows, temperature,
@@ -445,6 +454,7 @@ def distill(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, step
     if held_out is not None and eval_every and ((i + 1) % eval_every == 0 or i == steps - 1):
       loss = held_out(params)["loss"]
       history.append((i, loss))
+      logging.info("distill: step %d of %d, held-out loss %.4f", i + 1, steps, loss)
       if best is None or loss < best[0]:
         best, best_step, since = (loss, jax.device_get(params)), i, 0
       else:
@@ -455,7 +465,7 @@ def distill(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, step
           break
   nnx.update(drafter, params if best is None else best[1])
   eval_metrics = held_out(nnx.state(drafter)) if held_out is not None else None
-  return DistillResult(losses, metrics, eval_metrics, best_step, history)
+  return DistillResult(losses, metrics, eval_metrics, best_step, history, steps)
 
 
 def evaluate(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, batch_rows: int,

@@ -69,8 +69,8 @@ def sample(model: CausalLM, prompts: Sequence[Sequence[int]], *, stop_ids: Seque
 
 def distil(model: CausalLM, own: OwnSamples, *, steps: int, batch_rows: int, row_len: int, lr: float,
            feature_layers: Sequence[int] = (), draft_vocab_size: int = -1, head_coverage: float = train.HEAD_COVERAGE,
-           draft_steps: int = 1, temperature: float = 0.0, eval_every: int = 0, patience: int = 0, seed: int = 0,
-           on_step: Callable[[int, dict[str, float]], None] | None = None) -> tuple[Drafter, dict]:
+           draft_steps: int = 1, temperature: float = 0.0, eval_every: int = 0, patience: int = 0, epochs: float = 0.0,
+           seed: int = 0, on_step: Callable[[int, dict[str, float]], None] | None = None) -> tuple[Drafter, dict]:
   """A fresh drafter distilled on `own`'s training samples, and a summary: its shape, the loss curve's
   ends, top-1 agreement (held out when `own` holds prompts out) and a reduced head's coverage of the
   training and held-out response tokens. `draft_vocab_size`: -1 chooses the head by `head_coverage`,
@@ -78,7 +78,7 @@ def distil(model: CausalLM, own: OwnSamples, *, steps: int, batch_rows: int, row
   `draft_steps`: the training-time test's steps (`train.loss_fn`); top-1 is reported at each of
   `train.EVAL_STEPS` draft steps. `temperature`: the rollout's the drafter will serve (the loss's:
   `train.sampling_loss`); held out, training keeps its best step (`eval_every`, `patience`:
-  `train.distill`), and at a temperature > 0 the summary says what verification can accept
+  `train.distill`, as `epochs`), and at a temperature > 0 the summary says what verification can accept
   (`train.acceptance_ceiling` per draft step, on the held-out samples)."""
   train_samples, eval_samples = own.split()
   train_seqs, eval_seqs = own.sequences(train_samples), own.sequences(eval_samples)
@@ -92,9 +92,9 @@ def distil(model: CausalLM, own: OwnSamples, *, steps: int, batch_rows: int, row
   loss = train.sampling_loss(temperature)
   result = train.distill(model, drafter, data, steps=steps, batch_rows=batch_rows, row_len=row_len, lr=lr, seed=seed,
                          eval_data=eval_data, draft_steps=draft_steps, eval_every=eval_every, patience=patience,
-                         on_step=on_step, **loss)
+                         epochs=epochs, on_step=on_step, **loss)
   summary = {"train_sequences": len(train_seqs), "eval_sequences": len(eval_seqs),
-             "feature_layers": list(feature_layers), "draft_vocab_size": drafter.vocab_size, "steps": steps,
+             "feature_layers": list(feature_layers), "draft_vocab_size": drafter.vocab_size, "steps": result.steps,
              "steps_run": len(result.losses), "best_step": result.best_step + 1, "draft_steps": draft_steps,
              "loss_temperature": loss["temperature"], "logit_weight": loss["logit_weight"],
              "loss_first": result.losses[0], "loss_last": result.losses[-1], "top1_last": result.metrics[-1]["top1"]}
@@ -102,6 +102,7 @@ def distil(model: CausalLM, own: OwnSamples, *, steps: int, batch_rows: int, row
     summary["top1_heldout"] = result.eval["top1"]
     summary.update({f"top1_{k}_heldout": result.eval[f"top1_{k}"] for k in range(2, train.EVAL_STEPS + 1)})
     summary["loss_heldout"] = result.eval["loss"]
+    summary["loss_heldout_history"] = [[step + 1, round(loss, 4)] for step, loss in result.eval_history]
     if temperature > 0:
       ceiling = train.acceptance_ceiling(model, drafter, eval_data, temperature=temperature, row_len=row_len)
       summary["heldout_acceptance_per_draft_step"] = [
