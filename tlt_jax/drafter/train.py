@@ -411,9 +411,9 @@ def distill(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, step
   caps the steps at that many passes over the rows (the learning-rate schedule spans the steps left)
   and `eval_every` at one pass.
 
-  With `eval_data` and `eval_every`, the held-out loss is measured every `eval_every` steps; the drafter ends with the parameters of its best measurement, and
-  training stops once `patience` measurements in a row (0: never) have not improved on it: the steps
-  fit the data instead of overfitting a small set."""
+  With `eval_data` and `eval_every`, the held-out loss is measured every `eval_every` steps; the drafter
+  ends with the parameters of its best measurement, and training stops once `patience` measurements in
+  a row (0: never) have not improved on it: the steps fit the data instead of overfitting a small set."""
   if steps < 1 or batch_rows < 1 or epochs < 0:
     raise ValueError(f"steps and batch_rows must be positive and epochs >= 0, got steps={steps}, "
                      f"batch_rows={batch_rows}, epochs={epochs}")
@@ -422,6 +422,7 @@ def distill(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, step
   epoch = -(-pairs.tokens.shape[0] // batch_rows)  # steps per pass over the rows
   if epochs:
     steps, eval_every = min(steps, max(1, math.ceil(epochs * epoch))), min(eval_every, epoch)
+  logging.info("distill: %d training rows, %d steps an epoch; %d steps at most", pairs.tokens.shape[0], epoch, steps)
   has_eval = isinstance(eval_data, Pairs) or len(eval_data) > 0
   held_out = _evaluator(target, drafter, all_pairs(target, drafter.feature_layers, eval_data, row_len=row_len,
                                                    batch_rows=batch_rows), batch_rows, temperature,
