@@ -1,6 +1,7 @@
-"""Shared fixtures: 8 simulated CPU devices (and the slowest test files scheduled first), tiny random Hugging Face models of each family, a
+"""Shared fixtures: 8 simulated CPU devices, tiny random Hugging Face models of each family, a
 hard-shrunk tiny RL config with its random policy and one compilation cache (trainer and CLI tests),
-and the comparison of training runs that differ only in the order of their float arithmetic."""
+and the comparison of training runs that differ only in the order of their float arithmetic; the
+slowest test files scheduled first."""
 
 import importlib.metadata
 import os
