@@ -1,7 +1,6 @@
 """Shared fixtures: 8 simulated CPU devices, tiny random Hugging Face models of each family, a
 hard-shrunk tiny RL config with its random policy and one compilation cache (trainer and CLI tests),
-and the comparison of training runs that differ only in the order of their float arithmetic; the
-slowest test files scheduled first."""
+and the comparison of training runs that differ only in the order of their float arithmetic."""
 
 import importlib.metadata
 import os
@@ -43,17 +42,6 @@ from hypothesis import settings  # noqa: E402
 
 from tests.hf_models import FAMILIES, VOCAB, build_hf_model  # noqa: E402, F401  (the tests import them from here)
 from tlt_jax.models import transformer  # noqa: E402
-
-# The slowest files first (minutes each; `--dist loadfile` hands out whole files in collection order,
-# so a slow file collected last would leave the other worker idle at the end); the rest keep their order.
-SLOW_FILES = ("tests/rollout/test_engine.py", "tests/test_experiments.py", "tests/test_setup.py", "tests/test_main.py",
-              "tests/test_bench.py", "tests/rl/test_trainer.py", "tests/test_distributed.py", "tests/test_notebooks.py")
-
-
-def pytest_collection_modifyitems(items):
-  rank = {path: i for i, path in enumerate(SLOW_FILES)}
-  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
-
 
 # Property-based tests try the same examples on every run (reproducible CI), with no per-example
 # deadline (the machine is shared) and no example database written into the tree.
