@@ -160,6 +160,7 @@ def run() -> dict:
 
   with tqdm(total=_STEPS.value, desc="distill", unit="step", file=sys.stderr) as bar:
     def on_step(_, metrics):
+      bar.total = metrics["steps"]  # --epochs may plan fewer than --steps
       bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}", refresh=False)
       bar.update(1)
 

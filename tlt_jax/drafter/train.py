@@ -451,7 +451,7 @@ def distill(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, step
     losses.append(m["loss"])
     metrics.append(m)
     if on_step is not None:
-      on_step(i, m)
+      on_step(i, {**m, "steps": steps})  # the steps planned, for a progress bar
     if held_out is not None and eval_every and ((i + 1) % eval_every == 0 or i == steps - 1):
       loss = held_out(params)["loss"]
       history.append((i, loss))
