@@ -3,6 +3,7 @@ written, no input touched, and the check done before the expensive work (reachin
 engine, the policy's SFT warm start or the export exits 3 here). Plus `tlt_jax.cli`'s helpers."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -231,3 +232,12 @@ def test_a_missing_optional_dependency_is_one_line_naming_its_extra(monkeypatch)
   assert out.returncode == 1 and "Traceback" not in out.stderr
   assert out.stderr.strip().splitlines()[-1] == ('error: wandb is not installed: it comes with the wandb extra, '
                                                  'pip install -e ".[wandb]"')
+
+
+def test_provenance_names_the_commit_or_none_without_git(monkeypatch):
+  """A record's provenance: this checkout's commit (hex, `+changes` when tracked files differ), None
+  where git is missing; the machine and a UTC date either way."""
+  record = cli.provenance()
+  assert re.fullmatch(r"[0-9a-f]{10}(\+changes)?", record["commit"]) and record["date"].endswith(" UTC")
+  monkeypatch.setattr(cli.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError("git")))
+  assert cli.provenance()["commit"] is None and "CPU cores" in cli.provenance()["machine"]

@@ -46,14 +46,17 @@ EXTRAS = {"gguf": "gguf", "accelerate": "gguf", "torch": "gguf", "datasets": "da
 def provenance() -> dict[str, str | None]:
   """Where a record of measurements comes from: the command as typed (`python -m tool ...`), the
   machine (CPU cores, JAX's devices and version), the commit of this checkout (`+changes` when its
-  tracked files differ from it; None outside a git checkout) and the date (UTC)."""
+  tracked files differ from it; None outside a git checkout or without git) and the date (UTC)."""
   main = sys.modules.get("__main__")
   spec = getattr(main, "__spec__", None)
   program = f"python -m {spec.name}" if spec else f"python {os.path.relpath(sys.argv[0])}"
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   git = lambda *args: subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, check=False)
-  head, changed = git("rev-parse", "--short=10", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
-  commit = head.stdout.strip() + ("+changes" if changed.stdout.strip() else "") if head.returncode == 0 else None
+  try:
+    head, changed = git("rev-parse", "--short=10", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    commit = head.stdout.strip() + ("+changes" if changed.stdout.strip() else "") if head.returncode == 0 else None
+  except OSError:  # no git on this machine
+    commit = None
   devices = jax.devices()
   return {"command": " ".join([program, *map(shlex.quote, sys.argv[1:])]),
           "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {len(devices)} x {devices[0].device_kind}, "
