@@ -120,6 +120,26 @@ def test_gumbel_coupling_matches_as_often_as_the_bounds_say():
   assert match > inverse_cdf + 0.05
 
 
+def test_gumbel_gaps_rank_the_drawn_token_first_with_the_same_noise():
+  """gumbel_gaps uses draw's own noise: 0 exactly at the drawn token, negative elsewhere, -inf where
+  p is 0 (a block left empty too); one key shared along a trailing axis gives each slice its gaps."""
+  rng = np.random.RandomState(5)
+  v, n = 700, 500
+  p = rng.dirichlet(np.full(v, 0.3), size=2)
+  p[:, 512:] = 0  # the last (partial) block empty
+  p[:, rng.choice(512, 100, replace=False)] = 0
+  p /= p.sum(-1, keepdims=True)
+  with np.errstate(divide="ignore"):
+    logp = jnp.broadcast_to(jnp.asarray(np.log(p), jnp.float32), (n, 2, v))
+  keys = keys_for(n, 6)
+  gaps = np.asarray(sampling.gumbel_gaps(logp, keys))
+  drawn = np.asarray(sampling.draw(logp, jnp.broadcast_to(keys[:, None], (n, 2))))
+  np.testing.assert_array_equal(np.argmax(gaps, -1), drawn)
+  assert ((gaps == 0).sum(-1) == 1).all() and (gaps <= 0).all() and not np.isnan(gaps).any()
+  assert np.isneginf(gaps[..., p[0] == 0][:, 0]).all() and np.isfinite(gaps[:, 0, p[0] > 0]).all()
+  np.testing.assert_array_equal(gaps[:, 1], np.asarray(sampling.gumbel_gaps(logp[:, 1], keys)))
+
+
 def test_greedy_is_argmax_with_its_log_prob():
   tokens, lp = sampling.sample(sampling.log_probs(jnp.asarray(LOGITS), SamplingParams(temperature=0)), None,
                                SamplingParams(temperature=0))

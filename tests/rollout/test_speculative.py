@@ -177,8 +177,8 @@ def test_sampled_drafts_of_the_targets_distribution_are_all_accepted(name, param
 
 def test_a_reduced_head_holding_the_targets_distribution_couples_to_the_targets_draw():
   """A head of some target ids (increasing, every possible token and a few impossible ones) holding
-  the target's distribution puts its coupled child (score 0) on the target's draw with every key:
-  the draw is made over the target's vocabulary, noise keyed by block and token id."""
+  the target's distribution puts its coupled child (score 0) on the target's draw with every key: the draw is made
+  over the target's vocabulary, noise keyed by block and token id."""
   rng = np.random.RandomState(1)
   v, n = 700, 2000
   p = rng.dirichlet(np.full(v, 0.3))
@@ -193,6 +193,29 @@ def test_a_reduced_head_holding_the_targets_distribution_couples_to_the_targets_
                                     lambda i: jnp.asarray(head)[i], v)
   np.testing.assert_array_equal(head[np.asarray(jnp.argmax(scores, -1))], target)
   assert (np.asarray(scores) == 0).sum(-1).max() == 1
+
+
+def test_sampled_children_hold_more_of_the_targets_draws_than_the_drafters_top_k():
+  """With the level's key the known noise ranks the children with q: for a q near p (a drafter's
+  error on the log-probs), the target's draw falls among the top 4 children more often than among
+  q's 4 most likely tokens (whose rate is p's mass on them) or the coupled draw with q's top 3; the
+  siblings of the coupled child (score 0) score log-probabilities."""
+  rng = np.random.RandomState(2)
+  v, n = 600, 4000
+  logp = jax.nn.log_softmax(jnp.asarray(2.0 * rng.normal(size=(n, v)), jnp.float32), -1)
+  logq = jax.nn.log_softmax(logp + jnp.asarray(rng.normal(size=(n, v)), jnp.float32), -1)
+  keys = sampling.row_keys(4, jnp.zeros(n, jnp.int32), jnp.arange(n), jnp.zeros(n, jnp.int32))
+  target = np.asarray(sampling.draw(logp, keys))[:, None]
+  params = SamplingParams(temperature=1.0)
+  scores = speculative.level_scores(logq, params, keys)
+  children = np.asarray(jax.lax.top_k(scores, 4)[1])
+  by_q = np.asarray(jax.lax.top_k(logq, 4)[1])
+  coupled = np.asarray(sampling.draw(logq, keys))[:, None]
+  with_coupled = np.asarray(jax.lax.top_k(jnp.where(jnp.arange(v) == coupled, 0.0, logq), 4)[1])
+  rate = lambda ids: (ids == target).any(-1).mean()
+  assert rate(children) > rate(with_coupled) + 0.02 > rate(by_q) + 0.04
+  others = np.where(np.asarray(scores) == 0, -np.inf, np.asarray(scores))
+  assert (np.exp(others).sum(-1) < 1).all()
 
 
 # ---- acceptance ----

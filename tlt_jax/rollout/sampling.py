@@ -106,6 +106,22 @@ BLOCK = 256
 _BLOCKS = 0xFFFFFFFF  # fold_in data of the block-level noise; a block's own noise folds in its index
 
 
+def _block_noise(key, num_blocks: int):
+  return jax.random.gumbel(jax.random.fold_in(key, _BLOCKS), (num_blocks,))
+
+
+def _token_noise(key, block):
+  return jax.random.gumbel(jax.random.fold_in(key, block), (BLOCK,))
+
+
+def _blocks(logp_xV: jax.Array) -> jax.Array:
+  """[..., nb, BLOCK] float32: the distribution's id blocks, the last padded with -inf."""
+  v = logp_xV.shape[-1]
+  nb = -(-v // BLOCK)
+  pad = [(0, 0)] * (logp_xV.ndim - 1) + [(0, nb * BLOCK - v)]
+  return jnp.pad(logp_xV.astype(jnp.float32), pad, constant_values=-jnp.inf).reshape(*logp_xV.shape[:-1], nb, BLOCK)
+
+
 def draw(logp_xV: jax.Array, keys_x: jax.Array) -> jax.Array:
   """The token (an index into `logp_xV`, any leading shape, one key each) that `sample` draws.
 
@@ -117,15 +133,33 @@ def draw(logp_xV: jax.Array, keys_x: jax.Array) -> jax.Array:
   levels: near one Gumbel per token's match rate, far above one uniform against both cumulative
   distributions (docs/BENCHMARKS.md, the temperature-1 grid).
   """
-  v = logp_xV.shape[-1]
   lead = logp_xV.shape[:-1]
-  nb = -(-v // BLOCK)
-  pad = [(0, 0)] * len(lead) + [(0, nb * BLOCK - v)]
-  blocks = jnp.pad(logp_xV.astype(jnp.float32), pad, constant_values=-jnp.inf).reshape(*lead, nb, BLOCK)
+  blocks = _blocks(logp_xV)
+  nb = blocks.shape[-2]
   flat_keys = keys_x.reshape(-1)
-  block_noise = jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, _BLOCKS), (nb,)))(flat_keys)
+  block_noise = jax.vmap(lambda key: _block_noise(key, nb))(flat_keys)
   block = jnp.argmax(jax.nn.logsumexp(blocks, axis=-1) + block_noise.reshape(*lead, nb), axis=-1)
-  token_noise = jax.vmap(lambda key, b: jax.random.gumbel(jax.random.fold_in(key, b), (BLOCK,)))(flat_keys,
-                                                                                                  block.reshape(-1))
+  token_noise = jax.vmap(_token_noise)(flat_keys, block.reshape(-1))
   within = jnp.take_along_axis(blocks, block[..., None, None], axis=-2)[..., 0, :]
   return (block * BLOCK + jnp.argmax(within + token_noise.reshape(*lead, BLOCK), axis=-1)).astype(jnp.int32)
+
+
+def gumbel_gaps(logp_xV: jax.Array, keys: jax.Array) -> jax.Array:
+  """How far each token of `logp_xV` ([..., V]) falls short of being `draw`'s token with `keys` (one
+  per index of the leading `keys.ndim` axes, shared along the others): its block's Gumbel score below
+  the best block's plus its own score below its block's best. 0 marks the drawn token (ties aside),
+  -inf a token of probability 0; the rest are negative. One Gumbel per vocabulary entry and key,
+  where `draw` needs a block's worth: it is for rankings (the draft tree's children), not sampling."""
+  v, lead = logp_xV.shape[-1], logp_xV.shape[:-1]
+  blocks = _blocks(logp_xV)
+  nb = blocks.shape[-2]
+  flat_keys = keys.reshape(-1)
+  spread = keys.shape + (1,) * (len(lead) - keys.ndim)
+  block_noise = jax.vmap(lambda key: _block_noise(key, nb))(flat_keys).reshape(*spread, nb)
+  token_noise = jax.vmap(lambda key: jax.vmap(lambda b: _token_noise(key, b))(jnp.arange(nb)))(flat_keys)
+  block_score = jax.nn.logsumexp(blocks, axis=-1) + block_noise
+  token_score = blocks + token_noise.reshape(*spread, nb, BLOCK)
+  best = token_score.max(axis=-1, keepdims=True)
+  gaps = ((block_score - block_score.max(axis=-1, keepdims=True))[..., None]
+          + token_score - jnp.where(jnp.isfinite(best), best, 0.0))  # an empty block: -inf, not nan
+  return gaps.reshape(*lead, nb * BLOCK)[..., :v]

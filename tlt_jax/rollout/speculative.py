@@ -107,24 +107,37 @@ def draft_keys(params: SamplingParams, prompt_index_B, sample_index_B, num_gener
                     for d in range(depth)], axis=1)
 
 
+# How much a sampled level's child ranking trusts the known Gumbel noise over the drafter's q: with
+# SmolLM2-135M and its temperature-1 drafter, the target's draw fell among the top 4 children
+# 0.65/0.61/0.59 of the time at draft depths 1/2/3 (weight 2), 0.51/0.48/0.46 for q's own top 4
+# (weight 0) and 0.60/0.55/0.54 for the coupled draw with q's top 3 (docs/BENCHMARKS.md).
+NOISE_WEIGHT = 2.0
+
+
 def level_scores(logits_BxN, params: SamplingParams | None, keys_B, to_target=lambda ids: ids,
                  vocab_size: int | None = None):
-  """Draft scores of one tree level's children ([B, N] or [B, K, N]): the drafter's log-probs q;
-  sampling (`keys_B` the key of the level's depth, shared by a row's nodes), the child the
-  target's own draw would give if its distribution were q (`sampling.draw` with the same key over
-  the target's `vocab_size` tokens, a reduced head's mass at its `to_target` ids) scores 0,
-  before every sibling."""
+  """Draft scores of one tree level's children ([B, N] or [B, K, N]): the estimated log-probability
+  that each is the target's token there. Greedy (`keys_B` None): the drafter's log-probs q.
+
+  Sampling, the target's token will be `sampling.draw` with the level's key (`keys_B`, one per row,
+  shared by its nodes), whose Gumbel noise is known now: the scores are the log-softmax of
+  (log q + NOISE_WEIGHT * gaps) / (1 + NOISE_WEIGHT), gaps `sampling.gumbel_gaps` of q over the target's
+  `vocab_size` tokens (a reduced head's mass at its `to_target` ids), a blend of q's ranking and the
+  noise's that its measurement calibrates (the 1 + NOISE_WEIGHT). The child q's own draw with the key
+  would give (gap 0) scores 0, as if certain, so the tree keeps that chain whole: a drafter whose q is
+  the target's distribution is accepted at every depth."""
   if keys_B is None:
     return jax.nn.log_softmax(logits_BxN, axis=-1)
   logq = sampling.log_probs(logits_BxN, params)
   n = logq.shape[-1]
-  keys = jnp.broadcast_to(keys_B.reshape(keys_B.shape + (1,) * (logq.ndim - 2)), logq.shape[:-1])
   ids = to_target(jnp.arange(n))
-  full = logq
-  if vocab_size not in (None, n):
+  if vocab_size in (None, n):
+    gaps = sampling.gumbel_gaps(logq, keys_B)
+  else:
     full = jnp.full(logq.shape[:-1] + (vocab_size,), -jnp.inf, logq.dtype).at[..., ids].set(logq)
-  coupled = sampling.draw(full, keys)
-  return jnp.where(ids == coupled[..., None], 0.0, logq)
+    gaps = sampling.gumbel_gaps(full, keys_B)[..., ids]
+  scores = jax.nn.log_softmax((logq + NOISE_WEIGHT * gaps) / (1 + NOISE_WEIGHT), axis=-1)
+  return jnp.where(gaps == 0, 0.0, scores)
 
 
 def draft_tree(draft_fn, logits_fn, draft_feat_BxH, root_B, cache: KVCache, strategy: Strategy,
@@ -138,10 +151,11 @@ def draft_tree(draft_fn, logits_fn, draft_feat_BxH, root_B, cache: KVCache, stra
   features, cache); `logits_fn` maps features to the drafter's vocabulary logits and `to_target`
   its token ids to the target's `vocab_size` ones (a reduced-vocabulary head, whose ids increase
   with the target's).
-  Scores are cumulative draft log-probs (`level_scores`): greedy (`keys_BxD` None) the drafter's
-  top-k; sampling, `keys_BxD` from `draft_keys` couples each level's first child to the key
-  `accept` draws that depth's token with, so a drafter whose distribution matches the target's is
-  accepted at every depth, not with the probability of its most likely token. Returns the tree and
+  Scores are cumulative estimated log-probabilities of acceptance (`level_scores`): greedy
+  (`keys_BxD` None) the drafter's top-k; sampling, `keys_BxD` from `draft_keys` are the keys `accept`
+  draws each depth's token with, whose noise ranks the children with q, and couples each level's
+  first child to that draw, so a drafter whose distribution matches the target's is accepted at
+  every depth, not with the probability of its most likely token. Returns the tree and
   the drafter cache (lengths unchanged).
   """
   lengths_B = cache.lengths
