@@ -7,8 +7,9 @@ The target samples a response to each prompt at each temperature (the rollout en
 captured); over those responses' tokens `tlt_jax.drafter.train.acceptance_ceiling` measures, per draft
 depth d (the drafter reading its own d - 1 earlier predictions, as a chain does): 1 - TV(p, q), the
 target's mass on the drafter's top-k tokens for k = 1..8 (a tree node's acceptance with those k
-children under membership verification) and how often the drafter's draw coupled to the target's key
-is the target's. A chain accepting at rate a gives 1 / (1 - a) tokens per verify at most. Writes
+children under membership verification), how often the target's draw is among the k children a sampled
+draft tree ranks first (q and the draw's known noise: the tree's own nodes) and how often the drafter's
+draw coupled to the target's key is the target's. A chain accepting at rate a gives 1 / (1 - a) tokens per verify at most. Writes
 acceptance.json (with the command, machine, commit and date) and prints one line per (temperature, depth).
 """
 
@@ -56,6 +57,7 @@ def main(argv):
       records.append({"temperature": temperature, "depth": depth, **c})
       print(f"T={temperature:g} depth {depth}: 1-TV {c['1-tv']:.3f}  p(top-1 of q) {c['p_top1']:.3f}  "
             f"p(top-4) {c['p_top4']:.3f}  p(top-8) {c['p_top8']:.3f}  coupled {c['coupled']:.3f}  "
+            f"tree's 4 / 8 children {c['tree_top4']:.3f} / {c['tree_top8']:.3f}  "
             f"({c['pairs']:.0f} tokens)", flush=True)
   os.makedirs(_OUT.value, exist_ok=True)
   with open(os.path.join(_OUT.value, "acceptance.json"), "w", encoding="utf-8") as f:

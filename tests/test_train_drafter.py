@@ -89,6 +89,7 @@ def test_reduced_vocabulary_drafter(hf_dirs, tmp_path):
   assert (summary["loss_temperature"], summary["logit_weight"], summary["draft_steps"]) == (1.0, 1.0, 2)
   ceiling = summary["heldout_acceptance_per_draft_step"]
   assert len(ceiling) == 3 and all(0 <= c["p_top1"] <= c["p_top4"] <= c["p_top8"] <= 1 for c in ceiling)
+  assert all(c["coupled"] <= c["tree_top4"] <= c["tree_top8"] <= 1 for c in ceiling)
   drafter = checkpoint.load_drafter(str(out), hf.read_config(model_dir)[0])
   assert len(drafter.draft_vocab) == 24 and list(drafter.draft_vocab) == sorted(drafter.draft_vocab)
   proc = run_cli(f"--model={model_dir}", f"--prompts={prompts}", f"--output={tmp_path / 'd'}", "--draft_vocab_size=97")

@@ -18,7 +18,8 @@ keeps the drafter of its best held-out loss, measured at least once an epoch, an
 improving (`loss_heldout_history` in the summary); the summary reports held-out top-1 agreement and,
 sampling (--temperature > 0), what verification can accept per draft step
 (`heldout_acceptance_per_draft_step`: 1 - TV, the target's mass on the drafter's top-1 / 4 / 8 tokens,
-the coupled draw's agreement). Sampled responses train
+how often the target's draw is among a sampled draft tree's first 4 / 8 children, the coupled draw's
+agreement). Sampled responses train
 the drafter for that temperature: the loss's distribution term at it, weighted as its features, and
 two draft steps of training-time test.
 

@@ -228,8 +228,8 @@ def test_eagle3_drafter_trains_on_the_logit_loss(target):
 
 
 def test_the_acceptance_ceiling_of_a_drafter_that_is_the_target(target):
-  """An oracle predicting the target's own next features has q = p: 1 - TV 1, its coupled draw always the
-  target's, p(top-1 of q) the target's mean top probability; a random drafter falls far below (at a low
+  """An oracle predicting the target's own next features has q = p: 1 - TV 1, its coupled draw (the draft
+  tree's first child) always the target's, p(top-1 of q) the target's mean top probability; a random drafter falls far below (at a low
   temperature: this random target's distributions are near uniform at 1)."""
   pairs = train.sequence_pairs(target, (), packing.pack(random_sequences(6, seed=3), ROW_LEN))
   t = 0.05
@@ -241,10 +241,13 @@ def test_the_acceptance_ceiling_of_a_drafter_that_is_the_target(target):
   for k in (1, 2, 8):
     assert oracle[f"p_top{k}"] == pytest.approx((top[..., :k].sum(-1) * w).sum() / w.sum(), rel=1e-5)
   assert oracle["1-tv"] == pytest.approx(1.0, abs=1e-5) and oracle["coupled"] == 1.0 and oracle["pairs"] == w.sum()
+  assert oracle["tree_top1"] == oracle["tree_top8"] == 1.0
   random = train.acceptance_ceiling(target, Drafter(target.config, rngs=nnx.Rngs(5)), pairs, temperature=t,
                                     draft_steps=2, batch_rows=2)
   assert len(random) == 2 and all(r["1-tv"] < oracle["1-tv"] - 0.1 and r["coupled"] < 0.9 for r in random)
   assert all(r["p_top1"] <= r["p_top2"] <= r["p_top8"] <= 1.0 for r in random)
+  assert all(r["tree_top1"] == r["coupled"] and r["tree_top1"] <= r["tree_top2"] <= r["tree_top8"] <= 1.0
+             for r in random)
 
 
 def test_distillation_keeps_its_best_held_out_step_and_stops_when_it_stalls(target):

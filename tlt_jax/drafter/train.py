@@ -289,31 +289,39 @@ CEILING_TOP_K = 8  # p(top-k of q) is reported for k = 1..this
 
 def ceiling_sums(drafter: Drafter, target: CausalLM, pairs: Pairs, draft_steps: int, temperature: float, key):
   """Per draft step k (a [draft_steps] vector each): sums over the weighted pairs of 1 - TV(p, q), p's mass on
-  q's top-1..CEILING_TOP_K tokens (cumulative), the coupled draw's agreement, and the pair count."""
-  from tlt_jax.rollout import sampling  # pylint: disable=import-outside-toplevel  (the rollout's own draw)
+  q's top-1..CEILING_TOP_K tokens (cumulative), how often the target's draw is among the draft tree's first
+  1..CEILING_TOP_K children there (cumulative), the coupled draw's agreement, and the pair count."""
+  # The rollout's own draw and child ranking.
+  from tlt_jax.rollout import sampling, speculative  # pylint: disable=import-outside-toplevel
   logp = jax.nn.log_softmax(target.logits(pairs.next_hidden) / temperature, axis=-1)  # [B, T, V]
   ids = jnp.asarray(drafter.draft_vocab or range(target.config.vocab_size), jnp.int32)
   keys = jax.random.split(key, logp.shape[:-1])
   target_draw = sampling.draw(logp, keys)
   head = drafter.head(target)
+  params = sampling.SamplingParams(temperature=temperature)
   out = []
   for k, predicted in enumerate(step_predictions(drafter, target, pairs, draft_steps), start=1):
-    logq = jax.nn.log_softmax(drafter.logits(target, head, predicted) / temperature, axis=-1)  # [B, T, N]
+    logits = drafter.logits(target, head, predicted)
+    logq = jax.nn.log_softmax(logits / temperature, axis=-1)  # [B, T, N]
     p_on_draft = jnp.exp(jnp.take(logp, ids, axis=-1))  # p at the drafter's tokens
     tv = 0.5 * (jnp.abs(jnp.exp(logq) - p_on_draft).sum(-1) + (1.0 - p_on_draft.sum(-1)))
     top = jax.lax.top_k(logq, CEILING_TOP_K)[1]
     mass = jnp.cumsum(jnp.take_along_axis(p_on_draft, top, axis=-1), axis=-1)  # [B, T, K]
-    full = jnp.full(logp.shape, -jnp.inf).at[..., ids].set(logq)
-    coupled = (sampling.draw(full, keys) == target_draw).astype(jnp.float32)
+    scores = speculative.level_scores(logits, params, keys, lambda i: ids[i], target.config.vocab_size)
+    children = ids[jax.lax.top_k(scores, CEILING_TOP_K)[1]]
+    tree = jnp.cumsum(children == target_draw[..., None], axis=-1).astype(jnp.float32)
+    coupled = (children[..., 0] == target_draw).astype(jnp.float32)  # the first child: q's draw with the key
     w = pairs.weights * (pairs.positions >= k - 1)
-    out.append((((1.0 - tv) * w).sum(), (mass * w[..., None]).sum((0, 1)), (coupled * w).sum(), w.sum()))
+    out.append((((1.0 - tv) * w).sum(), (mass * w[..., None]).sum((0, 1)), (tree * w[..., None]).sum((0, 1)),
+                (coupled * w).sum(), w.sum()))
   return tuple(jnp.stack(x) for x in zip(*out))
 
 
 def ceiling_metrics(sums) -> list[dict[str, float]]:
   """`acceptance_ceiling`'s figures per draft step from `ceiling_sums` (summed over batches)."""
-  tv, mass, coupled, n = (np.asarray(x) for x in sums)
+  tv, mass, tree, coupled, n = (np.asarray(x) for x in sums)
   return [{"1-tv": float(tv[k] / n[k]), **{f"p_top{j + 1}": float(mass[k, j] / n[k]) for j in range(CEILING_TOP_K)},
+           **{f"tree_top{j + 1}": float(tree[k, j] / n[k]) for j in range(CEILING_TOP_K)},
            "coupled": float(coupled[k] / n[k]), "pairs": float(n[k])} for k in range(len(n))]
 
 
@@ -325,8 +333,10 @@ def acceptance_ceiling(target: CausalLM, drafter: Drafter, data: Sequences | Pai
   target's own samples): `1-tv`, 1 - the total variation between the target's distribution p and the
   drafter's q (a chain's acceptance rate when drafts are drawn coupled to the target's draw, at best);
   `p_top1`..`p_top8`, p's mass on q's k most likely tokens (a node's acceptance with those k children);
-  `coupled`, how often the target's draw equals q's drawn with the same key (`sampling.draw`: the first
-  child `speculative.level_scores` proposes). Every figure is a node's acceptance probability, so a
+  `tree_top1`..`tree_top8`, how often the target's draw is among the k children a sampled draft tree
+  ranks first with the draw's key (`speculative.level_scores`: q and the key's known noise), the
+  acceptance of its nodes of k children; `coupled`, how often the target's draw equals q's drawn with
+  the same key (`sampling.draw`: that ranking's first child). Every figure is a node's acceptance probability, so a
   chain of rate a accepts 1 + a + a^2 + ... tokens per verify."""
   pairs = all_pairs(target, drafter.feature_layers, data, row_len=row_len, batch_rows=batch_rows)
   drafter_def, target_def = nnx.graphdef(drafter), nnx.graphdef(target)

@@ -106,7 +106,7 @@ def distil(model: CausalLM, own: OwnSamples, *, steps: int, batch_rows: int, row
     if temperature > 0:
       ceiling = train.acceptance_ceiling(model, drafter, eval_data, temperature=temperature, row_len=row_len)
       summary["heldout_acceptance_per_draft_step"] = [
-          {k: round(v, 4) for k, v in c.items() if k in ("1-tv", "p_top1", "p_top4", "p_top8", "coupled")}
+          {k: round(v, 4) for k, v in c.items() if k in ("1-tv", "p_top1", "p_top4", "p_top8", "tree_top4", "tree_top8", "coupled")}
           for c in ceiling]
   if vocab:
     summary["draft_vocab_coverage"] = round(covered, 4)
