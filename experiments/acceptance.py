@@ -8,9 +8,10 @@ captured); over those responses' tokens `tlt_jax.drafter.train.acceptance_ceilin
 depth d (the drafter reading its own d - 1 earlier predictions, as a chain does): 1 - TV(p, q), the
 target's mass on the drafter's top-k tokens for k = 1..8 (a tree node's acceptance with those k
 children under membership verification), how often the target's draw is among the k children a sampled
-draft tree ranks first (q and the draw's known noise: the tree's own nodes) and how often the drafter's
-draw coupled to the target's key is the target's. A chain accepting at rate a gives 1 / (1 - a) tokens per verify at most. Writes
-acceptance.json (with the command, machine, commit and date) and prints one line per (temperature, depth).
+draft tree ranks first (q and the draw's known noise: the tree's own nodes) and how often the
+drafter's draw coupled to the target's key is the target's. A chain accepting at rate a gives
+1 / (1 - a) tokens per verify at most. Writes acceptance.json (with the command, machine, commit and
+date) and prints one line per (temperature, depth).
 """
 
 from __future__ import annotations

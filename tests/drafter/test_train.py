@@ -229,8 +229,9 @@ def test_eagle3_drafter_trains_on_the_logit_loss(target):
 
 def test_the_acceptance_ceiling_of_a_drafter_that_is_the_target(target):
   """An oracle predicting the target's own next features has q = p: 1 - TV 1, its coupled draw (the draft
-  tree's first child) always the target's, p(top-1 of q) the target's mean top probability; a random drafter falls far below (at a low
-  temperature: this random target's distributions are near uniform at 1)."""
+  tree's first child) always the target's, p(top-1 of q) the target's mean top probability; a random
+  drafter falls far below (at a low temperature: this random target's distributions are near uniform
+  at 1)."""
   pairs = train.sequence_pairs(target, (), packing.pack(random_sequences(6, seed=3), ROW_LEN))
   t = 0.05
   [oracle] = train.ceiling_metrics(train.ceiling_sums(Oracle(pairs.next_hidden), target, pairs, 1, t,

@@ -23,6 +23,8 @@ from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.state import EngineConfig, Sample
 
 ROLLOUT_ROWS = 64  # rows decoded together at most
+# The acceptance figures per draft step a sampled-response drafter's summary reports.
+SUMMARY_CEILING = ("1-tv", "p_top1", "p_top4", "p_top8", "tree_top4", "tree_top8", "coupled")
 
 
 @dataclasses.dataclass
@@ -106,8 +108,7 @@ def distil(model: CausalLM, own: OwnSamples, *, steps: int, batch_rows: int, row
     if temperature > 0:
       ceiling = train.acceptance_ceiling(model, drafter, eval_data, temperature=temperature, row_len=row_len)
       summary["heldout_acceptance_per_draft_step"] = [
-          {k: round(v, 4) for k, v in c.items() if k in ("1-tv", "p_top1", "p_top4", "p_top8", "tree_top4", "tree_top8", "coupled")}
-          for c in ceiling]
+          {k: round(v, 4) for k, v in c.items() if k in SUMMARY_CEILING} for c in ceiling]
   if vocab:
     summary["draft_vocab_coverage"] = round(covered, 4)
     summary["draft_vocab_coverage_heldout"] = round(train.coverage(eval_seqs or train_seqs, vocab), 4)
