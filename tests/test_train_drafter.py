@@ -13,9 +13,10 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
-from tlt_jax.drafter import checkpoint
+from tlt_jax.drafter import checkpoint, train
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
 
@@ -46,6 +47,9 @@ def test_trains_saves_and_reloads_a_drafter(hf_dirs, tmp_path):
   assert summary["samples"] == 2 and summary["train_sequences"] == 1 and summary["eval_sequences"] == 1
   assert summary["feature_layers"] == [] and summary["steps"] == 3
   assert np.isfinite(summary["loss_first"]) and 0 <= summary["top1_heldout"] <= 1
+  rates = [summary["top1_heldout"], summary["top1_2_heldout"], summary["top1_3_heldout"]]  # greedy: a chain's
+  assert summary["heldout_chain_accept_len"] == pytest.approx(1 + rates[0] + rates[0] * rates[1] + np.prod(rates),
+                                                            abs=1e-3)
   drafter = checkpoint.load_drafter(str(out), hf.read_config(model_dir)[0])
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(nnx.state(drafter)))
   assert not np.array_equal(drafter.fc.kernel.get_value(), earlier.fc.kernel.get_value())
@@ -90,6 +94,8 @@ def test_reduced_vocabulary_drafter(hf_dirs, tmp_path):
   ceiling = summary["heldout_acceptance_per_draft_step"]
   assert len(ceiling) == 3 and all(0 <= c["p_top1"] <= c["p_top4"] <= c["p_top8"] <= 1 for c in ceiling)
   assert all(c["coupled"] <= c["tree_top4"] <= c["tree_top8"] <= 1 for c in ceiling)
+  assert summary["heldout_chain_accept_len"] == pytest.approx(train.chain_accept_len([c["coupled"] for c in ceiling]),
+                                                            abs=1e-3)
   drafter = checkpoint.load_drafter(str(out), hf.read_config(model_dir)[0])
   assert len(drafter.draft_vocab) == 24 and list(drafter.draft_vocab) == sorted(drafter.draft_vocab)
   proc = run_cli(f"--model={model_dir}", f"--prompts={prompts}", f"--output={tmp_path / 'd'}", "--draft_vocab_size=97")

@@ -19,7 +19,9 @@ improving (`loss_heldout_history` in the summary); the summary reports held-out 
 sampling (--temperature > 0), what verification can accept per draft step
 (`heldout_acceptance_per_draft_step`: 1 - TV, the target's mass on the drafter's top-1 / 4 / 8 tokens,
 how often the target's draw is among a sampled draft tree's first 4 / 8 children, the coupled draw's
-agreement). Sampled responses train
+agreement), and what to expect: `heldout_chain_accept_len`, the tokens per verify pass a chain of 3
+drafts (strategy 3_1_4) would accept on the held-out samples at those per-step rates (top-1 greedy, the
+coupled draw's sampling). Sampled responses train
 the drafter for that temperature: the loss's distribution term at it, weighted as its features, and
 two draft steps of training-time test.
 

@@ -251,6 +251,11 @@ def test_the_acceptance_ceiling_of_a_drafter_that_is_the_target(target):
              for r in random)
 
 
+def test_a_chains_acceptance_length_from_its_per_depth_rates():
+  assert train.chain_accept_len([0.5, 0.5, 0.5]) == 1.875 and train.chain_accept_len([1.0] * 3) == 4.0
+  assert train.chain_accept_len([0.0, 0.9]) == 1.0
+
+
 def test_distillation_keeps_its_best_held_out_step_and_stops_when_it_stalls(target):
   """A few training sequences, others held out: the drafter ends with the parameters of its lowest held-out
   loss, and training stops `patience` evaluations after it (overfitting raises the held-out loss)."""

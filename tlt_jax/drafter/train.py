@@ -325,6 +325,13 @@ def ceiling_metrics(sums) -> list[dict[str, float]]:
            "coupled": float(coupled[k] / n[k]), "pairs": float(n[k])} for k in range(len(n))]
 
 
+def chain_accept_len(rates: Sequence[float]) -> float:
+  """Tokens per verify pass of a chain whose k-th draft is accepted at rate `rates[k - 1]`, the depths taken
+  as independent: 1 + r1 + r1 r2 + ... (the engine's own measurement differs by ~10% either way on SmolLM2:
+  a greedy chain's acceptances go together, a sampled one's less, docs/BENCHMARKS.md)."""
+  return float(1.0 + np.cumprod(np.asarray(rates, np.float64)).sum())
+
+
 def acceptance_ceiling(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, temperature: float,
                        draft_steps: int = EVAL_STEPS, batch_rows: int = 2, row_len: int = 512,
                        seed: int = 0) -> list[dict[str, float]]:
