@@ -177,8 +177,8 @@ def test_sampled_drafts_of_the_targets_distribution_are_all_accepted(name, param
 
 def test_a_reduced_head_holding_the_targets_distribution_couples_to_the_targets_draw():
   """A head of some target ids (increasing, every possible token and a few impossible ones) holding
-  the target's distribution puts its coupled child (score 0) on the target's draw with every key: the draw is made
-  over the target's vocabulary, noise keyed by block and token id."""
+  the target's distribution puts its coupled child (score 0) on the target's draw with every key:
+  the draw is made over the target's vocabulary, noise keyed by block and token id."""
   rng = np.random.RandomState(1)
   v, n = 700, 2000
   p = rng.dirichlet(np.full(v, 0.3))

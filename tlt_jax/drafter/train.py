@@ -310,7 +310,8 @@ def ceiling_sums(drafter: Drafter, target: CausalLM, pairs: Pairs, draft_steps: 
     scores = speculative.level_scores(logits, params, keys, lambda i: ids[i], target.config.vocab_size)
     children = ids[jax.lax.top_k(scores, CEILING_TOP_K)[1]]
     tree = jnp.cumsum(children == target_draw[..., None], axis=-1).astype(jnp.float32)
-    coupled = (children[..., 0] == target_draw).astype(jnp.float32)  # the first child: q's draw with the key
+    full = jnp.full(logp.shape, -jnp.inf).at[..., ids].set(logq)
+    coupled = (sampling.draw(full, keys) == target_draw).astype(jnp.float32)
     w = pairs.weights * (pairs.positions >= k - 1)
     out.append((((1.0 - tv) * w).sum(), (mass * w[..., None]).sum((0, 1)), (tree * w[..., None]).sum((0, 1)),
                 (coupled * w).sum(), w.sum()))
@@ -343,8 +344,8 @@ def acceptance_ceiling(target: CausalLM, drafter: Drafter, data: Sequences | Pai
   `tree_top1`..`tree_top8`, how often the target's draw is among the k children a sampled draft tree
   ranks first with the draw's key (`speculative.level_scores`: q and the key's known noise), the
   acceptance of its nodes of k children; `coupled`, how often the target's draw equals q's drawn with
-  the same key (`sampling.draw`: that ranking's first child). Every figure is a node's acceptance probability, so a
-  chain of rate a accepts 1 + a + a^2 + ... tokens per verify."""
+  the same key (`sampling.draw`: that ranking's first child). Every figure is a node's acceptance
+  probability, so a chain of rate a accepts 1 + a + a^2 + ... tokens per verify."""
   pairs = all_pairs(target, drafter.feature_layers, data, row_len=row_len, batch_rows=batch_rows)
   drafter_def, target_def = nnx.graphdef(drafter), nnx.graphdef(target)
   fn = jax.jit(lambda dp, tp, chunk, key: ceiling_sums(nnx.merge(drafter_def, dp), nnx.merge(target_def, tp), chunk,

@@ -105,12 +105,13 @@ def distil(model: CausalLM, own: OwnSamples, *, steps: int, batch_rows: int, row
     summary.update({f"top1_{k}_heldout": result.eval[f"top1_{k}"] for k in range(2, train.EVAL_STEPS + 1)})
     summary["loss_heldout"] = result.eval["loss"]
     summary["loss_heldout_history"] = [[step + 1, round(loss, 4)] for step, loss in result.eval_history]
-    rates = [result.eval["top1"]] + [result.eval[f"top1_{k}"] for k in range(2, train.EVAL_STEPS + 1)]
     if temperature > 0:
       ceiling = train.acceptance_ceiling(model, drafter, eval_data, temperature=temperature, row_len=row_len)
       summary["heldout_acceptance_per_draft_step"] = [
           {k: round(v, 4) for k, v in c.items() if k in SUMMARY_CEILING} for c in ceiling]
-      rates = [c["coupled"] for c in ceiling]
+      rates = [c["coupled"] for c in ceiling]  # a sampled chain's drafts: the coupled draws
+    else:
+      rates = [result.eval["top1"]] + [result.eval[f"top1_{k}"] for k in range(2, train.EVAL_STEPS + 1)]
     summary["heldout_chain_accept_len"] = round(train.chain_accept_len(rates), 3)
   if vocab:
     summary["draft_vocab_coverage"] = round(covered, 4)
