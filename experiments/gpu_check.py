@@ -6,9 +6,9 @@
 
 Parts, in order, each a subprocess of this script (`--part=NAME`) killed at its deadline: the budget
 left, split over the parts still to run by SHARES (time a part leaves unused goes to the later ones):
-  env      the package end to end (`python -m tlt_jax.main --config=configs/tiny.py:smoke`), then the
-           device, the versions of what the package needs, `pip show` of setup.py's requirements and
-           the imports that must work (jax_triton only on a GPU).
+  env      the device, the versions of what the package needs, `pip show` of setup.py's requirements,
+           the imports that must work (jax_triton only on a GPU), then the package end to end
+           (`python -m tlt_jax.main --config=configs/tiny.py:smoke`; not with --nomain_smoke).
   kernels  experiments/bench_kernels.py at configs/r1_7b.py's attention shape in bfloat16: xla,
            pallas_gpu and triton against the float32 reference, timed, as a fraction of the device's
            peak bandwidth. Decode and trees of 8-64 tokens, 512-32768 filled slots, batch 1-64, largest
@@ -60,6 +60,8 @@ _WORK = flags.DEFINE_string("work", "", "Working files (default: a folder under 
 _BUDGET = flags.DEFINE_float("budget_s", 540.0, "Seconds for all the parts together.", lower_bound=1.0)
 _SMOKE = flags.DEFINE_bool("smoke", False, "Seconds-sized parts, to check the plumbing on a CPU.")
 _PARTS = flags.DEFINE_list("parts", list(PARTS), f"Parts to run, of {PARTS} (always in that order).")
+_MAIN_SMOKE = flags.DEFINE_bool("main_smoke", True, "env: run the package end to end (--nomain_smoke: not, where "
+                                 "that command passed already: the test suite runs it in tests/test_setup.py).")
 _PART = flags.DEFINE_string("part", "", "Run this part in this process (what the check runs as a subprocess).")
 _DEADLINE = flags.DEFINE_float("deadline_s", 0.0, "With --part: the seconds it has.")
 _DOWNLOAD = flags.DEFINE_string("download", "", "Download (and build) WHEELS into this folder, then exit.")
@@ -253,7 +255,7 @@ def check(out: str) -> None:
     print(f"[gpu_check] {name}: started, {deadline:.0f} s", flush=True)
     backend = (state["parts"].get("env", {}).get("result") or {}).get("device", {}).get("backend")
     cmd = [sys.executable, __file__, f"--part={name}", f"--work={work}", f"--deadline_s={deadline - 10:.0f}",
-           *(["--smoke"] if smoke else [])]
+           *(["--smoke"] if smoke else []), *([] if _MAIN_SMOKE.value else ["--nomain_smoke"])]
     run = run_logged(cmd, os.path.join(work, f"{name}.log"), deadline, env=child_env(backend or
                                                                                       ("cpu" if smoke else None)),
                      new_session=True)
@@ -311,7 +313,7 @@ def main(argv):
     return
   if _PART.value:
     work, deadline, smoke = _WORK.value, _DEADLINE.value, _SMOKE.value
-    run = {"env": lambda: part_env(work, deadline, smoke),
+    run = {"env": lambda: part_env(work, deadline, smoke, _MAIN_SMOKE.value),
            "kernels": lambda: part_kernels(work, deadline, smoke),
            "parity": lambda: part_parity(work, deadline, smoke),
            "figures": lambda: part_figures(work, deadline, smoke),

@@ -187,15 +187,20 @@ def xla_cache(tmp_path_factory):
   return path
 
 
-# Imports what the named CLI modules import (and runs `prelude`), once, then runs
-# `python -m MODULE ARGS...` for each case in a fork, in the case's directory, its stdout and stderr
-# in files, exiting as the interpreter would (a string SystemExit is printed, anything else is a
-# traceback) but without its slow start and teardown: each CLI's own code path, cheaply.
+# Imports what the named CLI modules (or scripts: a path ending in .py) import (and runs `prelude`),
+# once, then runs `python -m MODULE ARGS...` (`python SCRIPT ARGS...`) for each case in a fork, in the
+# case's directory, its stdout and stderr in files, exiting as the interpreter would (a string
+# SystemExit is printed, anything else is a traceback) but without its slow start and teardown: each
+# CLI's own code path, cheaply.
 _FORKING_CLIS = """
 import ast, importlib, json, os, runpy, sys, traceback
 cases = json.loads(sys.argv[1])
-for module in sorted({case["module"] for case in cases}):
-  for node in ast.parse(open(importlib.util.find_spec(module).origin).read()).body:
+script = lambda case: case["module"].endswith(".py")
+origin = lambda case: os.path.join(case["cwd"], case["module"]) if script(case) else \\
+    importlib.util.find_spec(case["module"]).origin
+sys.path[:0] = sorted({os.path.dirname(origin(case)) for case in cases if script(case)})  # as `python SCRIPT` has
+for path in sorted({origin(case) for case in cases}):
+  for node in ast.parse(open(path).read()).body:
     for alias in getattr(node, "names", ()) if isinstance(node, (ast.Import, ast.ImportFrom)) else ():
       name = f"{node.module}.{alias.name}" if isinstance(node, ast.ImportFrom) else alias.name
       try:
@@ -214,7 +219,10 @@ for case in cases:
     sys.argv = [case["module"], *case["args"]]
     sys.modules.pop(case["module"], None)  # imported by another module: `python -m` runs a fresh copy anyway
     try:
-      runpy.run_module(case["module"], run_name="__main__", alter_sys=True)
+      if script(case):
+        runpy.run_path(case["module"], run_name="__main__")
+      else:
+        runpy.run_module(case["module"], run_name="__main__", alter_sys=True)
       code = 0
     except SystemExit as e:
       code = e.code if e.code is None or isinstance(e.code, int) else print(e.code, file=sys.stderr) or 1
@@ -229,7 +237,8 @@ for case in cases:
 
 
 def run_clis(cases, logs, prelude: str = "", timeout: float = 600):
-  """Runs each case (module, args, cwd) as `python -m module *args` in `cwd` (forked from one process
+  """Runs each case (module, args, cwd) as `python -m module *args` (a module ending in .py: `python
+  module *args`, a script's path relative to `cwd`) in `cwd` (forked from one process
   that imported what the modules import and ran `prelude`); returns (exit code, stdout, stderr) of
   each. `logs`: a directory for their outputs."""
   import json
