@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.conftest import run_clis
 from tlt_jax.drafter import checkpoint, train
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
@@ -98,18 +99,17 @@ def test_reduced_vocabulary_drafter(hf_dirs, tmp_path):
                                                             abs=1e-3)
   drafter = checkpoint.load_drafter(str(out), hf.read_config(model_dir)[0])
   assert len(drafter.draft_vocab) == 24 and list(drafter.draft_vocab) == sorted(drafter.draft_vocab)
-  proc = run_cli(f"--model={model_dir}", f"--prompts={prompts}", f"--output={tmp_path / 'd'}", "--draft_vocab_size=97")
-  assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
-      "error: --draft_vocab_size=97 is larger than the target's vocabulary of 96"), proc.stderr[-3000:]
-  for coverage in ("0", "1.5"):
-    proc = run_cli(f"--model={model_dir}", f"--prompts={prompts}", f"--output={tmp_path / 'd'}",
-                   f"--draft_vocab_coverage={coverage}")
-    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
-        f"error: flag --draft_vocab_coverage={float(coverage)}: --draft_vocab_coverage must lie in (0, 1]"]
-  proc = run_cli(f"--model={model_dir}", f"--prompts={prompts}", f"--output={tmp_path / 'd'}", "--num_samples=2")
-  assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
-      "error: flags num_samples=2, temperature=0.0: --num_samples > 1 needs --temperature > 0 (greedy draws one "
-      "response)"], proc.stderr[-3000:]
+  refused = {"--draft_vocab_size=97": "error: --draft_vocab_size=97 is larger than the target's vocabulary of 96",
+             **{f"--draft_vocab_coverage={c}": f"error: flag --draft_vocab_coverage={float(c)}: --draft_vocab_coverage "
+                "must lie in (0, 1]" for c in ("0", "1.5")},
+             "--num_samples=2": "error: flags num_samples=2, temperature=0.0: --num_samples > 1 needs --temperature > "
+                                "0 (greedy draws one response)"}
+  logs = tmp_path / "logs"
+  logs.mkdir()
+  runs = run_clis([("tlt_jax.train_drafter", ["--verbosity=-1", f"--model={model_dir}", f"--prompts={prompts}",
+                                              f"--output={tmp_path / 'd'}", flag], REPO) for flag in refused], logs)
+  for (code, _, stderr), error in zip(runs, refused.values()):
+    assert code == 1 and stderr.strip().splitlines()[-1] == error and "Traceback" not in stderr, stderr[-3000:]
   assert not os.path.exists(tmp_path / "d")
 
 
