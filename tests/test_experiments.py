@@ -104,7 +104,8 @@ def test_gpu_check_smoke_runs_every_part_and_continues(tmp_path):
   assert {"summary.json", "summary.txt", "details.tar.gz", "kernels.png", "sd_grid.png"} <= set(files)
   assert "env: main smoke not run" in done.stdout
   with tarfile.open(out / "details.tar.gz") as tar:
-    assert {"env/pip_show.txt", "kernels/result.json", "parity/reference.json", "figures/plan.json"} <= set(tar.getnames())
+    names = set(tar.getnames())
+  assert {"env/pip_show.txt", "kernels/result.json", "parity/reference.json", "figures/plan.json"} <= names
   assert all(f"{g['status']:<8} {name}" in done.stdout for name, g in goals.items())
   again = run()
   assert again.returncode == 0, again.stderr[-3000:]
