@@ -146,13 +146,14 @@ def position_features(positions):
   return jnp.tanh(jnp.cos(positions.astype(jnp.float32))[..., None] * jnp.asarray(A[0], jnp.float32) * 3)
 
 
-@pytest.mark.parametrize("name", ["4_1_5", "3_2_6"])
+@pytest.mark.parametrize("name", ["4_1_5", "3_2_11"])  # a chain and a tree of all its candidates
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, seed=3),
                                     SamplingParams(temperature=0.7, top_p=0.9, seed=5)], ids=["t1", "t0.7_p0.9"])
 def test_sampled_drafts_of_the_targets_distribution_are_all_accepted(name, params):
   # The drafter's distribution at each depth IS the target's there: a draft coupled to the keys
-  # the target draws with is accepted at every depth. Ranked by the drafter's most likely tokens
-  # (`keys_BxD` None), the chain is accepted with the probability of those tokens only.
+  # the target draws with is accepted at every depth (the tree: all its candidates, so every level's
+  # first child is kept). Ranked by the drafter's most likely tokens (`keys_BxD` None), the draft is
+  # accepted with the probability of those tokens only.
   strategy, b = Strategy.parse(name), 64
   rng = np.random.RandomState(6)
   feat = jnp.asarray(rng.normal(0, 1, (b, H)), jnp.float32)
@@ -172,12 +173,12 @@ def test_sampled_drafts_of_the_targets_distribution_are_all_accepted(name, param
                      params=params, max_depth=strategy.depth)
     counts[coupled] = np.asarray(acc.count)
   np.testing.assert_array_equal(counts[True], strategy.depth + 1)
-  assert (counts[False] < strategy.depth + 1).mean() > 0.2
+  assert (counts[False] < strategy.depth + 1).mean() > 0.1
 
 
 def test_a_reduced_head_holding_the_targets_distribution_couples_to_the_targets_draw():
   """A head of some target ids (increasing, every possible token and a few impossible ones) holding
-  the target's distribution puts its coupled child (score 0) on the target's draw with every key:
+  the target's distribution puts its coupled child (scored first) on the target's draw with every key:
   the draw is made over the target's vocabulary, noise keyed by block and token id."""
   rng = np.random.RandomState(1)
   v, n = 700, 2000
@@ -192,14 +193,15 @@ def test_a_reduced_head_holding_the_targets_distribution_couples_to_the_targets_
   scores = speculative.level_scores(logp[:, head], SamplingParams(temperature=1.0), keys,
                                     lambda i: jnp.asarray(head)[i], v)
   np.testing.assert_array_equal(head[np.asarray(jnp.argmax(scores, -1))], target)
-  assert (np.asarray(scores) == 0).sum(-1).max() == 1
+  scores = np.asarray(scores)
+  assert (scores == scores.max(-1, keepdims=True)).sum(-1).max() == 1
 
 
 def test_sampled_children_hold_more_of_the_targets_draws_than_the_drafters_top_k():
   """With the level's key the known noise ranks the children with q: for a q near p (a drafter's
   error on the log-probs), the target's draw falls among the top 4 children more often than among
   q's 4 most likely tokens (whose rate is p's mass on them) or the coupled draw with q's top 3; the
-  siblings of the coupled child (score 0) score log-probabilities."""
+  siblings of the coupled child (scored first) score log-probabilities."""
   rng = np.random.RandomState(2)
   v, n = 600, 4000
   logp = jax.nn.log_softmax(jnp.asarray(2.0 * rng.normal(size=(n, v)), jnp.float32), -1)
@@ -214,7 +216,8 @@ def test_sampled_children_hold_more_of_the_targets_draws_than_the_drafters_top_k
   with_coupled = np.asarray(jax.lax.top_k(jnp.where(jnp.arange(v) == coupled, 0.0, logq), 4)[1])
   rate = lambda ids: (ids == target).any(-1).mean()
   assert rate(children) > rate(with_coupled) + 0.02 > rate(by_q) + 0.04
-  others = np.where(np.asarray(scores) == 0, -np.inf, np.asarray(scores))
+  scores = np.asarray(scores)
+  others = np.where(scores == scores.max(-1, keepdims=True), -np.inf, scores)
   assert (np.exp(others).sum(-1) < 1).all()
 
 
