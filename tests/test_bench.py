@@ -1,13 +1,14 @@
-"""`python -m tlt_jax.bench` end to end on a tiny model with a tokenizer (as a subprocess: CLIs own flags)."""
+"""`python -m tlt_jax.bench` end to end on a tiny model with a tokenizer (as a subprocess: CLIs own flags),
+each mode's run forked from one process that imported the CLI (tests/conftest.py `run_clis`)."""
 
 import csv
 import json
 import os
-import subprocess
-import sys
 
+import pytest
 from flax import nnx
 
+from tests.conftest import run_clis
 from tlt_jax.drafter import checkpoint
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, ModelConfig, hf
@@ -26,20 +27,60 @@ def tiny_model_dir(tmp_path):
   return model_dir
 
 
-def run_bench(*args):
-  drafter = [] if any(a.startswith("--drafter=") for a in args) else ["--drafter=random"]
-  proc = subprocess.run([sys.executable, "-m", "tlt_jax.bench", *drafter, "--verbosity=-1", *args], cwd=REPO,
-                        capture_output=True, text=True, timeout=300, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+# Each mode's flags (its --output and --model added; --drafter=random unless given).
+CASES = {
+    "grid": ["--batch_sizes=1", "--strategies=2_1_3,3_2_6", "--max_new_tokens=12", "--rows=3", "--temperatures=0,1"],
+    "suffix": ["--batch_sizes=1,8", "--strategies=s3_1_4", "--drafter=", "--num_samples=4", "--history_len=64",
+               "--max_new_tokens=12"],
+    "phases_refused": ["--model=m", "--phases", "--strategies=2_1_3,s2_1_3"],
+    "adaptive": ["--adaptive", "--rows=2", "--num_samples=2", "--strategies=2_1_3,s2_1_3", "--max_new_tokens=12",
+                 "--sd_max_batch=4", "--repeats=1"],
+    # One batch size: each cell compiles an engine and its phases; the grid covers the batch-size loop.
+    "phases": ["--phases", "--batch_sizes=2", "--strategies=2_2_4", "--max_new_tokens=40", "--prompts={prompts}",
+               "--drafter={drafter}"],
+    "refill": ["--refill", "--rows=6", "--num_samples=2", "--bucket=4", "--max_new_tokens=16", "--temperature=1.0",
+               "--repeats=1"],
+    "paged": ["--paged", "--rows=3", "--num_samples=4", "--bucket=2", "--paged_bucket=8", "--page_size=16",
+              "--max_new_tokens=64", "--temperature=1.0", "--repeats=1"],
+}
 
 
-def test_bench_writes_the_grid(tmp_path):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """name -> ((exit code, stdout, stderr), its output directory) of each case's run on one tiny model; the
+  phases case reads a prompt file and a reduced-head drafter (timed beside the full head on the same layers)."""
+  root = tmp_path_factory.mktemp("bench")
+  model_dir = tiny_model_dir(root)
+  prompts = root / "prompts.jsonl"
+  prompts.write_text("".join(json.dumps({"prompt": f"Calculate {i} + {i + 2}."}) + "\n" for i in range(3)))
+  cfg, _ = hf.read_config(model_dir)
+  drafter_dir = str(root / "drafter")
+  checkpoint.save_drafter(Drafter(cfg, draft_vocab=tuple(range(0, cfg.vocab_size, 2)), rngs=nnx.Rngs(0)), drafter_dir)
+  cases = []
+  for name, flags in CASES.items():
+    (root / name).mkdir()
+    flags = [f.format(prompts=prompts, drafter=drafter_dir) for f in flags]
+    drafter = [] if any(f.startswith("--drafter=") for f in flags) else ["--drafter=random"]
+    model = [] if any(f.startswith("--model=") for f in flags) else [f"--model={model_dir}"]
+    cases.append(("tlt_jax.bench", [*drafter, "--verbosity=-1", *model, f"--output={root / name / 'out.json'}",
+                                    *flags], REPO))
+  logs = root / "logs"
+  logs.mkdir()
+  return {"vocab_size": cfg.vocab_size, **{name: (run, root / name) for name, run in
+                                           zip(CASES, run_clis(cases, logs, timeout=1200))}}
+
+
+def output(runs, name):
+  """The case's JSON record (after checking it ran) and its output directory."""
+  (code, _, stderr), out = runs[name]
+  assert code == 0, stderr[-3000:]
+  return json.loads((out / "out.json").read_text()), out
+
+
+def test_bench_writes_the_grid(runs):
   """A cell of batch size b rolls out b rows, or --rows: batch 1 over 3 prompts one after another; a grid
   per temperature, and the acceptance picture."""
-  out = tmp_path / "grid.json"
-  run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--batch_sizes=1", "--strategies=2_1_3,3_2_6",
-            "--max_new_tokens=12", "--rows=3", "--temperatures=0,1")
-  record = json.loads(out.read_text())
+  record, out = output(runs, "grid")
   assert record["command"].startswith("python -m tlt_jax.bench --drafter=random") and "CPU cores" in record["machine"]
   assert record["date"].endswith("UTC") and set(record) == {"command", "machine", "commit", "date", "rows"}
   records = record["rows"]
@@ -50,36 +91,28 @@ def test_bench_writes_the_grid(tmp_path):
                       "baseline_tokens_per_s", "speedup", "accept_len"}
     assert r["tokens_per_s"] > 0 and r["accept_len"] >= 1
     assert abs(r["speedup"] - r["tokens_per_s"] / r["baseline_tokens_per_s"]) < 1e-2
-  with open(tmp_path / "grid.csv", encoding="utf-8") as f:
+  with open(out / "out.csv", encoding="utf-8") as f:
     assert len(list(csv.DictReader(f))) == 4
-  assert (tmp_path / "grid.png").stat().st_size > 0
+  assert (out / "out.png").stat().st_size > 0
 
 
-def test_grid_of_suffix_strategies_with_samples_and_history_needs_no_drafter(tmp_path):
+def test_grid_of_suffix_strategies_with_samples_and_history_needs_no_drafter(runs):
   """4 samples per prompt: batch 1 rolls one prompt's 4 samples one after another, batch 4 two prompts'
   (4 rows at once); the suffix arm is also timed with an earlier rollout's responses in the bank."""
-  out = tmp_path / "grid.json"
-  run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--batch_sizes=1,8", "--strategies=s3_1_4",
-            "--drafter=", "--num_samples=4", "--history_len=64", "--max_new_tokens=12")
-  records = json.loads(out.read_text())["rows"]
+  records = output(runs, "suffix")[0]["rows"]
   assert [(r["batch_size"], r["rows"], r["strategy"]) for r in records] == [
       (1, 4, "s3_1_4"), (1, 4, "s3_1_4+history"), (8, 8, "s3_1_4"), (8, 8, "s3_1_4+history")]
   assert all(r["tokens_per_s"] > 0 and r["accept_len"] >= 1 for r in records)
 
 
-def test_phases_mode_refuses_suffix_strategies(tmp_path):
-  """They draft without the drafter: no phases to time (refused before any model is read)."""
-  proc = subprocess.run([sys.executable, "-m", "tlt_jax.bench", "--model=m", f"--output={tmp_path / 'p.json'}",
-                         "--phases", "--strategies=2_1_3,s2_1_3"], cwd=REPO, capture_output=True, text=True,
-                        timeout=300, check=False)
-  assert proc.returncode == 1 and "error: --strategies=2_1_3,s2_1_3: --phases times the EAGLE" in proc.stderr
+def test_phases_mode_refuses_suffix_strategies(runs):
+  """They draft without the drafter: no phases to time (refused before any model is read: --model=m)."""
+  code, _, stderr = runs["phases_refused"][0]
+  assert code == 1 and "error: --strategies=2_1_3,s2_1_3: --phases times the EAGLE" in stderr, stderr[-3000:]
 
 
-def test_adaptive_mode_compares_bandit_fixed_and_plain(tmp_path):
-  out = tmp_path / "adaptive.json"
-  run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--adaptive", "--rows=2", "--num_samples=2",
-            "--strategies=2_1_3,s2_1_3", "--max_new_tokens=12", "--sd_max_batch=4", "--repeats=1")
-  records = json.loads(out.read_text())["rows"]
+def test_adaptive_mode_compares_bandit_fixed_and_plain(runs):
+  records = output(runs, "adaptive")[0]["rows"]
   assert [r["mode"] for r in records] == ["plain", "sd_off", "2_1_3", "s2_1_3", "bandit"]
   assert records[0]["speedup"] == 1.0 and all(r["tokens_per_s"] > 0 for r in records)
   assert all(r["compilations"] == 0 for r in records)  # the warm-up round compiled every engine
@@ -92,32 +125,19 @@ def test_adaptive_mode_compares_bandit_fixed_and_plain(tmp_path):
   assert bandit["summary"]["rollout/tokens_per_s"] > 0
 
 
-def test_phases_mode_splits_an_iteration_and_reads_prompt_files(tmp_path):
-  prompts = tmp_path / "prompts.jsonl"
-  prompts.write_text("".join(json.dumps({"prompt": f"Calculate {i} + {i + 2}."}) + "\n" for i in range(3)))
-  out = tmp_path / "phases.json"
-  model_dir = tiny_model_dir(tmp_path)
-  cfg, _ = hf.read_config(model_dir)
-  drafter_dir = str(tmp_path / "drafter")  # a reduced head: timed beside the full one on the same layers
-  checkpoint.save_drafter(Drafter(cfg, draft_vocab=tuple(range(0, cfg.vocab_size, 2)), rngs=nnx.Rngs(0)), drafter_dir)
-  # One batch size: each cell compiles an engine and its phases; the grid test covers the batch-size loop.
-  run_bench(f"--model={model_dir}", f"--output={out}", "--phases", "--batch_sizes=2", "--strategies=2_2_4",
-            "--max_new_tokens=40", f"--prompts={prompts}", f"--drafter={drafter_dir}")
-  records = json.loads(out.read_text())["rows"]
-  half = (cfg.vocab_size + 1) // 2
+def test_phases_mode_splits_an_iteration_and_reads_prompt_files(runs):
+  records = output(runs, "phases")[0]["rows"]
+  vocab = runs["vocab_size"]
   assert [(r["batch_size"], r["strategy"], r["draft_vocab"]) for r in records] == [
-      (2, "2_2_4", half), (2, "2_2_4", cfg.vocab_size)]
+      (2, "2_2_4", (vocab + 1) // 2), (2, "2_2_4", vocab)]
   for r in records:
     assert all(r[k] > 0 for k in ("draft", "verify", "feed", "iteration", "plain", "segment"))
     assert 1 <= r["accept_len"] <= 3
 
 
-def test_refill_mode_compares_refill_with_waves(tmp_path):
+def test_refill_mode_compares_refill_with_waves(runs):
   """Not timed: the three modes run, sample the same tokens, and refill fills the freed slots."""
-  out = tmp_path / "refill.json"
-  run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--refill", "--rows=6", "--num_samples=2",
-            "--bucket=4", "--max_new_tokens=16", "--temperature=1.0", "--repeats=1")
-  records = json.loads(out.read_text())["rows"]
+  records = output(runs, "refill")[0]["rows"]
   assert [r["mode"] for r in records] == ["waves", "refill", "longest_first"]
   waves, refill, longest = records
   assert waves["rows"] == refill["rows"] == longest["rows"] == 12 and waves["speedup"] == 1.0
@@ -128,14 +148,10 @@ def test_refill_mode_compares_refill_with_waves(tmp_path):
   assert all(0 <= r[k] <= 1 for r in records for k in ("idle_slot_fraction", "tail_share"))
 
 
-def test_paged_mode_compares_pages_with_the_contiguous_cache(tmp_path):
+def test_paged_mode_compares_pages_with_the_contiguous_cache(runs):
   """Not timed: both caches hold the same slots and sample the same tokens; the paged one has more
   rows in flight."""
-  out = tmp_path / "paged.json"
-  run_bench(f"--model={tiny_model_dir(tmp_path)}", f"--output={out}", "--paged", "--rows=3", "--num_samples=4",
-            "--bucket=2", "--paged_bucket=8", "--page_size=16", "--max_new_tokens=64", "--temperature=1.0",
-            "--repeats=1")
-  contiguous, paged = json.loads(out.read_text())["rows"]
+  contiguous, paged = output(runs, "paged")[0]["rows"]
   assert (contiguous["mode"], paged["mode"]) == ("contiguous", "paged")
   assert contiguous["rows"] == paged["rows"] == 12 and contiguous["cache_slots"] == paged["cache_slots"]
   assert paged["same_samples"] and paged["peak_rows"] > contiguous["peak_rows"] == 2
