@@ -236,18 +236,19 @@ for case in cases:
 """
 
 
-def run_clis(cases, logs, prelude: str = "", timeout: float = 600):
+def run_clis(cases, logs, prelude: str = "", timeout: float = 600, env=None):
   """Runs each case (module, args, cwd) as `python -m module *args` (a module ending in .py: `python
   module *args`, a script's path relative to `cwd`) in `cwd` (forked from one process
   that imported what the modules import and ran `prelude`); returns (exit code, stdout, stderr) of
-  each. `logs`: a directory for their outputs."""
+  each. `logs`: a directory for their outputs; `env`: the environment of that process (default: this one's),
+  which imports from the first case's `cwd`."""
   import json
   import subprocess
   import sys
   specs = [{"module": m, "args": list(a), "cwd": str(c), "stdout": os.path.join(logs, f"{i}.out"),
             "stderr": os.path.join(logs, f"{i}.err")} for i, (m, a, c) in enumerate(cases)]
   result = subprocess.run([sys.executable, "-c", _FORKING_CLIS, json.dumps(specs), prelude], capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env, cwd=specs[0]["cwd"])
   codes = result.stdout.split()
   assert result.returncode == 0 and len(codes) == len(cases), result.stderr[-3000:]
   read = lambda path: open(path, encoding="utf-8", errors="replace").read()

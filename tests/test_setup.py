@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import sys
 
-from tests.conftest import FAST_COMPILE_FLAGS
+from tests.conftest import FAST_COMPILE_FLAGS, run_clis
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INSTALL, RUN = "pip install -e .", "python -m tlt_jax.main"
@@ -93,26 +93,24 @@ def test_an_installed_copy_finds_its_default_config(tmp_path):
   work = tmp_path / "elsewhere"
   work.mkdir()
   (work / "a_file").write_text("")
-  env = {**{k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}, "PYTHONPATH": str(site)}
-  run = subprocess.run([sys.executable, "-m", "tlt_jax.main", "--helpfull"], cwd=work, env=env,
-                       capture_output=True, text=True, timeout=300)
+  env = {**{k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}, "PYTHONPATH": str(site),
+         "XLA_FLAGS": FAST_COMPILE_FLAGS}
+  logs = tmp_path / "logs"
+  logs.mkdir()
+  cases = (["--helpfull"], ["--config.workdir=a_file"], ["--config.dry_run=True"],
+           ["--config.dry_run=True", f"--config.policy.path={work / 'no_model'}"])
+  # Forked from one process that imported the copy's tlt_jax.main.
+  helpfull, workdir, dry, missing = run_clis([("tlt_jax.main", args, work) for args in cases], logs, env=env)
   # absl wraps the help text, also at the path's hyphens.
-  assert f"(default:'{site / 'tlt_jax' / 'config.py'}')" in "".join(run.stdout.split()), run.stderr[-3000:]
-  run = subprocess.run([sys.executable, "-m", "tlt_jax.main", "--config.workdir=a_file"], cwd=work, env=env,
-                       capture_output=True, text=True, timeout=300)
-  assert run.returncode == 1 and run.stderr.strip().endswith("error: config.workdir='a_file': not a directory"), \
-      run.stderr[-3000:]
-  dry = subprocess.run([sys.executable, "-m", "tlt_jax.main", "--config.dry_run=True"], cwd=work,
-                       env={**env, "XLA_FLAGS": FAST_COMPILE_FLAGS}, capture_output=True, text=True, timeout=600)
-  assert dry.returncode == 0, dry.stderr[-3000:]
-  report = json.loads(dry.stdout)
+  assert f"(default:'{site / 'tlt_jax' / 'config.py'}')" in "".join(helpfull[1].split()), helpfull[2][-3000:]
+  assert workdir[0] == 1 and workdir[2].strip().endswith("error: config.workdir='a_file': not a directory"), \
+      workdir[2][-3000:]
+  assert dry[0] == 0, dry[2][-3000:]
+  report = json.loads(dry[1])
   assert report["model"] == "config.model" and report["fits"] and report["parameters_b"] > 0
-  missing = subprocess.run([sys.executable, "-m", "tlt_jax.main", "--config.dry_run=True",
-                            f"--config.policy.path={work / 'no_model'}"], cwd=work, env=env, capture_output=True,
-                           text=True, timeout=300)
-  assert missing.returncode == 1 and "Traceback" not in missing.stderr and missing.stderr.strip().splitlines()[-1] == (
+  assert missing[0] == 1 and "Traceback" not in missing[2] and missing[2].strip().splitlines()[-1] == (
       f"error: dry run: config.model.vocab_size: {work / 'no_model' / 'config.json'} is not there, so a dry run "
-      "takes the architecture from config.model and needs the vocabulary size"), missing.stderr[-3000:]
+      "takes the architecture from config.model and needs the vocabulary size"), missing[2][-3000:]
 
 
 def test_readme_python_example_runs(tiny_policy_dir, tmp_path, monkeypatch):
