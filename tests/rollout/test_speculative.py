@@ -146,25 +146,26 @@ def position_features(positions):
   return jnp.tanh(jnp.cos(positions.astype(jnp.float32))[..., None] * jnp.asarray(A[0], jnp.float32) * 3)
 
 
-@pytest.mark.parametrize("name", ["4_1_5", "3_2_11"])  # a chain and a tree of all its candidates
+# A chain, and a tree: coupled, all its candidates (every level's first child kept); ranked, 6 of 11.
+@pytest.mark.parametrize("coupled_name,ranked_name", [("4_1_5", "4_1_5"), ("3_2_11", "3_2_6")])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, seed=3),
                                     SamplingParams(temperature=0.7, top_p=0.9, seed=5)], ids=["t1", "t0.7_p0.9"])
-def test_sampled_drafts_of_the_targets_distribution_are_all_accepted(name, params):
+def test_sampled_drafts_of_the_targets_distribution_are_all_accepted(coupled_name, ranked_name, params):
   # The drafter's distribution at each depth IS the target's there: a draft coupled to the keys
-  # the target draws with is accepted at every depth (the tree: all its candidates, so every level's
-  # first child is kept). Ranked by the drafter's most likely tokens (`keys_BxD` None), the draft is
-  # accepted with the probability of those tokens only.
-  strategy, b = Strategy.parse(name), 64
+  # the target draws with is accepted at every depth. Ranked by the drafter's most likely tokens
+  # (`keys_BxD` None), the draft is accepted with the probability of those tokens only.
+  b = 64
   rng = np.random.RandomState(6)
   feat = jnp.asarray(rng.normal(0, 1, (b, H)), jnp.float32)
   lengths = jnp.asarray(rng.randint(0, 20, b), jnp.int32)
   prompt, sample, generated = (jnp.asarray(rng.randint(0, 50, b)) for _ in range(3))
   zeros = jnp.zeros((1, b, 64, 1, 1))
   # Target logits at a depth-j node: the drafter's for depth j + 1 (level 1 from feat, level d from position).
-  level_logits = [logits_fn(feat)] + [logits_fn(position_features(lengths + d - 2))
-                                      for d in range(2, strategy.depth + 2)]
+  depth = Strategy.parse(coupled_name).depth
+  level_logits = [logits_fn(feat)] + [logits_fn(position_features(lengths + d - 2)) for d in range(2, depth + 2)]
   counts = {}
   for coupled in (True, False):
+    strategy = Strategy.parse(coupled_name if coupled else ranked_name)
     keys = speculative.draft_keys(params, prompt, sample, generated, strategy.depth) if coupled else None
     tree, _ = jit_draft_tree(position_draft_fn, logits_fn, feat, jnp.zeros((b,), jnp.int32),
                              KVCache(zeros, zeros, lengths), strategy, params=params, keys_BxD=keys)
@@ -172,8 +173,8 @@ def test_sampled_drafts_of_the_targets_distribution_are_all_accepted(name, param
     acc = jit_accept(target, tree, jnp.ones((b,), bool), generated, generated + 100, prompt, sample,
                      params=params, max_depth=strategy.depth)
     counts[coupled] = np.asarray(acc.count)
-  np.testing.assert_array_equal(counts[True], strategy.depth + 1)
-  assert (counts[False] < strategy.depth + 1).mean() > 0.1
+  np.testing.assert_array_equal(counts[True], depth + 1)
+  assert (counts[False] < depth + 1).mean() > 0.2
 
 
 def test_a_reduced_head_holding_the_targets_distribution_couples_to_the_targets_draw():
