@@ -1,18 +1,24 @@
-"""Chat prompts for a real model: reasoning-gym questions of several families, as a prompts JSONL file.
+"""Chat prompts for a real model: reasoning-gym questions of several families, or open-ended requests
+(letters, stories, explanations), as a prompts JSONL file.
 
   python experiments/chat_prompts.py --out=runs/smollm2/train_prompts.jsonl --size=512 --seed=0
+  python experiments/chat_prompts.py --open --out=runs/open/train.jsonl --size=256 --seed=0
 
 Writes {"prompt": question} lines, the families taken in turn (question i of a family depends on
 (family, seed, i) only), for `python -m tlt_jax.train_drafter --prompts=...` and
 `python -m tlt_jax.bench --prompts=...`. The default families are word problems, equations and
 puzzles to which a small instruct model answers at lengths from a few tokens to hundreds (a long
-tail). Use another --seed for held-out prompts.
+tail). Use another --seed for held-out prompts. `--open` writes requests a chat model answers at length
+(the kind of prompt a drafter trained on reasoning-gym has not seen), each a template filled from word
+lists: --seed=0 draws from 7/8 of the combinations, any other seed from the other 1/8 (held out).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 
 import reasoning_gym
 from absl import app, flags
@@ -24,25 +30,62 @@ _OUT = flags.DEFINE_string("out", None, "Output JSONL file.", required=True)
 _SIZE = flags.DEFINE_integer("size", 512, "Prompts to write.", lower_bound=1)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of every family's questions.")
 _FAMILIES = flags.DEFINE_list("families", list(FAMILIES), "reasoning-gym dataset names, taken in turn.")
+_OPEN = flags.DEFINE_bool("open", False, "Open-ended requests (letters, stories, explanations, ...) instead of "
+                          "reasoning-gym questions; --families is then unused.")
+
+PEOPLE = ("my grandmother", "a new neighbour", "my manager", "an old school friend", "the city council",
+          "a pen pal in Japan", "my landlord", "a local bakery", "my younger brother", "a retiring teacher")
+PURPOSES = ("to thank them for their help last month", "to invite them to a summer picnic",
+            "to apologise for missing their party", "to ask for advice about changing careers",
+            "to share news about a move to another city", "to complain politely about street noise")
+CHARACTERS = ("a lighthouse keeper", "a curious robot", "a shy dragon", "a pair of rival chefs", "a lost cat",
+              "a young astronaut", "an old fisherman", "a librarian", "a talking tree", "a street musician")
+EVENTS = ("finds a mysterious map", "has to cross a frozen river", "loses something precious",
+          "meets a stranger on a train", "wakes up in a different century", "must win a village contest")
+CONCEPTS = ("photosynthesis", "how vaccines work", "inflation", "why the sky is blue", "compound interest",
+            "how a rainbow forms", "the water cycle", "what a black hole is", "how bridges stay up",
+            "why we have seasons", "how the internet sends a message", "what DNA does")
+AUDIENCES = ("a ten-year-old", "a busy adult", "a curious grandparent", "a high-school student")
+THINGS = ("the ocean at night", "autumn leaves", "a quiet library", "the first snow", "a city at dawn",
+          "an old bicycle", "a thunderstorm", "a cup of morning coffee")
+GOALS = ("learn to cook", "start running", "read more books", "save money", "learn a new language",
+         "sleep better", "make new friends in a new city", "become a better public speaker")
+# A template and its word lists: every combination is one request.
+TEMPLATES = (
+    ("Write a short letter to {} {}.", PEOPLE, PURPOSES),
+    ("Tell a short story about {} who {}.", CHARACTERS, EVENTS),
+    ("Explain {} to {}.", CONCEPTS, AUDIENCES),
+    ("Write a short poem about {} for {}.", THINGS, PEOPLE),
+    ("Give {} practical advice on how to {}.", AUDIENCES, GOALS),
+    ("Describe {} in a few sentences, as if to {}.", THINGS, AUDIENCES),
+)
 
 
-def questions(families, size: int, seed: int) -> list[str]:
-  per_family = -(-size // len(families))
-  datasets = {f: reasoning_gym.create_dataset(f, size=per_family, seed=seed) for f in families}
-  return [datasets[families[i % len(families)]][i // len(families)]["question"] for i in range(size)]
+def open_requests(size: int, seed: int) -> list[str]:
+  """`size` requests in seed `seed`'s order: seed 0 from 7/8 of every combination, any other seed from the
+  other 1/8, split in one fixed order (so held-out seeds share none of seed 0's)."""
+  every = [template.format(*words) for template, *lists in TEMPLATES for words in itertools.product(*lists)]
+  every = random.Random(0).sample(every, len(every))
+  split = len(every) * 7 // 8
+  pool = every[:split] if seed == 0 else every[split:]
+  if size > len(pool):
+    raise ValueError(f"--size={size}: --seed={seed} draws from {len(pool)} open requests")
+  return random.Random(seed).sample(pool, size)
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
-    rows = questions(_FAMILIES.value, _SIZE.value, _SEED.value)
-  except ValueError as e:  # reasoning-gym names an unknown family
-    raise SystemExit(f"error: --families: {e}") from None
+    rows = open_requests(_SIZE.value, _SEED.value) if _OPEN.value else questions(_FAMILIES.value, _SIZE.value,
+                                                                                   _SEED.value)
+  except ValueError as e:  # reasoning-gym names an unknown family, or too few open requests
+    raise SystemExit(f"error: {e}" if _OPEN.value else f"error: --families: {e}") from None
   os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
   with open(_OUT.value, "w", encoding="utf-8") as f:
     f.writelines(json.dumps({"prompt": q}) + "\n" for q in rows)
-  print(json.dumps({"out": os.path.abspath(_OUT.value), "prompts": len(rows), "families": _FAMILIES.value}))
+  print(json.dumps({"out": os.path.abspath(_OUT.value), "prompts": len(rows),
+                    "families": "open" if _OPEN.value else _FAMILIES.value}))
 
 
 if __name__ == "__main__":

@@ -174,6 +174,21 @@ def test_seeds_runs_the_config_once_per_seed_and_reports_the_spread(tmp_path):
   assert again.returncode == 0 and "+ " not in again.stdout and json.loads((out / "seeds.json").read_text()) == result
 
 
+def test_open_chat_requests_hold_out_other_seeds():
+  """`chat_prompts.py --open`: a seed's requests are distinct, any other seed's share none of seed 0's,
+  and asking for more than a seed's part of the combinations is refused by number."""
+  sys.path.insert(0, EXPERIMENTS)
+  import chat_prompts  # pylint: disable=import-outside-toplevel
+  sys.path.remove(EXPERIMENTS)
+  train = chat_prompts.open_requests(256, 0)
+  held_out = chat_prompts.open_requests(39, 1)
+  assert len(set(train)) == 256 and len(set(held_out)) == 39 and not set(train) & set(held_out)
+  assert set(chat_prompts.open_requests(12, 2)) <= set(held_out) and chat_prompts.open_requests(12, 1) != \
+      chat_prompts.open_requests(12, 2)
+  with pytest.raises(ValueError, match="--size=40: --seed=1 draws from 39 open requests"):
+    chat_prompts.open_requests(40, 1)
+
+
 def test_side_by_side_summary_says_whether_every_arm_sampled_alike():
   """end_to_end's summary: time ratios over the steps after the first, and `rewards_identical` only
   when every arm got the same rewards and response lengths at every step."""
