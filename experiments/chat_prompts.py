@@ -73,6 +73,12 @@ def open_requests(size: int, seed: int) -> list[str]:
   return random.Random(seed).sample(pool, size)
 
 
+def questions(families, size: int, seed: int) -> list[str]:
+  per_family = -(-size // len(families))
+  datasets = {f: reasoning_gym.create_dataset(f, size=per_family, seed=seed) for f in families}
+  return [datasets[families[i % len(families)]][i // len(families)]["question"] for i in range(size)]
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
