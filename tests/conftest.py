@@ -254,21 +254,3 @@ def run_clis(cases, logs, prelude: str = "", timeout: float = 600, env=None):
   read = lambda path: open(path, encoding="utf-8", errors="replace").read()
   return [(int(code), read(s["stdout"]), read(s["stderr"])) for code, s in zip(codes, specs)]
 
-
-# The files that take longest (worker-seconds on the idle 2-core machine, heaviest first) start first:
-# xdist's `--dist loadfile` hands the two workers whole files in collection order (here with its
-# reordering by test count turned off), so the run ends on short files instead of one worker finishing
-# a long one alone.
-SLOWEST_FIRST = ("tests/rollout/test_engine.py", "tests/test_experiments.py", "tests/test_main.py",
-                 "tests/test_setup.py", "tests/test_bench.py", "tests/test_notebooks.py", "tests/test_distributed.py",
-                 "tests/models/test_gguf.py")
-
-
-def pytest_configure(config):
-  if hasattr(config.option, "loadscopereorder"):
-    config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(config, items):
-  rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.relative_to(config.rootpath).as_posix(), len(rank)))

@@ -17,7 +17,7 @@ from tests.conftest import run_clis, xla_flags_without_device_count
 
 EXPERIMENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
 # imported by the scripts; no flags of their own
-HELPERS = ("starting_point.py", "side_by_side.py", "gpu_parts.py", "gpu_plan.py")
+HELPERS = ("starting_point.py", "side_by_side.py", "gpu_parts.py", "gpu_plan.py", "open_requests.py")
 SCRIPTS = sorted(f[:-3] for f in os.listdir(EXPERIMENTS) if f.endswith(".py") and f not in HELPERS)
 
 
@@ -175,18 +175,16 @@ def test_seeds_runs_the_config_once_per_seed_and_reports_the_spread(tmp_path):
 
 
 def test_open_chat_requests_hold_out_other_seeds():
-  """`chat_prompts.py --open`: a seed's requests are distinct, any other seed's share none of seed 0's,
-  and asking for more than a seed's part of the combinations is refused by number."""
+  """`chat_prompts.py --open` (`open_requests.py`): a seed's requests are distinct, any other seed's share
+  none of seed 0's, and asking for more than a seed's part of the combinations is refused by number."""
   sys.path.insert(0, EXPERIMENTS)
-  import chat_prompts  # pylint: disable=import-outside-toplevel
+  from open_requests import open_requests  # pylint: disable=import-outside-toplevel
   sys.path.remove(EXPERIMENTS)
-  train = chat_prompts.open_requests(256, 0)
-  held_out = chat_prompts.open_requests(39, 1)
+  train, held_out = open_requests(256, 0), open_requests(39, 1)
   assert len(set(train)) == 256 and len(set(held_out)) == 39 and not set(train) & set(held_out)
-  assert set(chat_prompts.open_requests(12, 2)) <= set(held_out) and chat_prompts.open_requests(12, 1) != \
-      chat_prompts.open_requests(12, 2)
+  assert set(open_requests(12, 2)) <= set(held_out) and open_requests(12, 1) != open_requests(12, 2)
   with pytest.raises(ValueError, match="--size=40: --seed=1 draws from 39 open requests"):
-    chat_prompts.open_requests(40, 1)
+    open_requests(40, 1)
 
 
 def test_side_by_side_summary_says_whether_every_arm_sampled_alike():
