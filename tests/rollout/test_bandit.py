@@ -36,8 +36,18 @@ def test_unseen_arms_first_then_the_best_median():
     bandit.update(1, B, r, 1.0)
   assert bandit.choose(1) == (A, False)
   assert bandit.choose(30) == (None, True)  # another bucket starts from scratch
-  bandit.update(30, None, 10, 1.0)
-  assert bandit.stats()["21+"]["off"] == {"plays": 1, "median_tokens_per_s": 10.0}
+  bandit.update(30, None, 300, 1.0)
+  assert bandit.stats()["21+"]["off"] == {"plays": 1, "median_tokens_per_s_per_row": 10.0}  # per active row
+
+
+def test_rewards_are_per_active_row():
+  """Within a bucket a step costs the same at 5 or 8 active rows (the padded batch): an arm played at 8
+  rows that emits fewer tokens per row than another played at 5 is the worse one, whatever its raw rate."""
+  bandit = Bandit([A], epsilon=0.0)
+  bandit.update(8, A, tokens=8 * 10, seconds=1.0)  # 80 tokens/s, 10 a row
+  bandit.update(5, None, tokens=5 * 12, seconds=1.0)  # 60 tokens/s, 12 a row
+  assert bandit.choose(6) == (None, False)
+  assert bandit.stats()["5-20"]["4_1_5"]["median_tokens_per_s_per_row"] == 10
 
 
 def test_epsilon_explores_and_the_window_forgets():
@@ -49,9 +59,9 @@ def test_epsilon_explores_and_the_window_forgets():
   assert 0.4 < sum(explores for _, explores in picks) / 400 < 0.6  # the epsilon picks explore
   assert all(arm == A for arm, explores in picks if not explores)
   bandit.update(1, A, 0, 1.0)
-  assert bandit.stats()["1"]["4_1_5"]["median_tokens_per_s"] == 50  # median of 100 and 0
+  assert bandit.stats()["1"]["4_1_5"]["median_tokens_per_s_per_row"] == 50  # median of 100 and 0
   bandit.update(1, A, 0, 1.0)  # A's window holds its last 2 rewards
-  assert bandit.stats()["1"]["4_1_5"]["median_tokens_per_s"] == 0
+  assert bandit.stats()["1"]["4_1_5"]["median_tokens_per_s_per_row"] == 0
   for _ in range(2):  # the bucket's horizon holds 2 x 3 plays: SD off's and B's fall out
     bandit.update(1, A, 0, 1.0)
   assert bandit.choose(1) == (None, True)  # an arm with no reward left in the window is retried first

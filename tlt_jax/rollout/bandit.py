@@ -1,8 +1,11 @@
 """BEG-MAB: a bucketed epsilon-greedy bandit choosing the decoding strategy per active-batch bucket.
 
 Active batch sizes fall into buckets (TLT: [1], [2, 4], [5, 20], [21, ...]). A play's reward is
-the tokens it emitted per second of wall time, measured after a device sync (the engine gives
-none for a play that is its executable's first run: one-time setup). Each bucket keeps
+the tokens it emitted per second of wall time per row active at its start, measured after a device
+sync (the engine gives none for a play that is its executable's first run: one-time setup). Per
+row, because a step costs about the same whatever the number of active rows in it (the executable
+runs its padded batch): a bucket's raw tokens/s would favour whichever arm was played while more
+rows were active (at 5-8 rows, up to 8/5 apart). Each bucket keeps
 a sliding window of rewards: each arm's last `window` rewards, among the bucket's last
 `window x arms` plays. `choose` plays arms with no reward in the window first, then explores a
 uniformly random arm with probability epsilon, else exploits the arm with the highest MEDIAN
@@ -78,15 +81,16 @@ class Bandit:
 
   def update(self, active_rows: int, arm: Arm, tokens: int, seconds: float) -> None:
     b, a = self.bucket(active_rows), self.arms.index(arm)
-    self._plays_window[b].append((a, tokens / max(seconds, 1e-9)))
+    self._plays_window[b].append((a, tokens / max(seconds, 1e-9) / max(active_rows, 1)))
     self._plays[b, a] += 1
 
   def stats(self) -> dict[str, dict[str, dict[str, float]]]:
-    """Per bucket label, per arm ("off" or the strategy name): lifetime plays and windowed median reward."""
+    """Per bucket label, per arm ("off" or the strategy name): lifetime plays and windowed median reward
+    (tokens/s per active row)."""
     out = {}
     for b in range(len(self.thresholds)):
       out[self.label(b)] = {
-          _name(arm): {"plays": int(self._plays[b, a]), "median_tokens_per_s": m or 0.0}
+          _name(arm): {"plays": int(self._plays[b, a]), "median_tokens_per_s_per_row": m or 0.0}
           for a, (arm, m) in enumerate(zip(self.arms, self._medians(b)))}
     return out
 
