@@ -33,6 +33,7 @@ _FAMILIES = flags.DEFINE_list("families", list(FAMILIES), "reasoning-gym dataset
 _OPEN = flags.DEFINE_bool("open", False, "Open-ended requests (letters, stories, explanations, ...) instead of "
                           "reasoning-gym questions; --families is then unused.")
 
+
 def questions(families, size: int, seed: int) -> list[str]:
   per_family = -(-size // len(families))
   datasets = {f: reasoning_gym.create_dataset(f, size=per_family, seed=seed) for f in families}

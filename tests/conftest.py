@@ -253,4 +253,3 @@ def run_clis(cases, logs, prelude: str = "", timeout: float = 600, env=None):
   assert result.returncode == 0 and len(codes) == len(cases), result.stderr[-3000:]
   read = lambda path: open(path, encoding="utf-8", errors="replace").read()
   return [(int(code), read(s["stdout"]), read(s["stderr"])) for code, s in zip(codes, specs)]
-
