@@ -45,12 +45,14 @@ fixed strategy, with SD off (the same engine, drafter kept current), and with th
 bandit over all of these arms. A warm-up round runs
 every mode once (compilation; the bandit's first plays), then `--repeats` timed rounds run every
 mode once each, interleaved so that load on the machine hits all modes alike. Records
-{mode, tokens_per_s, speedup, accept_len, sd_share, compilations} (whole-rollout tokens/s, the median
-round's; what the timed rollouts compiled, none when the engines hold every executable) and, for the
-bandit, its ratio to the best and the worst of its arms played alone (SD off and each strategy;
-`speedup` is against plain decoding without a drafter),
-its plays during warm-up and the timed rounds, the median round's rollout summary, and its
-plays and median rewards per bucket (it keeps learning across all rounds).
+{mode, tokens_per_s, tokens_per_s_rounds, speedup, accept_len, sd_share, compilations} (whole-rollout
+tokens/s, the median round's, and every timed round's; what the timed rollouts compiled, none when the
+engines hold every executable) and, for the bandit, its ratio to the best and the worst of its arms
+played alone (SD off and each strategy; `speedup` is against plain decoding without a drafter), its
+exploring plays' share of the time and its rate outside them against the best arm
+(`exploiting_vs_best_fixed`: what its choices cost, learning aside), its plays during warm-up and
+the timed rounds, the median round's rollout summary, and its plays and median rewards per bucket
+(it keeps learning across all rounds).
 
 Refill mode (`--refill`): one long-tailed rollout of `--rows` problems x `--num_samples` through a
 largest batch bucket of `--bucket`, plain decoding (no drafter), run in waves (each waits for

@@ -437,7 +437,7 @@ def test_bandit_picks_strategies_losslessly_without_compiling(models):
   probes = [s for r in rollouts for s in r.metrics.segments if s.probe]
   assert len(probes) >= 4 and all(s.tail for s in probes)  # each arm's first play explores
   summaries = [r.metrics.summary() for r in rollouts]
-  assert summaries[0]["rollout/sd_s"] > 0  # unseen arms first: the first rollout speculates
+  assert summaries[0]["rollout/sd_s"] > 0 and summaries[0]["rollout/probe_s"] > 0  # unseen arms first: explored
   segments = [s for r in rollouts for s in r.metrics.segments]
   assert sum(v for s in summaries for k, v in s.items() if k.startswith("bandit/")) == sum(s.tail for s in segments)
   # An executable's first run (XLA's one-time setup) is no reward; every later tail play is one.
@@ -449,6 +449,8 @@ def test_bandit_picks_strategies_losslessly_without_compiling(models):
     assert summary["rollout/tokens"] == sum(len(s.tokens) for s in r.samples)
     assert summary["rollout/sd_s"] + summary["rollout/plain_s"] == pytest.approx(m.decode_s)
     assert 0 <= summary["rollout/sd_share"] < 1
+    assert summary["rollout/probe_s"] == pytest.approx(sum(s.seconds for s in m.segments if s.probe))
+    assert summary["rollout/probe_share"] == pytest.approx(summary["rollout/probe_s"] / m.wall_s)
     assert summary["rollout/accept_len"] >= 1 or summary["rollout/sd_s"] == 0
     # A play is one segment of up to segment_steps iterations; its steps are its longest row's. An
     # exploring play (an arm measured) runs a quarter of that.

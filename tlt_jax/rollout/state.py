@@ -327,6 +327,15 @@ class RolloutMetrics:
     return sum(s.seconds for s in self.segments if s.strategy)
 
   @property
+  def probe_s(self) -> float:
+    """Seconds in the bandit's exploring plays (an arm measured: what learning the arms costs)."""
+    return sum(s.seconds for s in self.segments if s.probe)
+
+  @property
+  def probe_tokens(self) -> int:
+    return sum(s.tokens for s in self.segments if s.probe)
+
+  @property
   def verify_passes(self) -> int:
     return sum(s.passes for s in self.segments if s.strategy)
 
@@ -336,12 +345,13 @@ class RolloutMetrics:
     return sum(s.tokens for s in self.segments if s.strategy) / max(self.verify_passes, 1)
 
   def summary(self) -> dict[str, float | int]:
-    """Flat metrics record: times, tokens/s, acceptance, SD share, steps per batch bucket, and
+    """Flat metrics record: times, tokens/s, acceptance, SD and exploring shares, steps per batch bucket, and
     how often each arm ("off" or a strategy) was played in the tail per batch bucket."""
     out = {"rollout/tokens": self.tokens, "rollout/tokens_per_s": self.tokens_per_s, "rollout/wall_s": self.wall_s,
            "rollout/prefill_s": self.prefill_s, "rollout/decode_s": self.decode_s, "rollout/compact_s": self.compact_s,
            "rollout/sd_s": self.sd_s, "rollout/plain_s": self.decode_s - self.sd_s,
-           "rollout/sd_share": self.sd_s / max(self.wall_s, 1e-9), "rollout/accept_len": self.accept_len,
+           "rollout/sd_share": self.sd_s / max(self.wall_s, 1e-9), "rollout/probe_s": self.probe_s,
+           "rollout/probe_share": self.probe_s / max(self.wall_s, 1e-9), "rollout/accept_len": self.accept_len,
            "rollout/verify_passes": self.verify_passes, "rollout/drafter_nonfinite": int(self.drafter_nonfinite),
            "rollout/refills": self.refills, "rollout/preemptions": self.preemptions,
            "rollout/resumed_tokens": self.resumed_tokens, "rollout/peak_rows": self.peak_rows,

@@ -221,6 +221,7 @@ class TLTRollout(BaseRollout):
     overlap = lambda r, g: max(0.0, min(r.end, end) - max(r.start, finished[g]))
     passes = sum(r.metrics.verify_passes for r in results)
     spec_tokens = sum(s.tokens for r in results for s in r.metrics.segments if s.strategy)
+    rollout_s = max(sum(r.metrics.wall_s for r in results), 1e-9)  # the groups' summed rollout time
     out = {
         "spot/groups": float(G),
         "spot/wall_s": stop - start,
@@ -237,9 +238,10 @@ class TLTRollout(BaseRollout):
         "rollout/accept_len": spec_tokens / max(passes, 1),
         "rollout/tokens": float(sum(r.metrics.tokens for r in results)),
         # The rollout's tokens over its wall time (until the last group finished); time in speculative
-        # plays over the groups' summed rollout time.
+        # (exploring) plays over the groups' summed rollout time.
         "rollout/tokens_per_s": sum(r.metrics.tokens for r in results) / max(end - start, 1e-9),
-        "rollout/sd_share": sum(r.metrics.sd_s for r in results) / max(sum(r.metrics.wall_s for r in results), 1e-9),
+        "rollout/sd_share": sum(r.metrics.sd_s for r in results) / rollout_s,
+        "rollout/probe_share": sum(r.metrics.probe_s for r in results) / rollout_s,
         "rollout/refills": float(sum(r.metrics.refills for r in results)),
         "rollout/preemptions": float(sum(r.metrics.preemptions for r in results)),
         "rollout/resumed_tokens": float(sum(r.metrics.resumed_tokens for r in results)),
