@@ -49,10 +49,10 @@ mode once each, interleaved so that load on the machine hits all modes alike. Re
 tokens/s, the median round's, and every timed round's; what the timed rollouts compiled, none when the
 engines hold every executable) and, for the bandit, its ratio to the best and the worst of its arms
 played alone (SD off and each strategy; `speedup` is against plain decoding without a drafter), its
-exploring plays' share of the time and its rate outside them against the best arm
-(`exploiting_vs_best_fixed`: what its choices cost, learning aside), its plays during warm-up and
-the timed rounds, the median round's rollout summary, and its plays and median rewards per bucket
-(it keeps learning across all rounds).
+share of the time spent learning (exploring plays, and an arm's first play at a bucket: one-time
+setup) and its rate outside those against the best arm (`settled_vs_best_fixed`), its plays during
+warm-up and the timed rounds, the median round's rollout summary, and its plays and median rewards
+per bucket (it keeps learning across all rounds).
 
 Refill mode (`--refill`): one long-tailed rollout of `--rows` problems x `--num_samples` through a
 largest batch bucket of `--bucket`, plain decoding (no drafter), run in waves (each waits for

@@ -332,10 +332,6 @@ class RolloutMetrics:
     return sum(s.seconds for s in self.segments if s.probe)
 
   @property
-  def probe_tokens(self) -> int:
-    return sum(s.tokens for s in self.segments if s.probe)
-
-  @property
   def verify_passes(self) -> int:
     return sum(s.passes for s in self.segments if s.strategy)
 
