@@ -1,4 +1,5 @@
-"""BEG-MAB: buckets, unseen arms first, median exploitation, epsilon exploration (each play says
+"""BEG-MAB: buckets, unseen arms first, exploitation of the best windowed rate (mean tokens a step over
+the median time a step), epsilon exploration (each play says
 whether it explores), state round trip, and its goals on synthetic reward tables (best arm >= 90%
 after warm-up, tracking a change of the best arm, SD off where speculation is slower)."""
 
@@ -21,7 +22,7 @@ def test_buckets_follow_the_thresholds():
     Bandit([A], thresholds=(2, 5))
 
 
-def test_unseen_arms_first_then_the_best_median():
+def test_unseen_arms_first_then_the_best_rate():
   bandit = Bandit([A, B], epsilon=0.0)
   played = []
   for _ in range(3):
@@ -31,13 +32,28 @@ def test_unseen_arms_first_then_the_best_median():
     bandit.update(1, arm, tokens={None: 100, A: 300, B: 200}[arm], seconds=1.0)
   assert played == [None, A, B]  # SD off is an arm of every bucket
   assert bandit.choose(1) == (A, False)
-  # The median ignores one outlier: a single huge reward for B does not make it the best.
-  for r in (150, 10_000, 160):
-    bandit.update(1, B, r, 1.0)
+  # The median time a step ignores a stalled play (the machine's noise): one slow play of A among its
+  # four does not make it worse than B.
+  for seconds in (1.0, 1.0, 50.0):
+    bandit.update(1, A, 300, seconds)
   assert bandit.choose(1) == (A, False)
+  assert bandit.stats()["1"]["4_1_5"]["tokens_per_s_per_row"] == 300
   assert bandit.choose(30) == (None, True)  # another bucket starts from scratch
   bandit.update(30, None, 300, 1.0)
-  assert bandit.stats()["21+"]["off"] == {"plays": 1, "median_tokens_per_s_per_row": 10.0}  # per active row
+  assert bandit.stats()["21+"]["off"] == {"plays": 1, "tokens_per_s_per_row": 10.0}  # per active row
+
+
+def test_skewed_acceptance_counts_at_its_mean():
+  """A speculative arm's tokens a step are right-skewed (a few plays accept far more): its throughput
+  is the mean, above the median. A median of per-play rates would choose SD off here."""
+  bandit = Bandit([A], epsilon=0.0)
+  for tokens in (40, 40, 40, 200):  # A, 1 s a step: 20 tokens a step on average, 10 in a typical play
+    bandit.update(1, A, tokens, seconds=4.0, steps=4)
+  for _ in range(4):
+    bandit.update(1, None, 15 * 16, seconds=16.0, steps=16)  # SD off: 15 tokens/s
+  assert bandit.stats()["1"]["4_1_5"]["tokens_per_s_per_row"] == pytest.approx(20.0)
+  assert bandit.stats()["1"]["off"]["tokens_per_s_per_row"] == pytest.approx(15.0)
+  assert bandit.choose(1) == (A, False)
 
 
 def test_rewards_are_per_active_row():
@@ -47,7 +63,7 @@ def test_rewards_are_per_active_row():
   bandit.update(8, A, tokens=8 * 10, seconds=1.0)  # 80 tokens/s, 10 a row
   bandit.update(5, None, tokens=5 * 12, seconds=1.0)  # 60 tokens/s, 12 a row
   assert bandit.choose(6) == (None, False)
-  assert bandit.stats()["5-20"]["4_1_5"]["median_tokens_per_s_per_row"] == 10
+  assert bandit.stats()["5-20"]["4_1_5"]["tokens_per_s_per_row"] == 10
 
 
 def test_epsilon_explores_and_the_window_forgets():
@@ -59,9 +75,9 @@ def test_epsilon_explores_and_the_window_forgets():
   assert 0.4 < sum(explores for _, explores in picks) / 400 < 0.6  # the epsilon picks explore
   assert all(arm == A for arm, explores in picks if not explores)
   bandit.update(1, A, 0, 1.0)
-  assert bandit.stats()["1"]["4_1_5"]["median_tokens_per_s_per_row"] == 50  # median of 100 and 0
+  assert bandit.stats()["1"]["4_1_5"]["tokens_per_s_per_row"] == 50  # the mean of 100 and 0 a step
   bandit.update(1, A, 0, 1.0)  # A's window holds its last 2 rewards
-  assert bandit.stats()["1"]["4_1_5"]["median_tokens_per_s_per_row"] == 0
+  assert bandit.stats()["1"]["4_1_5"]["tokens_per_s_per_row"] == 0
   for _ in range(2):  # the bucket's horizon holds 2 x 3 plays: SD off's and B's fall out
     bandit.update(1, A, 0, 1.0)
   assert bandit.choose(1) == (None, True)  # an arm with no reward left in the window is retried first
@@ -76,6 +92,9 @@ def test_state_round_trips_through_json():
   assert restored.state_dict() == bandit.state_dict()
   assert restored.stats() == bandit.stats()
   assert [restored.choose(7) for _ in range(20)] == [bandit.choose(7) for _ in range(20)]
+  old = {**bandit.state_dict(), "plays_window": [[[1, 12.5]], [], [], []]}  # saved before plays held their steps
+  restored.load_state_dict(old)
+  assert restored.stats()["1"]["4_1_5"]["tokens_per_s_per_row"] == 12.5
   with pytest.raises(ValueError, match="does not match"):
     Bandit([A]).load_state_dict(bandit.state_dict())
   with pytest.raises(ValueError, match="does not match"):

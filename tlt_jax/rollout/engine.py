@@ -527,7 +527,7 @@ class Engine:
                                           passes=int(passes.sum()), steps=int(passes.max()), tail=tail,
                                           waiting=len(sched.waiting), probe=probe, first_run=first_run))
     if self.bandit is not None and tail and not first_run:
-      self.bandit.update(active, strategy, produced, seconds)
+      self.bandit.update(active, strategy, produced, seconds, int(passes.max()))
     job.on_progress(active - sched.active, produced)
     return st, host
 
