@@ -51,7 +51,7 @@ engines hold every executable) and, for the bandit, its ratio to the best and th
 played alone (SD off and each strategy; `speedup` is against plain decoding without a drafter), its
 share of the time spent learning (exploring plays, and an arm's first play at a bucket: one-time
 setup) and its rate outside those against the best arm (`settled_vs_best_fixed`), its plays during
-warm-up and the timed rounds, the median round's rollout summary, and its plays and median rewards
+warm-up and the timed rounds, the median round's rollout summary, and its plays and windowed rewards
 per bucket (it keeps learning across all rounds).
 
 Refill mode (`--refill`): one long-tailed rollout of `--rows` problems x `--num_samples` through a

@@ -444,6 +444,10 @@ def test_bandit_picks_strategies_losslessly_without_compiling(models):
   assert [(s.bucket, s.strategy) for s in segments if s.first_run] == list(dict.fromkeys(
       (s.bucket, s.strategy) for s in segments))
   assert sum(plays.values()) == sum(s.tail and not s.first_run for s in segments)
+  # Each rewarded play reaches the bandit with its tokens per row, decode steps and seconds.
+  rewarded = [(s.tokens / s.active_rows, s.steps, s.seconds) for s in segments if s.tail and not s.first_run]
+  window = [tuple(p[1:]) for w in bandit.state_dict()["plays_window"] for p in w]
+  assert sorted(window) == sorted(rewarded)
   for r, summary in zip(rollouts, summaries):
     m = r.metrics
     assert summary["rollout/tokens"] == sum(len(s.tokens) for s in r.samples)
