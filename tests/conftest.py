@@ -1,6 +1,7 @@
 """Shared fixtures: 8 simulated CPU devices, tiny random Hugging Face models of each family, a
-hard-shrunk tiny RL config with its random policy and one compilation cache (trainer and CLI tests),
-and the comparison of training runs that differ only in the order of their float arithmetic."""
+hard-shrunk tiny RL config with its random policy, one compilation cache for the session (its
+subprocesses included) and the comparison of training runs that differ only in the order of their
+float arithmetic."""
 
 import importlib.metadata
 import os
@@ -177,10 +178,11 @@ def tiny_policy_dir(tmp_path_factory):
   return str(path)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def xla_cache(tmp_path_factory):
-  """One persistent compilation cache for the tiny trainer's tests (subprocesses included): the
-  same executables compile once per session. Set for this process as main's start-up sets it."""
+  """One persistent compilation cache per test process, set as main's start-up sets it, from the
+  session's start: a program several tests build (the same shapes, engine config and sampling
+  params) compiles once, and the tiny trainer's tests hand it to their subprocesses."""
   from tlt_jax import distributed
   path = str(tmp_path_factory.mktemp("xla_cache"))
   distributed.setup_compilation_cache(path)

@@ -85,6 +85,27 @@ def sample_set(rollout):
   return {(s.prompt_index, s.sample_index): s.tokens.tolist() for s in rollout.samples}
 
 
+# The params most tests share, so that their plain references share executables.
+GREEDY = SamplingParams(temperature=0, max_new_tokens=48, stop_token_ids=(STOP, 7))
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=40, stop_token_ids=(STOP, 2, 3), seed=2)
+
+
+@pytest.fixture(scope="module")
+def plain():
+  """`plain(model, params, prompts, **generate_args)`: the tokens (`sample_set`) of plain decoding on one
+  device with a contiguous cache, the reference every faster path must give. Tokens depend on neither
+  batch size nor compaction (test_samples_do_not_depend_on_batch_size_or_compaction), so one engine per
+  (model, params), without compaction (it compiles the first bucket only), serves every test."""
+  engines = {}
+
+  def tokens(model, params, ps, **kwargs):
+    key = (id(model), params)
+    if key not in engines:
+      engines[key] = (model, Engine(model, configured(CONFIG, compact=False), params))
+    return sample_set(engines[key][1].generate(ps, **kwargs))
+  return tokens
+
+
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_k=20, top_p=0.9)])
 def test_samples_do_not_depend_on_batch_size_or_compaction(models, sampling):
   params = SamplingParams(max_new_tokens=40, stop_token_ids=(STOP, 2, 3), seed=3, **sampling)
@@ -159,13 +180,11 @@ def test_the_engine_leaves_jax_settings_alone(models):
   assert settings() == before
 
 
-def test_speculative_greedy_is_identical_for_any_drafter(models):
+def test_speculative_greedy_is_identical_for_any_drafter(models, plain):
   """Random drafters (full and reduced vocabulary), chain and tree strategies, 1 and 8 rows, stops and
   budgets inside steps. (A tree drafted by a full head is covered by the greedy tree cases below:
   test_bandit_picks_strategies_losslessly_without_compiling, test_refill_equals_rows_run_one_by_one_and_in_waves.)"""
-  model = models["qwen3"]
-  params = SamplingParams(temperature=0, max_new_tokens=48, stop_token_ids=(STOP, 7, 11))
-  plain = Engine(model, CONFIG, params)
+  model, params = models["qwen3"], GREEDY
   full = Drafter(model.config, rngs=nnx.Rngs(1))
   reduced = Drafter(model.config, draft_vocab=tuple(range(1, VOCAB, 3)), rngs=nnx.Rngs(6))  # stop token 1 included
   engines = [Engine(model, with_sd(CONFIG, "3_1_4"), params, drafter=full),
@@ -173,25 +192,24 @@ def test_speculative_greedy_is_identical_for_any_drafter(models):
   for rows in (8, 1):  # largest first: the smaller rollout reuses its segment executables
     ps = prompts(rows, seed=10 + rows)
     limits = [len(p) + 5 + 7 * i for i, p in enumerate(ps)]  # budgets end at odd places
-    expected = sample_set(plain.generate(ps, max_total_len=limits))
+    expected = plain(model, params, ps, max_total_len=limits)
     for engine in engines:
       rollout = engine.generate(ps, max_total_len=limits)
       assert sample_set(rollout) == expected, (rows, engine.config.strategies)
       assert rollout.metrics.verify_passes > 0
 
 
-def test_speculative_sampling_equals_plain_sampling_with_the_same_seed(models):
+def test_speculative_sampling_equals_plain_sampling_with_the_same_seed(models, plain):
   model = models["qwen2_untied"]
   drafter = Drafter(model.config, rngs=nnx.Rngs(2))
   params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=40, stop_token_ids=(STOP,), seed=5)
   ps = prompts(4, seed=6)
-  plain = sample_set(Engine(model, CONFIG, params).generate(ps, num_samples=2))
   rollout = Engine(model, with_sd(CONFIG, "3_2_6"), params, drafter=drafter).generate(ps, num_samples=2)
-  assert sample_set(rollout) == plain
+  assert sample_set(rollout) == plain(model, params, ps, num_samples=2)
   assert {s.strategy for s in rollout.metrics.segments} == {"3_2_6"}
 
 
-def test_a_bfloat16_target_speculates_with_a_float32_drafter(hf_dirs):
+def test_a_bfloat16_target_speculates_with_a_float32_drafter(hf_dirs, plain):
   """The drafter's float32 output is kept at the target's dtype between iterations (a while_loop carry)."""
   model = hf.from_pretrained(hf_dirs["qwen2_tied"][0], dtype="bfloat16")
   params = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=(STOP,))
@@ -199,7 +217,7 @@ def test_a_bfloat16_target_speculates_with_a_float32_drafter(hf_dirs):
   drafter = Drafter(model.config, rngs=nnx.Rngs(3))  # float32
   rollout = Engine(model, with_sd(CONFIG, "2_2_4"), params, drafter=drafter).generate(ps)
   assert rollout.metrics.verify_passes > 0
-  assert sample_set(rollout) == sample_set(Engine(model, CONFIG, params).generate(ps))
+  assert sample_set(rollout) == plain(model, params, ps)
 
 
 def test_speculation_only_in_the_tail(models):
@@ -236,25 +254,23 @@ def test_speculation_needs_a_drafter(models):
            SamplingParams(max_new_tokens=8))
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, top_p=0.9)])
-def test_suffix_speculation_without_a_drafter_equals_plain_decoding(models, sampling):
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_suffix_speculation_without_a_drafter_equals_plain_decoding(models, plain, params):
   """Suffix arms (a chain and a tree of bank matches; sampling, the tree, whose paths are chains too),
   no drafter at all: 1 to 8 rows of 2 samples each, budgets and stops inside steps, give plain
   decoding's tokens; greedy, the drafts pay."""
   model = models["qwen3"]
-  params = SamplingParams(max_new_tokens=48, stop_token_ids=(STOP, 7), seed=2, **sampling)
-  plain = Engine(model, CONFIG, params)
-  arms = ("s4_1_5", "s3_3_7") if sampling["temperature"] == 0 else ("s3_3_7",)
+  arms = ("s4_1_5", "s3_3_7") if params.greedy else ("s3_3_7",)
   engines = [Engine(model, with_sd(CONFIG, s), params) for s in arms]
   for rows in (4, 1):
     ps = prompts(rows, seed=50 + rows)
     limits = [len(p) + 5 + 9 * i for i, p in enumerate(ps)]
-    expected = sample_set(plain.generate(ps, num_samples=2, max_total_len=limits))
+    expected = plain(model, params, ps, num_samples=2, max_total_len=limits)
     for engine in engines:
       rollout = engine.generate(ps, num_samples=2, max_total_len=limits)
       assert sample_set(rollout) == expected, (rows, engine.config.strategies)
       assert rollout.metrics.verify_passes > 0
-      if not sampling["temperature"] and rows == 4:
+      if params.greedy and rows == 4:
         assert rollout.metrics.accept_len > 1.2, engine.config.strategies  # tiny models repeat themselves
 
 
@@ -272,7 +288,7 @@ def test_suffix_drafts_from_a_finished_sibling_in_a_refilled_slot(models):
   assert passes[1] == passes[2] == 8 < passes[0], passes
 
 
-def test_suffix_drafts_from_an_earlier_epoch(models):
+def test_suffix_drafts_from_an_earlier_epoch(models, plain):
   """The prompt's history holds its greedy response from an earlier rollout (`suffix.History`):
   the first sample of the next rollout drafts it from its first token on, as later siblings do
   from the bank; tokens are plain decoding's, also with a history that predicts nothing."""
@@ -289,12 +305,12 @@ def test_suffix_drafts_from_an_earlier_epoch(models):
   noise = [np.random.default_rng(0).integers(0, 50, 90)]
   sampled = SamplingParams(temperature=1.0, max_new_tokens=40, seed=3)
   assert (sample_set(Engine(model, config, sampled).generate([prompt], num_samples=2, history=noise))
-          == sample_set(Engine(model, CONFIG, sampled).generate([prompt], num_samples=2)))
+          == plain(model, sampled, [prompt], num_samples=2))
   with pytest.raises(ValueError, match="history has 2 entries for 1 prompts"):
     engine.generate([prompt], history=noise * 2)
 
 
-def test_suffix_speculation_on_a_mesh(models):
+def test_suffix_speculation_on_a_mesh(models, plain):
   """Rows split over two devices, the bank replicated: plain decoding's greedy tokens."""
   from tlt_jax import sharding
   model = models["qwen2_tied"]
@@ -306,7 +322,7 @@ def test_suffix_speculation_on_a_mesh(models):
   ps = prompts(2, seed=70)
   rollout = engine.generate(ps, num_samples=2)
   assert rollout.metrics.verify_passes > 0
-  assert sample_set(rollout) == sample_set(Engine(model, config, params).generate(ps, num_samples=2))
+  assert sample_set(rollout) == plain(model, params, ps, num_samples=2)
 
 
 def test_the_bank_follows_prompts_through_compaction(models):
@@ -410,13 +426,13 @@ def test_speculative_first_three_tokens_follow_plain_sampling(drafter_kind):
   assert len(np.unique(plain[:, 1])) > 2  # the distributions are not degenerate
 
 
-def test_bandit_picks_strategies_losslessly_without_compiling(models):
+def test_bandit_picks_strategies_losslessly_without_compiling(models, plain):
   """One segment executable per (bucket, arm); the bandit plays every arm (EAGLE, suffix, SD off),
   exploring in short plays, outputs equal plain greedy ones, nothing compiles inside the rollouts."""
   model = models["qwen3"]
   strategies = (Strategy.parse("3_1_3"), Strategy.parse("2_2_3"), Strategy.parse("s3_2_4"))
   config = EngineConfig(**{**CONFIG.__dict__, "strategies": strategies, "sd_max_batch": 4})
-  params = SamplingParams(temperature=0, max_new_tokens=48, stop_token_ids=(STOP,))
+  params = GREEDY
   bandit = Bandit(strategies, epsilon=0.1)
   engine = Engine(model, config, params, drafter=Drafter(model.config, rngs=nnx.Rngs(5)), bandit=bandit)
   ps = prompts(4, seed=12)
@@ -430,7 +446,7 @@ def test_bandit_picks_strategies_losslessly_without_compiling(models):
   with profile.count_compilations() as compiles:
     rollouts = [engine.generate(ps) for _ in range(2)]  # the bandit persists across rollouts
   assert not compiles, f"the rollout compiled {compiles}"
-  expected = sample_set(Engine(model, CONFIG, params).generate(ps))
+  expected = plain(model, params, ps)
   assert all(sample_set(r) == expected for r in rollouts)
   plays = {arm: sum(b[arm]["plays"] for b in bandit.stats().values()) for arm in ("off", "3_1_3", "2_2_3", "s3_2_4")}
   assert all(n > 0 for n in plays.values())  # every arm, SD off included, was tried
@@ -512,14 +528,14 @@ def test_nan_drafter_turns_speculation_off_losslessly(models, caplog):
   assert "its strategies are off for the rest of this rollout" in caplog.text
 
 
-def test_nan_drafter_leaves_suffix_arms_on(models):
+def test_nan_drafter_leaves_suffix_arms_on(models, plain):
   """With an EAGLE and a suffix arm under a bandit, a NaN drafter turns the EAGLE arm off; the
   bandit plays SD off and the suffix arm, and the tokens are plain decoding's."""
   model = models["qwen3"]
   strategies = (Strategy.parse("2_1_2"), Strategy.parse("s3_1_4"))
   config = EngineConfig(**{**CONFIG.__dict__, "strategies": strategies, "sd_max_batch": 8, "compact": False,
                             "segment_steps": 4})
-  params = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=(STOP,))
+  params = GREEDY
   bandit = Bandit(strategies, epsilon=0.0)
   engine = Engine(model, config, params, drafter=Drafter(model.config, rngs=nnx.Rngs(3)), bandit=bandit)
   engine.set_drafter_params(jax.tree.map(lambda x: np.full(x.shape, np.nan, x.dtype), engine.drafter_params))
@@ -527,7 +543,7 @@ def test_nan_drafter_leaves_suffix_arms_on(models):
   bad = engine.generate(ps, num_samples=2)
   assert bad.metrics.drafter_nonfinite
   assert {s.strategy for s in bad.metrics.segments} == {None, "s3_1_4"}
-  assert sample_set(bad) == sample_set(Engine(model, CONFIG, params).generate(ps, num_samples=2))
+  assert sample_set(bad) == plain(model, params, ps, num_samples=2)
 
 
 @pytest.mark.parametrize("sampling,strategy", [(dict(temperature=0), None), (dict(temperature=1.0, top_p=0.9), None),
@@ -616,22 +632,19 @@ def long_prompts(n, seed):
   return [rng.randint(2, VOCAB, rng.randint(17, 25)).tolist() for _ in range(n)]
 
 
-@pytest.mark.parametrize("sampling,strategy", [(dict(temperature=1.0, top_p=0.9), None),
-                                               (dict(temperature=0), "3_2_6")])
-def test_a_paged_cache_gives_the_contiguous_tokens(models, sampling, strategy):
+@pytest.mark.parametrize("params,strategy", [(SAMPLED, None), (GREEDY, "3_2_6")], ids=["sampled", "greedy-3_2_6"])
+def test_a_paged_cache_gives_the_contiguous_tokens(models, plain, params, strategy):
   """18 rows (6 prompts x 3 samples sharing their prompt's first page) through a bucket of 8 with
   16-slot pages: a pool as large as the contiguous cache, and one of 8 pages (one row's worth and
   a bit) that forces rows to wait for pages and preempts some (resumed with their tokens), give
-  every row the contiguous cache's tokens, compiling nothing in the rollout; the small pool still
+  every row plain decoding's tokens on a contiguous cache, compiling nothing in the rollout; the small pool still
   has more rows in flight than the one its bytes hold as a contiguous row."""
   model = models["qwen3"]
-  params = SamplingParams(max_new_tokens=40, stop_token_ids=(STOP, 2, 3), seed=2, **sampling)
   drafter = Drafter(model.config, rngs=nnx.Rngs(3)) if strategy and not strategy.startswith("s") else None
   config = with_sd(CONFIG, strategy, sd_max_batch=4) if strategy else CONFIG
   ps = long_prompts(6, seed=80)
   limits = [len(p) + 6 + 7 * i for i, p in enumerate(ps)]
-  expected = sample_set(Engine(model, config, params, drafter=drafter).generate(ps, num_samples=3,
-                                                                                max_total_len=limits))
+  expected = plain(model, params, ps, num_samples=3, max_total_len=limits)
   for num_pages in (0, 8):
     engine = Engine(model, configured(config, page_size=16, num_pages=num_pages), params, drafter=drafter)
     engine.prepare(18, [len(p) for p in ps])
@@ -651,9 +664,9 @@ def test_a_paged_cache_gives_the_contiguous_tokens(models, sampling, strategy):
       assert m.verify_passes > 0
 
 
-def test_a_paged_cache_on_a_mesh(models):
+def test_a_paged_cache_on_a_mesh(models, plain):
   """Rows over two devices with a pool split like them (page tables of global page indices), sampled
-  and speculating with suffix drafts: the single-device contiguous cache's tokens."""
+  and speculating with suffix drafts: plain decoding's tokens on one device with a contiguous cache."""
   from tlt_jax import sharding
   model = models["qwen2_tied"]
   params = SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=(STOP,), seed=2)
@@ -663,14 +676,13 @@ def test_a_paged_cache_on_a_mesh(models):
   engine.set_params(jax.device_put(engine.params, sharding.param_shardings(engine.params, mesh)))
   ps = long_prompts(3, seed=81)
   rollout = engine.generate(ps, num_samples=2)
-  contiguous = Engine(model, configured(config, page_size=0, num_pages=0), params).generate(ps, num_samples=2)
-  assert sample_set(rollout) == sample_set(contiguous)
+  assert sample_set(rollout) == plain(model, params, ps, num_samples=2)
 
 
-def test_pallas_kernels_over_a_paged_cache_on_a_mesh(models):
+def test_pallas_kernels_over_a_paged_cache_on_a_mesh(models, plain):
   """Rows over two devices, each holding its rows' pages in its range of the pool (the kernels run per
-  device, interpreted here), refilled, preempting and speculating with the drafter: the single-device
-  contiguous cache's greedy tokens."""
+  device, interpreted here), refilled, preempting and speculating with the drafter: plain decoding's
+  greedy tokens on one device with a contiguous cache."""
   from tlt_jax import sharding
   model = models["qwen3"]  # head dim 16: the smallest the GPU kernel takes
   drafter = Drafter(model.config, rngs=nnx.Rngs(1))
@@ -685,13 +697,12 @@ def test_pallas_kernels_over_a_paged_cache_on_a_mesh(models):
   engine.set_drafter_params(jax.device_put(engine.drafter_params, sharding.param_shardings(engine.drafter_params,
                                                                                           mesh)))
   ps = long_prompts(3, seed=84)
-  contiguous = Engine(model, configured(config, page_size=0, num_pages=0, attention="xla"), params, drafter=drafter)
   # The first budgets leave the last two rows on one device (compaction waits: moving a row to
   # the other device would leave its pages behind); the second let the tail compact.
   for budgets, buckets in (((16, 16, 4), {4}), ((16, 12, 4), {2, 4})):
     limits = [len(p) + n for p, n in zip(ps, budgets)]
     rollout = engine.generate(ps, num_samples=2, max_total_len=limits)
-    assert sample_set(rollout) == sample_set(contiguous.generate(ps, num_samples=2, max_total_len=limits))
+    assert sample_set(rollout) == plain(model, params, ps, num_samples=2, max_total_len=limits)
     assert rollout.metrics.preemptions > 0 and rollout.metrics.verify_passes > 0, rollout.metrics
     assert set(rollout.metrics.buckets()) == buckets  # never below a row per device
   with pytest.raises(ValueError, match="num_pages=9 must split into 2 equal ranges"):
