@@ -1,7 +1,7 @@
 """Shared fixtures: 8 simulated CPU devices, tiny random Hugging Face models of each family, a
-hard-shrunk tiny RL config with its random policy, one compilation cache for the session (its
-subprocesses included) and the comparison of training runs that differ only in the order of their
-float arithmetic."""
+hard-shrunk tiny RL config with its random policy, one compilation cache for the session (the
+trainer tests hand it to their subprocesses) and the comparison of training runs that differ only
+in the order of their float arithmetic."""
 
 import importlib.metadata
 import os
