@@ -48,7 +48,7 @@ def get_config(variant: str = ""):
   c.data.reward = "math_verify"
   r = c.rollout
   r.prompts_per_step, r.num_samples = 8, 8
-  r.strategies = ("2_1_3", "3_1_4")
+  r.strategies = ("2_1_3", "4_4_8")  # a short chain and a tree of 4 children a node (membership at T = 1)
   r.sampling.temperature, r.sampling.max_new_tokens = 1.0, 256
   r.engine.batch_buckets = (1, 2, 4, 8, 16, 32, 64)
   r.engine.sd_max_batch = 8

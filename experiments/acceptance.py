@@ -10,8 +10,10 @@ target's mass on the drafter's top-k tokens for k = 1..8 (a tree node's acceptan
 children under membership verification), how often the target's draw is among the k children a sampled
 draft tree ranks first (q and the draw's known noise: the tree's own nodes) and how often the
 drafter's draw coupled to the target's key is the target's. A chain accepting at rate a gives
-1 / (1 - a) tokens per verify at most. Writes acceptance.json (with the command, machine, commit and
-date) and prints one line per (temperature, depth).
+1 / (1 - a) tokens per verify at most; per temperature, the best trees of 8 to 48 verify tokens at the
+tree rates (`train.tree_accept_len`, depths as independent) bound what any tree selection gets. Writes
+acceptance.json (with the command, machine, commit and date) and prints one line per (temperature,
+depth) and one per temperature for the trees.
 """
 
 from __future__ import annotations
@@ -48,21 +50,26 @@ def main(argv):
   model = hf.from_pretrained(_MODEL.value, scan_layers=False)
   drafter = checkpoint.load_drafter(_DRAFTER.value, model.config)
   stop = sorted(set(model.config.stop_token_ids) | ({tok.eos_token_id} if tok is not None else set()))
-  records = []
+  records, trees = [], []
   for temperature in map(float, _TEMPERATURES.value):
     own = warmup.sample(model, prompts, stop_ids=stop, num_samples=1, temperature=temperature,
                         max_new_tokens=_MAX_NEW.value, seed=_SEED.value)
     pairs = own.pairs(own.samples, max(len(p) for p in prompts) + _MAX_NEW.value)
-    for depth, c in enumerate(train.acceptance_ceiling(model, drafter, pairs, temperature=temperature,
-                                                       draft_steps=_DEPTH.value, seed=_SEED.value), start=1):
+    ceiling = train.acceptance_ceiling(model, drafter, pairs, temperature=temperature, draft_steps=_DEPTH.value,
+                                       seed=_SEED.value)
+    for depth, c in enumerate(ceiling, start=1):
       records.append({"temperature": temperature, "depth": depth, **c})
       print(f"T={temperature:g} depth {depth}: 1-TV {c['1-tv']:.3f}  p(top-1 of q) {c['p_top1']:.3f}  "
             f"p(top-4) {c['p_top4']:.3f}  p(top-8) {c['p_top8']:.3f}  coupled {c['coupled']:.3f}  "
             f"tree's 4 / 8 children {c['tree_top4']:.3f} / {c['tree_top8']:.3f}  "
             f"({c['pairs']:.0f} tokens)", flush=True)
+    best = train.best_trees(ceiling)
+    trees.append({"temperature": temperature, **best})
+    print(f"T={temperature:g} best trees: " + "  ".join(f"{v} verify tokens {n:.2f}" for v, n in best.items()),
+          flush=True)
   os.makedirs(_OUT.value, exist_ok=True)
   with open(os.path.join(_OUT.value, "acceptance.json"), "w", encoding="utf-8") as f:
-    json.dump({**cli.provenance(), "records": records}, f, indent=1)
+    json.dump({**cli.provenance(), "records": records, "best_trees": trees}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,9 @@ def test_reduced_vocabulary_drafter(hf_dirs, tmp_path):
   assert all(c["coupled"] <= c["tree_top4"] <= c["tree_top8"] <= 1 for c in ceiling)
   assert summary["heldout_chain_accept_len"] == pytest.approx(train.chain_accept_len([c["coupled"] for c in ceiling]),
                                                             abs=1e-3)
+  trees = summary["heldout_tree_accept_len"]  # the best trees of 8-48 verify tokens hold a chain of 3
+  assert list(trees) == ["8", "16", "32", "48"] and trees["8"] <= trees["16"] <= trees["32"] <= trees["48"]
+  assert trees["8"] >= summary["heldout_chain_accept_len"] - 1e-3
   drafter = checkpoint.load_drafter(str(out), hf.read_config(model_dir)[0])
   assert len(drafter.draft_vocab) == 24 and list(drafter.draft_vocab) == sorted(drafter.draft_vocab)
   refused = {"--draft_vocab_size=97": "error: --draft_vocab_size=97 is larger than the target's vocabulary of 96",

@@ -167,14 +167,15 @@ def base() -> ml_collections.ConfigDict:
   c.drafter.distill.learning_rate = 3e-3
   c.drafter.distill.batch_rows = 16
   c.drafter.distill.row_len = 256  # packed row length
-  c.drafter.distill.draft_steps = 1  # training-time test: draft steps trained on the drafter's own features
+  # Training-time test: draft steps trained on the drafter's own features (0: 2 at a sampling rollout, else 1).
+  c.drafter.distill.draft_steps = 0
   c.drafter.distill.prompts = 256  # a pretrained policy's warm-up: its responses to this many training prompts
   c.drafter.trainer = ml_collections.ConfigDict()  # DrafterTrainerConfig: online training on idle rollout groups
   c.drafter.trainer.learning_rate = 1e-3
   c.drafter.trainer.warmup_steps = 20  # learning-rate warm-up
   c.drafter.trainer.rows_per_device = 2
   c.drafter.trainer.row_len = 256  # packed row length
-  c.drafter.trainer.draft_steps = 1  # training-time test steps of each online update
+  c.drafter.trainer.draft_steps = 0  # training-time test steps of each online update (0: as drafter.distill's)
   c.drafter.buffer = ml_collections.ConfigDict()  # BufferConfig of the online data
   c.drafter.buffer.max_pairs = 1 << 18
 

@@ -2,7 +2,7 @@
 
   python -m tlt_jax.train_drafter --model=DIR --output=DIR [--overwrite] \\
       [--prompts=FILE.jsonl | --task=basic_arithmetic --num_prompts=512] \\
-      [--num_samples=1 --temperature=0 --max_new_tokens=256 --steps=1200 --epochs=8 --eval_every=100 --patience=3 \\
+      [--num_samples=1 --temperature=0 --max_new_tokens=256 --steps=360 --epochs=16 --eval_every=100 --patience=3 \\
        --batch_rows=8 --row_len=512 --learning_rate=3e-3 --draft_vocab_size=-1 --draft_vocab_coverage=0.99 \\
        --draft_steps=0 --eagle3_layers= --eval_fraction=0.1 --seed=0]
 
@@ -21,7 +21,8 @@ sampling (--temperature > 0), what verification can accept per draft step
 how often the target's draw is among a sampled draft tree's first 4 / 8 children, the coupled draw's
 agreement), and what to expect: `heldout_chain_accept_len`, the tokens per verify pass a chain of 3
 drafts (strategy 3_1_4) would accept on the held-out samples at those per-step rates (top-1 greedy, the
-coupled draw's sampling). Sampled responses train
+coupled draw's sampling), and sampling, `heldout_tree_accept_len`: the best trees' of 8 to 48 verify
+tokens at the tree rates (`train.tree_accept_len`). Sampled responses train
 the drafter for that temperature: the loss's distribution term at it, weighted as its features, and
 two draft steps of training-time test.
 
@@ -76,10 +77,12 @@ cli.check_sampling_flags(temperature=_TEMPERATURE, max_new_tokens=_MAX_NEW)
 flags.register_multi_flags_validator(["num_samples", "temperature"],
                                      lambda f: f["num_samples"] == 1 or f["temperature"] > 0,
                                      "--num_samples > 1 needs --temperature > 0 (greedy draws one response)")
-_STEPS = flags.DEFINE_integer("steps", 1200, "Training steps at most (training stops earlier once the held-out "
-                              "loss stops improving: --eval_every, --patience).", lower_bound=1)
-_EPOCHS = flags.DEFINE_float("epochs", 8.0, "Passes over the training rows at most (fewer steps than --steps on a "
-                             "small set; 0: --steps alone).", lower_bound=0.0)
+_STEPS = flags.DEFINE_integer("steps", 360, "Training steps at most (training stops earlier once the held-out "
+                              "loss stops improving: --eval_every, --patience); 360: ~30 min of training for a 135M "
+                              "target on 2 CPU cores.", lower_bound=1)
+_EPOCHS = flags.DEFINE_float("epochs", 16.0, "Passes over the training rows at most (fewer steps than --steps on a "
+                             "small set, which trains for more epochs than a large one; 0: --steps alone).",
+                             lower_bound=0.0)
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 100, "Steps between held-out evaluations, at most an epoch's; the "
                                    "drafter saved is the best one's (0: the last step's).", lower_bound=0)
 _PATIENCE = flags.DEFINE_integer("patience", 3, "Evaluations without a better held-out loss before training stops "
@@ -170,7 +173,7 @@ def run() -> dict:
     drafter, distilled = warmup.distil(model, own, steps=_STEPS.value, batch_rows=_BATCH_ROWS.value,
                                        row_len=_ROW_LEN.value, lr=_LR.value, feature_layers=layers,
                                        draft_vocab_size=_DRAFT_VOCAB.value, head_coverage=_COVERAGE.value,
-                                       draft_steps=_DRAFT_STEPS.value or (2 if _TEMPERATURE.value > 0 else 1),
+                                       draft_steps=train.sampling_draft_steps(_DRAFT_STEPS.value, _TEMPERATURE.value),
                                        temperature=_TEMPERATURE.value, eval_every=_EVAL_EVERY.value,
                                        patience=_PATIENCE.value, epochs=_EPOCHS.value, seed=_SEED.value,
                                        on_step=on_step)

@@ -256,6 +256,21 @@ def test_a_chains_acceptance_length_from_its_per_depth_rates():
   assert train.chain_accept_len([0.0, 0.9]) == 1.0
 
 
+def test_the_best_trees_acceptance_length_from_its_per_depth_rates():
+  """The likeliest nodes: with the draw among a node's first 1 / 2 children at 0.5 / 0.75, a node's first
+  child is reached half as often as the node, its second a quarter; one child a node is a chain."""
+  assert train.tree_accept_len([[0.5, 0.75]], 2) == 1.75 and train.tree_accept_len([[0.5, 0.75]], 3) == 2.0
+  assert train.tree_accept_len([[0.5] * 8] * 3, 3) == train.chain_accept_len([0.5] * 3)
+  assert train.tree_accept_len([[1.0] * 8], 5) == 6.0 and train.tree_accept_len([[0.0] * 8], 5) == 1.0
+
+
+def test_sampling_rollouts_train_two_draft_steps_unless_told():
+  """train_drafter, the warm-up and the online trainer (draft_steps 0 by default) train a sampling
+  rollout's drafter on two draft steps, a greedy one's on one; a number given is kept."""
+  assert [train.sampling_draft_steps(0, t) for t in (0.0, 0.6, 1.0)] == [1, 2, 2]
+  assert train.sampling_draft_steps(3, 0.0) == 3 and train.sampling_draft_steps(1, 1.0) == 1
+
+
 def test_distillation_keeps_its_best_held_out_step_and_stops_when_it_stalls(target):
   """A few training sequences, others held out: the drafter ends with the parameters of its lowest held-out
   loss, and training stops `patience` evaluations after it (overfitting raises the held-out loss)."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import math
 from typing import Callable, Sequence
 
@@ -52,6 +53,12 @@ def sampling_loss(temperature: float) -> dict:
   if temperature > 0:
     return {"temperature": temperature, "logit_weight": SAMPLING_LOGIT_WEIGHT}
   return {"temperature": 1.0, "logit_weight": LOGIT_WEIGHT}
+
+
+def sampling_draft_steps(draft_steps: int, temperature: float) -> int:
+  """The training-time test's draft steps: `draft_steps`, or for 0 two for a sampling rollout (a sampled
+  tree's deeper levels are drafted on the drafter's own features) and one greedy."""
+  return draft_steps or (2 if temperature > 0 else 1)
 
 @flax.struct.dataclass
 class Pairs:
@@ -331,6 +338,36 @@ def chain_accept_len(rates: Sequence[float]) -> float:
   as independent: 1 + r1 + r1 r2 + ... An estimate from above: the engine's passes start after rejections,
   which cluster (SmolLM2, a 4-draft greedy chain: 1.90 measured where this gives 2.01, docs/BENCHMARKS.md)."""
   return float(1.0 + np.cumprod(np.asarray(rates, np.float64)).sum())
+
+
+TREE_VERIFY = (8, 16, 32, 48)  # verify tokens of the trees whose acceptance the reports estimate (the paper's arms)
+
+
+def best_trees(ceiling: Sequence[dict[str, float]]) -> dict[str, float]:
+  """`tree_accept_len` of the trees of each of TREE_VERIFY verify tokens (keyed by that number as a string)
+  at `acceptance_ceiling`'s tree rates."""
+  rates = [[c[f"tree_top{k}"] for k in range(1, CEILING_TOP_K + 1)] for c in ceiling]
+  return {str(v): tree_accept_len(rates, v - 1) for v in TREE_VERIFY}
+
+
+def tree_accept_len(rates: Sequence[Sequence[float]], drafts: int) -> float:
+  """Tokens per verify pass of the best tree of `drafts` draft nodes (a strategy verifying `drafts` + 1
+  tokens) when the target's draw at draft depth d falls among a node's first k children at rate
+  `rates[d - 1][k - 1]` (`acceptance_ceiling`'s tree_top1..8; deeper depths take the last depth's),
+  the depths taken as independent: a node is reached with its parent's chance times its own share,
+  rates[d - 1][k - 1] - rates[d - 1][k - 2] for the k-th child, and the best tree holds the `drafts`
+  likeliest nodes (a child is never likelier than its parent). An estimate from above, as
+  `chain_accept_len` is: no drafter's tree selection knows these chances, and rejections cluster."""
+  shares = [np.diff(np.asarray(r, np.float64), prepend=0.0) for r in rates]
+  heap, total = [(-1.0, 0)], 0.0  # (minus the chance the walk reaches the node, its depth); the root first
+  for _ in range(drafts + 1):
+    if not heap:
+      break
+    chance, depth = heapq.heappop(heap)
+    total -= chance
+    for share in shares[min(depth, len(shares) - 1)]:
+      heapq.heappush(heap, (chance * share, depth + 1))
+  return float(total)
 
 
 def acceptance_ceiling(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, temperature: float,

@@ -51,15 +51,15 @@ class DrafterTrainerConfig:
   rows_per_device: int = 2  # packed rows per device in a gradient step
   row_len: int = 128  # pairs per packed row
   eval_rows: int = 8  # packed rows of held-out samples for drafter/top1
-  draft_steps: int = 1  # training-time test steps per update (`train.loss_fn`)
+  draft_steps: int = 0  # training-time test steps per update (`train.loss_fn`; 0: `train.sampling_draft_steps`)
   temperature: float = 0.0  # the rollout's: the loss's distribution term at it (`train.sampling_loss`)
   seed: int = 0
   checkpoint_dir: str | None = None  # async selective checkpoints (params + optimizer) of each new version
 
   def __post_init__(self):
-    fields.at_least(self, 1, "rows_per_device", "eval_rows", "draft_steps")
+    fields.at_least(self, 1, "rows_per_device", "eval_rows")
     fields.at_least(self, 2, "row_len")  # a pair needs a token and the next
-    fields.at_least(self, 0, "learning_rate", "warmup_steps", "temperature")
+    fields.at_least(self, 0, "learning_rate", "warmup_steps", "temperature", "draft_steps")
 
 
 @dataclasses.dataclass
@@ -102,7 +102,8 @@ class DrafterTrainer:
     self.optimizer = train.make_optimizer(optax.linear_schedule(0.0, config.learning_rate,
                                                                 max(config.warmup_steps, 1)))
     loss = train.sampling_loss(config.temperature)
-    self._grad = train.make_grad_step(drafter, policy, config.draft_steps, **loss)
+    self._grad = train.make_grad_step(drafter, policy, train.sampling_draft_steps(config.draft_steps,
+                                                                                  config.temperature), **loss)
     self._eval = train.make_eval_step(drafter, policy, **loss)
     self._apply = jax.jit(lambda p, s, g: train.apply_gradients(self.optimizer, p, s, g), donate_argnums=(0, 1))
     self._all_finite = jax.jit(

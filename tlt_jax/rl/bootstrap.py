@@ -127,7 +127,9 @@ def load_drafter(config, policy: CausalLM, tok, prompts: datasets.Dataset | None
                     rngs=nnx.Rngs(config.seed))
   with tqdm(total=d.steps, desc="drafter warm-up", unit="step") as bar:
     result = drafter_train.distill(policy, drafter, sequences, steps=d.steps, batch_rows=d.batch_rows,
-                                   row_len=d.row_len, lr=d.learning_rate, seed=config.seed, draft_steps=d.draft_steps,
+                                   row_len=d.row_len, lr=d.learning_rate, seed=config.seed,
+                                   draft_steps=drafter_train.sampling_draft_steps(d.draft_steps,
+                                                                                 config.rollout.sampling.temperature),
                                    on_step=lambda *_: bar.update(1),
                                    **drafter_train.sampling_loss(config.rollout.sampling.temperature))
   logging.info("drafter warm-up: loss %.3f -> %.3f, top-1 %.2f", result.losses[0], result.losses[-1],

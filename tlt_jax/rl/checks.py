@@ -24,7 +24,7 @@ _AT_LEAST = {
     "sft.warmup_steps": 0, "sft.weight_decay": 0, "sft.unanswered": 0, "sft.eval_size": 0, "sft.eval_max_new_tokens": 1,
     "rollout.prompts_per_step": 1, "rollout.num_samples": 1, "rollout.groups": 1, "rollout.mean_response_len": 0,
     "drafter.draft_vocab_size": -1, "drafter.distill.steps": 0, "drafter.distill.learning_rate": 0,
-    "drafter.distill.batch_rows": 1, "drafter.distill.row_len": 2, "drafter.distill.draft_steps": 1,
+    "drafter.distill.batch_rows": 1, "drafter.distill.row_len": 2, "drafter.distill.draft_steps": 0,
     "drafter.distill.prompts": 1,
     "rl.mini_batches": 1, "rl.max_skipped_updates": 1, "rl.row_len": 2, "rl.overlong_buffer": 0, "rl.tis_cap": 0,
     "rl.advantage_eps": 0, "data.reward_workers": 0,

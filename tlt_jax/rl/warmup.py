@@ -110,6 +110,7 @@ def distil(model: CausalLM, own: OwnSamples, *, steps: int, batch_rows: int, row
       summary["heldout_acceptance_per_draft_step"] = [
           {k: round(v, 4) for k, v in c.items() if k in SUMMARY_CEILING} for c in ceiling]
       rates = [c["coupled"] for c in ceiling]  # a sampled chain's drafts: the coupled draws
+      summary["heldout_tree_accept_len"] = {v: round(n, 3) for v, n in train.best_trees(ceiling).items()}
     else:
       rates = [result.eval["top1"]] + [result.eval[f"top1_{k}"] for k in range(2, train.EVAL_STEPS + 1)]
     summary["heldout_chain_accept_len"] = round(train.chain_accept_len(rates), 3)
