@@ -14,12 +14,12 @@ a p90 at the 256-token cap, a real long tail. What RL has to learn: to state the
 
 The run: the drafter warm-up first (the policy's own responses to 256 training prompts, sampled at
 the rollout's temperature and budget, then a distilled EAGLE drafter with a reduced head; saved to <workdir>/drafter
-and reused; ~9 minutes on 2 cores), then 12 GRPO steps of 8 prompts x 8 samples whose long tail
-decodes speculatively where the bandit finds it pays, with the held-out reward (64 prompts x 4
-samples) before the first step and after the last: 56 minutes on a 2-core CPU (docs/BENCHMARKS.md,
-"SmolLM2-135M"). There training bounds a step: the recomputed log-probs and the update of 64
-responses take ~140 s against ~36 s of rollout. The layers are unrolled (on a CPU a scanned loop
-copies each layer's weights every decode step); on a GPU or TPU set
+and reused; 22 minutes on 2 cores on a slow day), then 12 GRPO steps of 8 prompts x 8 samples whose
+long tail decodes speculatively (a chain and a tree) where the bandit finds it pays, with the held-out
+reward (64 prompts x 4 samples) before the first step and after the last: 99 minutes on a slow day's
+2-core CPU (docs/BENCHMARKS.md, "SmolLM2-135M"). There training bounds a step: the recomputed
+log-probs and the update of 64 responses take ~180 s against ~65 s of rollout. The layers are
+unrolled (on a CPU a scanned loop copies each layer's weights every decode step); on a GPU or TPU set
 `--config.policy.scan_layers=True`.
 
 `get_config("smoke")`: the same recipe at the tiny world's seconds-sized shapes, for a tiny local

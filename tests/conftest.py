@@ -238,15 +238,18 @@ for case in cases:
 """
 
 
-def run_clis(cases, logs, prelude: str = "", timeout: float = 600, env=None):
+def run_clis(cases, logs, prelude: str = "", timeout: float = 600, env=None, compilation_cache: str = ""):
   """Runs each case (module, args, cwd) as `python -m module *args` (a module ending in .py: `python
   module *args`, a script's path relative to `cwd`) in `cwd` (forked from one process
   that imported what the modules import and ran `prelude`); returns (exit code, stdout, stderr) of
   each. `logs`: a directory for their outputs; `env`: the environment of that process (default: this one's),
-  which imports from the first case's `cwd`."""
+  which imports from the first case's `cwd`; `compilation_cache`: a persistent compilation cache the
+  cases share (`xla_cache`), so that a program several of them build compiles once."""
   import json
   import subprocess
   import sys
+  if compilation_cache:
+    prelude = f"from tlt_jax import distributed\ndistributed.setup_compilation_cache({compilation_cache!r})\n{prelude}"
   specs = [{"module": m, "args": list(a), "cwd": str(c), "stdout": os.path.join(logs, f"{i}.out"),
             "stderr": os.path.join(logs, f"{i}.err")} for i, (m, a, c) in enumerate(cases)]
   result = subprocess.run([sys.executable, "-c", _FORKING_CLIS, json.dumps(specs), prelude], capture_output=True,

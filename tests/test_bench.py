@@ -46,9 +46,10 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, xla_cache):
   """name -> ((exit code, stdout, stderr), its output directory) of each case's run on one tiny model; the
-  phases case reads a prompt file and a reduced-head drafter (timed beside the full head on the same layers)."""
+  phases case reads a prompt file and a reduced-head drafter (timed beside the full head on the same layers).
+  The cases share the session's compilation cache: the engines of a mode share most of their programs."""
   root = tmp_path_factory.mktemp("bench")
   model_dir = tiny_model_dir(root)
   prompts = root / "prompts.jsonl"
@@ -66,8 +67,8 @@ def runs(tmp_path_factory):
                                     *flags], REPO))
   logs = root / "logs"
   logs.mkdir()
-  return {"vocab_size": cfg.vocab_size, **{name: (run, root / name) for name, run in
-                                           zip(CASES, run_clis(cases, logs, timeout=1200))}}
+  results = run_clis(cases, logs, timeout=1200, compilation_cache=xla_cache)
+  return {"vocab_size": cfg.vocab_size, **{name: (run, root / name) for name, run in zip(CASES, results)}}
 
 
 def output(runs, name):

@@ -286,6 +286,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # RL unlearning that habit lifts the held-out reward by several times its noise in 20 steps.
   c.sft.unanswered = 0.5
   c.drafter.distill.steps = 200
+  # One draft step of training-time test, warm-up and online: the tiny world's figures were measured so
+  # (its warm-up reads SFT solutions, not the policy's samples).
+  c.drafter.distill.draft_steps = c.drafter.trainer.draft_steps = 1
   c.rl.row_len = 384
   c.rl.optimizer.learning_rate = 1e-4
   c.rl.optimizer.warmup_steps = 10
