@@ -175,7 +175,7 @@ def base() -> ml_collections.ConfigDict:
   c.drafter.trainer.warmup_steps = 20  # learning-rate warm-up
   c.drafter.trainer.rows_per_device = 2
   c.drafter.trainer.row_len = 256  # packed row length
-  c.drafter.trainer.draft_steps = 0  # training-time test steps of each online update (0: as drafter.distill's)
+  c.drafter.trainer.draft_steps = 0  # training-time test steps of each online update (0: the same rule)
   c.drafter.buffer = ml_collections.ConfigDict()  # BufferConfig of the online data
   c.drafter.buffer.max_pairs = 1 << 18
 
