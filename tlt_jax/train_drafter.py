@@ -78,8 +78,8 @@ flags.register_multi_flags_validator(["num_samples", "temperature"],
                                      lambda f: f["num_samples"] == 1 or f["temperature"] > 0,
                                      "--num_samples > 1 needs --temperature > 0 (greedy draws one response)")
 _STEPS = flags.DEFINE_integer("steps", 360, "Training steps at most (training stops earlier once the held-out "
-                              "loss stops improving: --eval_every, --patience); 360: ~30 min of training for a 135M "
-                              "target on 2 CPU cores.", lower_bound=1)
+                              "loss stops improving: --eval_every, --patience); 360: ~30 min for a 135M target "
+                              "on 2 CPU cores at two draft steps (--temperature > 0).", lower_bound=1)
 _EPOCHS = flags.DEFINE_float("epochs", 16.0, "Passes over the training rows at most (fewer steps than --steps on a "
                              "small set, which trains for more epochs than a large one; 0: --steps alone).",
                              lower_bound=0.0)

@@ -56,8 +56,8 @@ def sampling_loss(temperature: float) -> dict:
 
 
 def sampling_draft_steps(draft_steps: int, temperature: float) -> int:
-  """The training-time test's draft steps: `draft_steps`, or for 0 two for a sampling rollout (a sampled
-  tree's deeper levels are drafted on the drafter's own features) and one greedy."""
+  """The training-time test's draft steps: `draft_steps`, or for 0 two for a sampling rollout and one for a
+  greedy one (train_drafter's rule, shared by the warm-up and the online trainer)."""
   return draft_steps or (2 if temperature > 0 else 1)
 
 @flax.struct.dataclass
