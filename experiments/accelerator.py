@@ -9,7 +9,7 @@
 
 One process builds a target and measures it, part by part into --out; a part whose results are
 there is skipped, so a killed run continues (the persistent compilation cache, <out>/xla_cache
-unless the config names one, spares a rerun the compiling):
+unless the config or JAX_COMPILATION_CACHE_DIR names one, spares a rerun the compiling):
   target  configs/accelerator.py's target: Qwen2.5-0.5B's shape and Qwen2 architecture (bf16), SFT from
           scratch on the tiny world's worked solutions (tlt_jax.rl.bootstrap, <out>/init/policy), and
           its EAGLE drafter with a reduced-vocabulary head (`drafter.draft_vocab_size`) distilled from
@@ -382,7 +382,7 @@ def main(argv):
     raise InputError(str(e)) from None
   os.makedirs(out, exist_ok=True)
   check_settings(out, config)
-  if not config.rollout.compilation_cache_dir:
+  if not config.rollout.compilation_cache_dir and not jax.config.jax_compilation_cache_dir:
     config.rollout.compilation_cache_dir = os.path.join(out, "xla_cache")
   distributed.setup_devices(config)
   logging.info("devices: %s", jax.devices())

@@ -36,14 +36,23 @@ def test_experiment_flags_load(script, help_runs):
   assert code == 1 and f"{script}.py" in stdout, stdout[-2000:]  # absl's help: its flags, exit status 1
 
 
-def test_accelerator_smoke_measures_every_figure(tmp_path):
+@pytest.fixture(scope="module")
+def smoke_env(tmp_path_factory):
+  """The accelerator and gpu_check smokes' environment: one device and one persistent compilation cache
+  (JAX's environment variables; accelerator.py keeps it), so the second reuses what the first compiled."""
+  return {**os.environ, "XLA_FLAGS": xla_flags_without_device_count(),
+          "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("smoke_xla_cache")),
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
+def test_accelerator_smoke_measures_every_figure(tmp_path, smoke_env):
   """`accelerator.py --smoke` on the CPU (one device): every figure gets a value and a verdict, nothing
   compiles inside a rollout after warm-up, TLT and plain RL steps get the same rewards, and a run in
   the same --out with other settings is refused before any work."""
   out = tmp_path / "out"
-  env = {**os.environ, "XLA_FLAGS": xla_flags_without_device_count()}
   run = lambda *args: subprocess.run([sys.executable, "accelerator.py", f"--out={out}", "--smoke", *args],
-                                     cwd=EXPERIMENTS, env=env, capture_output=True, text=True, timeout=600)
+                                     cwd=EXPERIMENTS, env=smoke_env, capture_output=True, text=True,
+                                     timeout=600)
   done = run()
   assert done.returncode == 0, done.stderr[-3000:]
   summary = json.loads((out / "summary.json").read_text())
@@ -67,16 +76,15 @@ def test_accelerator_smoke_measures_every_figure(tmp_path):
       "choose another --out"), refused.stderr[-3000:]
 
 
-def test_gpu_check_smoke_runs_every_part_and_continues(tmp_path):
+def test_gpu_check_smoke_runs_every_part_and_continues(tmp_path, smoke_env):
   """`gpu_check.py --smoke` on the CPU: every part runs (or says why not) within its deadline, every goal
   gets a verdict, the results fit what a device run sends back (a few files, no folders), and a second
   run with the same --out skips what is done."""
   out, work = tmp_path / "out", tmp_path / "work"
-  env = {**os.environ, "XLA_FLAGS": xla_flags_without_device_count()}
   # Without the env part's run of the package (test_setup runs the same command).
   run = lambda: subprocess.run([sys.executable, "gpu_check.py", f"--out={out}", f"--work={work}", "--smoke",
-                                "--nomain_smoke", "--budget_s=600"], cwd=EXPERIMENTS, env=env, capture_output=True,
-                               text=True, timeout=900)
+                                "--nomain_smoke", "--budget_s=600"], cwd=EXPERIMENTS, env=smoke_env,
+                               capture_output=True, text=True, timeout=900)
   done = run()
   assert done.returncode == 0, done.stderr[-3000:]
   summary = json.loads((out / "summary.json").read_text())
