@@ -55,6 +55,8 @@ def test_accelerator_smoke_measures_every_figure(tmp_path, smoke_env):
                                      timeout=600)
   done = run()
   assert done.returncode == 0, done.stderr[-3000:]
+  # The cache JAX_COMPILATION_CACHE_DIR names holds what it compiled, none under --out.
+  assert not (out / "xla_cache").exists() and os.listdir(smoke_env["JAX_COMPILATION_CACHE_DIR"])
   summary = json.loads((out / "summary.json").read_text())
   goals = summary["goals"]
   assert set(goals) == {"sd_batch1", "sd_up_to_16", "bandit", "rl_step", "compilations"}
