@@ -637,9 +637,9 @@ def test_a_paged_cache_gives_the_contiguous_tokens(models, plain, params, strate
   """18 rows (6 prompts x 3 samples sharing their prompt's first page) through a bucket of 8 with
   16-slot pages: a pool as large as the contiguous cache (sampled), and one of 8 pages (one row's
   worth and a bit) that forces rows to wait for pages and preempts some (resumed with their tokens;
-  sampled, and greedy while speculating), give every row plain decoding's tokens on a contiguous cache, compiling
-  nothing in the rollout; the small pool still has more rows in flight than the one its bytes hold as
-  a contiguous row."""
+  sampled, and greedy while speculating), give every row plain decoding's tokens on a contiguous
+  cache, compiling nothing in the rollout; the small pool still has more rows in flight than the one
+  its bytes hold as a contiguous row."""
   model = models["qwen3"]
   drafter = Drafter(model.config, rngs=nnx.Rngs(3)) if strategy and not strategy.startswith("s") else None
   config = with_sd(CONFIG, strategy, sd_max_batch=4) if strategy else CONFIG
