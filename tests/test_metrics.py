@@ -2,6 +2,8 @@
 (offline)."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -27,6 +29,17 @@ def test_tensorboard_gets_every_finite_scalar_under_a_name_it_takes(tmp_path, mo
   writer.write(1, {"eval/pass@4": 0.5, "reward/mean": 0.25, "eval/prompt_rewards": [0.5], "bad": float("nan")})
   writer.close()
   assert tags == [("eval/pass_4", 0.5, 1), ("reward/mean", 0.25, 1)]
+
+
+def test_the_package_starts_without_torch_and_leaves_it_importable(tmp_path):
+  """tensorboardX would import torch (installed here, as on the GPU image): seconds of every CLI's start-up.
+  `tlt_jax.main` imports without it, TensorBoard's event file is still written, and torch imports after."""
+  code = ("import sys; from tlt_jax import main, metrics; loaded = 'torch' in sys.modules; "
+          f"w = metrics.Writer({str(tmp_path)!r}); w.write(1, {{'reward/mean': 0.5}}); w.close(); "
+          "import torch; print(loaded, torch.ones(2).sum().item())")
+  run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0 and run.stdout.split() == ["False", "2.0"], run.stderr[-3000:]
+  assert os.listdir(tmp_path / "tensorboard")
 
 
 def test_a_wandb_run_gets_every_scalar_and_a_resume_continues_it(tmp_path, monkeypatch):
