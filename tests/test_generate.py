@@ -3,15 +3,13 @@
 import json
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from absl import flags
 
-from tests.conftest import FAMILIES, VOCAB
+from tests.conftest import FAMILIES, VOCAB, run_clis
 from tlt_jax import cli, generate
 
 
@@ -77,17 +75,20 @@ def test_non_finite_temperature_is_refused(value, hf_dirs, tmp_path):
 
 
 def test_cli_fails_cleanly_without_partial_output(hf_dirs, tmp_path):
+  """`python -m tlt_jax.generate` on a malformed prompt file and on a misspelt flag (forked from one process:
+  tests/conftest.py `run_clis`)."""
   model_dir, _ = hf_dirs["qwen2_tied"]
-  bad = write_jsonl(tmp_path / "in.jsonl", [{"prompt_ids": [3, 4]}, "{oops"])
-  out = tmp_path / "out.jsonl"
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run([sys.executable, "-m", "tlt_jax.generate", f"--model={model_dir}", f"--prompts={bad}",
-                         f"--output={out}"], capture_output=True, text=True, env=env)
-  assert proc.returncode != 0 and "in.jsonl:2: malformed JSON" in proc.stderr
-  assert os.listdir(tmp_path) == ["in.jsonl"]
-  proc = subprocess.run([sys.executable, "-m", "tlt_jax.generate", "--model=x", "--prompts=y", "--output=z",
-                         "--temprature=1"], capture_output=True, text=True, env=env)
-  assert proc.returncode != 0 and "temprature" in proc.stderr
+  data, logs = tmp_path / "data", tmp_path / "logs"
+  data.mkdir()
+  logs.mkdir()
+  bad = write_jsonl(data / "in.jsonl", [{"prompt_ids": [3, 4]}, "{oops"])
+  cases = [[f"--model={model_dir}", f"--prompts={bad}", f"--output={data / 'out.jsonl'}"],
+           ["--model=x", "--prompts=y", "--output=z", "--temprature=1"]]
+  (code, _, stderr), (misspelt, _, flag_error) = run_clis([("tlt_jax.generate", args, data) for args in cases], logs,
+                                                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert code != 0 and "in.jsonl:2: malformed JSON" in stderr, stderr[-3000:]
+  assert os.listdir(data) == ["in.jsonl"]
+  assert misspelt != 0 and "temprature" in flag_error, flag_error[-3000:]
 
 
 def test_random_drafter_gives_the_same_greedy_output(hf_dirs, tmp_path, capsys):
