@@ -64,16 +64,21 @@ def _umask() -> int:
 
 
 def test_output_that_is_the_model_is_refused_and_the_model_kept(hf_dirs, tmp_path):
-  """`--output=M` with `--model=M` used to delete the model and put the drafter in its place."""
+  """`--output=M` with `--model=M` used to delete the model and put the drafter in its place (both cases forked
+  from one process: tests/conftest.py `run_clis`)."""
   model_dir = str(tmp_path / "model")
   shutil.copytree(hf_dirs["qwen3"][0], model_dir)
   before = sorted(os.listdir(model_dir))
   prompts = write_prompts(tmp_path, [{"prompt_ids": [5, 17]}])
-  for output in (model_dir, str(tmp_path)):  # the model, or a directory holding it
-    proc = run_cli(f"--model={model_dir}", f"--prompts={prompts}", f"--output={output}", "--overwrite")
-    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+  outputs = (model_dir, str(tmp_path))  # the model, or a directory holding it
+  logs = tmp_path / "logs"
+  logs.mkdir()
+  runs = run_clis([("tlt_jax.train_drafter", ["--verbosity=-1", f"--model={model_dir}", f"--prompts={prompts}",
+                                              f"--output={output}", "--overwrite"], REPO) for output in outputs], logs)
+  for (code, _, stderr), output in zip(runs, outputs):
+    assert code == 1 and stderr.strip().splitlines() == [
         f"error: --output={output} {'is' if output == model_dir else 'holds'} --model={model_dir}: writing it would "
-        "delete that input; choose another --output"], proc.stderr[-3000:]
+        "delete that input; choose another --output"], stderr[-3000:]
   assert sorted(os.listdir(model_dir)) == before and hf.read_config(model_dir)
 
 
