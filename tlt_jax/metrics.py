@@ -18,8 +18,9 @@ from typing import Sequence
 import numpy as np
 
 # tensorboardX imports torch where torch is installed (the GPU image, the test environment), only to take
-# torch tensors, which this package never passes: 3-4 s of every start-up. Unless torch is loaded already,
-# it is imported with torch hidden (`sys.modules[name] = None` makes `import name` raise ImportError).
+# torch tensors, which this package never passes: 2.4-3.8 s of every start-up on a 2-core machine. Unless
+# torch is loaded already, tensorboardX is imported with torch hidden (`sys.modules[name] = None` makes
+# `import name` raise ImportError).
 if "torch" in sys.modules:
   from tensorboardX import SummaryWriter
 else:
