@@ -18,9 +18,11 @@ FAST_COMPILE_FLAGS = " ".join(["--xla_backend_optimization_level=0",
                                *(["--xla_cpu_use_fusion_emitters=false"] if _JAXLIB < (0, 11) else []),
                                "--xla_cpu_parallel_codegen_split_count=1"])
 
-# Before jax is imported anywhere: tests run on 8 simulated CPU devices.
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPILE_FLAGS,
-                                    "--xla_force_host_platform_device_count=8"]).strip()
+# Before jax is imported anywhere: tests run on 8 simulated CPU devices. Each flag once (pytest-xdist's
+# workers inherit the flags their controller set): JAX's compilation cache keys hash the flags as written.
+_FLAGS = os.environ.get("XLA_FLAGS", "").split()
+_OURS = [*FAST_COMPILE_FLAGS.split(), "--xla_force_host_platform_device_count=8"]
+os.environ["XLA_FLAGS"] = " ".join(_FLAGS + [flag for flag in _OURS if flag not in _FLAGS])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Before triton is imported anywhere: `triton.jit` gives interpreted kernels (CPU, numpy), so the
 # Triton tree-attention kernel runs here (tests/kernels/test_triton_gpu.py).
@@ -202,13 +204,17 @@ def tiny_policy_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def xla_cache(tmp_path_factory):
-  """One persistent compilation cache per test process, set as main's start-up sets it, from the
+  """One persistent compilation cache for the whole run, set as main's start-up sets it, from the
   session's start: a program several tests build (the same shapes, engine config and sampling
-  params) compiles once, and the tiny trainer's tests hand it to their subprocesses."""
+  params) compiles once. Both pytest-xdist workers and the subprocesses the tests start share it,
+  at one path: JAX's cache key holds the cache's path, and the device count, so a subprocess that
+  simulates one device finds the entries of others that do."""
   from tlt_jax import distributed
-  path = str(tmp_path_factory.mktemp("xla_cache"))
-  distributed.setup_compilation_cache(path)
-  return path
+  base = tmp_path_factory.getbasetemp()
+  path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xla_cache"  # the workers' common parent
+  path.mkdir(exist_ok=True)
+  distributed.setup_compilation_cache(str(path))
+  return str(path)
 
 
 # Imports what the named CLI modules (or scripts: a path ending in .py) import (and runs `prelude`),

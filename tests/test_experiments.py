@@ -37,11 +37,10 @@ def test_experiment_flags_load(script, help_runs):
 
 
 @pytest.fixture(scope="module")
-def smoke_env(tmp_path_factory):
-  """The accelerator and gpu_check smokes' environment: one device and one persistent compilation cache
-  (JAX's environment variables; accelerator.py keeps it), so the second reuses what the first compiled."""
-  return {**os.environ, "XLA_FLAGS": xla_flags_without_device_count(),
-          "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("smoke_xla_cache")),
+def smoke_env(xla_cache):
+  """The accelerator and gpu_check smokes' environment: one device and the run's persistent compilation
+  cache (JAX's environment variables; accelerator.py keeps it), so the second reuses what the first compiled."""
+  return {**os.environ, "XLA_FLAGS": xla_flags_without_device_count(), "JAX_COMPILATION_CACHE_DIR": xla_cache,
           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
@@ -161,16 +160,16 @@ def test_gpu_check_plans_sd_at_batch_1_into_the_time_it_has():
   assert "rl" in got["after_b1"]["parts"]
 
 
-def test_seeds_runs_the_config_once_per_seed_and_reports_the_spread(tmp_path):
+def test_seeds_runs_the_config_once_per_seed_and_reports_the_spread(tmp_path, xla_cache):
   """`seeds.py` on the tiny smoke config with evaluations: a run per seed, each its own summary and
   metrics, the ranges over seeds and a figure with a line per seed; a second call keeps the runs.
-  The seeds share a compilation cache (the second seed compiles nothing new)."""
+  The seeds share the run's compilation cache (the second seed compiles nothing new)."""
   out = tmp_path / "seeds"
   env = {**os.environ, "XLA_FLAGS": xla_flags_without_device_count()}
   run = lambda: subprocess.run([sys.executable, "seeds.py", "--seeds=0,1", f"--out={out}",
                                 "--config=../configs/tiny.py:smoke", "--config.eval.every=1", "--config.eval.size=4",
                                 "--config.rollout.speculative=False",  # seeds, not speculation: no drafter warm-up
-                                f"--config.rollout.compilation_cache_dir={tmp_path / 'xla'}"], cwd=EXPERIMENTS, env=env,
+                                f"--config.rollout.compilation_cache_dir={xla_cache}"], cwd=EXPERIMENTS, env=env,
                                capture_output=True, text=True, timeout=900)
   done = run()
   assert done.returncode == 0, done.stderr[-3000:]

@@ -31,7 +31,7 @@ def readme_first_command() -> str:
   return re.search(r"```bash\n(.*?)\n```", section, re.S).group(1).strip()
 
 
-def test_readme_first_command_on_a_fresh_environment(tmp_path):
+def test_readme_first_command_on_a_fresh_environment(tmp_path, xla_cache):
   assert readme_first_command() == f"{INSTALL} && {RUN}"  # what this test runs is what the README says
   venv = tmp_path / "venv"
   subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
@@ -48,9 +48,10 @@ def test_readme_first_command_on_a_fresh_environment(tmp_path):
   assert absent == "['torch', 'pytest', 'hypothesis']", absent  # fresh: none of the test environment
   work = tmp_path / "newcomer"
   work.mkdir()
-  # XLA compiles at the suite's fast-compile settings (tests/conftest.py): the run is mostly compiling,
-  # and what is checked here is the environment and the pipeline, not XLA's optimizer.
-  run = subprocess.run(f"{RUN} --config={REPO}/configs/tiny.py:smoke", shell=True, cwd=work,
+  # XLA compiles at the suite's fast-compile settings into the run's compilation cache (tests/conftest.py): the
+  # run is mostly compiling, and what is checked here is the environment and the pipeline, not XLA's optimizer.
+  smoke = f"--config={REPO}/configs/tiny.py:smoke --config.rollout.compilation_cache_dir={xla_cache}"
+  run = subprocess.run(f"{RUN} {smoke}", shell=True, cwd=work,
                        env={**env, "XLA_FLAGS": FAST_COMPILE_FLAGS}, capture_output=True, text=True, timeout=1200)
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
   assert run.stdout.startswith("RL: 1 step ("), run.stdout[-3000:]
