@@ -1,1 +1,1 @@
-"""Reasoning RL: procedural tasks, tokenizer, rewards and datasets (losses and loop to come)."""
+"""Reasoning RL: tasks, tokenizer, rewards and datasets; SFT, the GRPO/DAPO loss, the actor and the trainer."""
