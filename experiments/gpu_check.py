@@ -6,7 +6,7 @@
 
 Parts, in order, each a subprocess of this script (`--part=NAME`) killed at its deadline: the budget
 left, split over the parts still to run by SHARES (time a part leaves unused goes to the later ones):
-  env      the device, the versions of what the package needs, `pip show` of setup.py's requirements,
+  env      the device, the versions of what the package needs, what `pip show` says of setup.py's requirements,
            the imports that must work (jax_triton only on a GPU), then the package end to end
            (`python -m tlt_jax.main --config=configs/tiny.py:smoke`; not with --nomain_smoke).
   kernels  experiments/bench_kernels.py at configs/r1_7b.py's attention shape in bfloat16: xla,

@@ -114,7 +114,7 @@ def test_gpu_check_smoke_runs_every_part_and_continues(tmp_path, smoke_env):
   assert "env: main smoke not run" in done.stdout
   with tarfile.open(out / "details.tar.gz") as tar:
     names = set(tar.getnames())
-  assert {"env/pip_show.txt", "kernels/result.json", "parity/reference.json", "figures/plan.json"} <= names
+  assert {"env/installed.txt", "kernels/result.json", "parity/reference.json", "figures/plan.json"} <= names
   assert all(f"{g['status']:<8} {name}" in done.stdout for name, g in goals.items())
   again = run()
   assert again.returncode == 0, again.stderr[-3000:]

@@ -13,13 +13,13 @@ A dict's "score" is the reward and its other numeric keys are logged (`reward/<k
   * "path/to/file.py:function" or "package.module:function".
 `check` imports it at start-up, so a reward that cannot be loaded stops the run before anything else.
 
-`Scorer` runs the calls in a pool of worker processes (forked from a server process that imported
-this module and nothing of the trainer's, where the platform has one, else spawned: rewards never share
-the trainer's threads; each adopts the trainer's import path and directory), each call under a timeout: a reward that raises or hangs scores 0, is counted
-(`reward/failures`, `reward/timeouts`) and logged for the first few samples with the sample's index;
-a hung worker is replaced. A score that is not a finite number, or a dict without "score", is a
-`RewardError` naming the row: a bug in the reward rather than a hard sample. `workers=0` scores in
-this process, with no timeout.
+`Scorer` runs the calls in a pool of worker processes, each call under a timeout: a reward that
+raises or hangs scores 0, is counted (`reward/failures`, `reward/timeouts`) and logged for the first
+few samples with the sample's index; a hung worker is replaced. A score that is not a finite number,
+or a dict without "score", is a `RewardError` naming the row: a bug in the reward rather than a hard
+sample. The workers fork from a server process that imported this module and nothing of the
+trainer's (spawned where the platform has no forkserver): rewards never share the trainer's threads;
+each adopts the trainer's import path and directory. `workers=0` scores in this process, with no timeout.
 """
 
 from __future__ import annotations
