@@ -13,13 +13,12 @@ A dict's "score" is the reward and its other numeric keys are logged (`reward/<k
   * "path/to/file.py:function" or "package.module:function".
 `check` imports it at start-up, so a reward that cannot be loaded stops the run before anything else.
 
-`Scorer` runs the calls in a pool of worker processes, each call under a timeout: a reward that
-raises or hangs scores 0, is counted (`reward/failures`, `reward/timeouts`) and logged for the first
-few samples with the sample's index; a hung worker is replaced. A score that is not a finite number,
-or a dict without "score", is a `RewardError` naming the row: a bug in the reward rather than a hard
-sample. The workers fork from a server process that imported this module and nothing of the
-trainer's (spawned where the platform has no forkserver): rewards never share the trainer's threads;
-each adopts the trainer's import path and directory. `workers=0` scores in this process, with no timeout.
+`Scorer` runs the calls in a pool of worker processes (spawned: rewards never share the trainer's
+threads), each call under a timeout: a reward that raises or hangs scores 0, is counted
+(`reward/failures`, `reward/timeouts`) and logged for the first few samples with the sample's index;
+a hung worker is replaced. A score that is not a finite number, or a dict without "score", is a
+`RewardError` naming the row: a bug in the reward rather than a hard sample. `workers=0` scores in
+this process, with no timeout.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ import math
 import multiprocessing
 import numbers
 import os
-import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -164,23 +162,6 @@ def _call(spec: str, item: Item | None) -> tuple[str, Any]:
     return "error", f"{type(e).__name__}: {e}"
 
 
-def _context():
-  """forkserver where the platform has it: one server process imports this module once and each worker
-  is a fork of it, started in milliseconds (a spawned worker imports the trainer's main module again,
-  seconds each: jax, flax, transformers); spawn elsewhere."""
-  if "forkserver" not in multiprocessing.get_all_start_methods():
-    return multiprocessing.get_context("spawn")
-  context = multiprocessing.get_context("forkserver")
-  context.set_forkserver_preload([__name__])
-  return context
-
-
-def _adopt(path: list[str], cwd: str) -> None:
-  """A worker's start: the trainer's import path and directory now (the server has them from its own start)."""
-  sys.path[:] = path
-  os.chdir(cwd)
-
-
 def _number(value: Any) -> float | None:
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
     return None
@@ -199,7 +180,7 @@ class Scorer:
     """The pool, its workers started and `spec` loaded in them (a worker's start, imports included, takes
     seconds: it is not a call's time)."""
     if self._pool is None:
-      self._pool = _context().Pool(self.workers, initializer=_adopt, initargs=(list(sys.path), os.getcwd()))
+      self._pool = multiprocessing.get_context("spawn").Pool(self.workers)
       self._loaded = set()
     if spec not in self._loaded:
       try:
