@@ -25,13 +25,14 @@ import sys
 import traceback
 from typing import Callable, Iterator, NoReturn
 
-import jax
 import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from tlt_jax import files
-from tlt_jax.rollout import sampling
+
+# jax (and what imports it) is imported inside the functions that need it: tlt_jax.main imports this module,
+# and so does every reward worker it spawns (rl/rewards.py), which never needs jax.
 
 
 class InputError(ValueError):
@@ -57,6 +58,7 @@ def provenance() -> dict[str, str | None]:
     commit = head.stdout.strip() + ("+changes" if changed.stdout.strip() else "") if head.returncode == 0 else None
   except OSError:  # no git on this machine
     commit = None
+  import jax  # pylint: disable=import-outside-toplevel
   devices = jax.devices()
   return {"command": " ".join([program, *map(shlex.quote, sys.argv[1:])]),
           "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {len(devices)} x {devices[0].device_kind}, "
@@ -150,6 +152,7 @@ def scan_layers(holder: flags.FlagHolder) -> bool:
   """`--scan_layers` as given; by default unrolled on a CPU, where XLA copies each layer's weights out of
   the stack at every step of a scan (a weight-bound decode step at about half the speed: docs/BENCHMARKS.md,
   "Scanned vs unrolled layers"), and scanned on a GPU or TPU, which compiles one layer body for all."""
+  import jax  # pylint: disable=import-outside-toplevel
   return holder.value if holder.value is not None else jax.default_backend() != "cpu"
 
 
@@ -208,6 +211,7 @@ def _renamed(keys: list[str]) -> str | None:
 def check_sampling_flags(**holders: flags.FlagHolder) -> None:
   """Checks each flag, given under its SamplingParams field name, with SamplingParams' own bounds
   (`sampling.check_field`) when the flags are parsed."""
+  from tlt_jax.rollout import sampling  # pylint: disable=import-outside-toplevel
   for field, holder in holders.items():
     def check(value, field=field):
       try:

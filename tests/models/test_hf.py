@@ -17,6 +17,7 @@ from tlt_jax import cli
 from tlt_jax.models import KVCache, hf, transformer
 from tlt_jax.models.config import ConfigError
 
+import jax
 import jax.numpy as jnp
 
 
@@ -57,7 +58,7 @@ def test_tools_unroll_layers_on_a_cpu(hf_dirs, monkeypatch):
 
   assert [resolved(), resolved("--scan_layers"), resolved("--noscan_layers")] == [False, True, False]
   for backend in ("gpu", "tpu"):
-    monkeypatch.setattr(cli.jax, "default_backend", lambda backend=backend: backend)
+    monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
     assert [resolved(), resolved("--scan_layers"), resolved("--noscan_layers")] == [True, True, False]
   path, _ = hf_dirs["qwen2_untied"]
   assert [hf.from_pretrained(path, scan_layers=s).config.scan_layers for s in (None, False)] == [True, False]

@@ -3,6 +3,7 @@ module), and the scorer's pool: failures, timeouts and bad scores."""
 
 import logging
 import os
+import subprocess
 import sys
 import textwrap
 import threading
@@ -126,6 +127,26 @@ def test_a_users_reward_file_scores_and_logs_its_extra_keys(user_reward, workers
   np.testing.assert_array_equal(scores, [0.5, 0.0, 0.5])
   assert stats == {"mean": pytest.approx(1 / 3), "failures": 0.0, "timeouts": 0.0, "acc": pytest.approx(2 / 3),
                    "len": pytest.approx(4 / 3), "source_is_mine": 1.0}
+
+
+def test_a_worker_of_the_trainer_imports_its_main_module_without_jax(tmp_path):
+  """A spawned worker imports the program's main module again (`python -m tlt_jax.main`'s, as
+  multiprocessing prepares it): cheap, seconds of CPU for each of a run's workers otherwise."""
+  (tmp_path / "probe.py").write_text(textwrap.dedent("""
+      import sys
+      def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        main = sys.modules.get("__mp_main__")
+        return {"score": float("jax" in sys.modules), "main": float(getattr(main, "__spec__", None) is not None
+                                                                     and main.__spec__.name == "tlt_jax.main")}
+      """))
+  code = ("import importlib.util, sys; from tlt_jax.rl import rewards; "
+          "sys.modules['__main__'].__spec__ = importlib.util.find_spec('tlt_jax.main'); "
+          "scorer = rewards.Scorer(workers=1, timeout_s=60); "
+          f"scores, stats = scorer.score({str(tmp_path / 'probe.py')!r} + ':compute_score', "
+          "[rewards.Item('mine', '4', '4', {})]); scorer.close(); print(scores.tolist(), stats['main'])")
+  run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert run.stdout.split() == ["[0.0]", "1.0"], run.stdout  # jax not loaded; the main module was
 
 
 def test_a_module_reward(tmp_path, monkeypatch):
