@@ -217,8 +217,8 @@ def xla_cache(tmp_path_factory):
   return str(path)
 
 
-# Imports what the named CLI modules (or scripts: a path ending in .py) import (and runs `prelude`),
-# once, then runs `python -m MODULE ARGS...` (`python SCRIPT ARGS...`) for each case in a fork, in the
+# Imports what the named CLI modules (or scripts: a path ending in .py) import, in their functions too (and
+# runs `prelude`), once, then runs `python -m MODULE ARGS...` (`python SCRIPT ARGS...`) for each case in a fork, in the
 # case's directory, its stdout and stderr in files, exiting as the interpreter would (a string
 # SystemExit is printed, anything else is a traceback) but without its slow start and teardown: each
 # CLI's own code path, cheaply.
@@ -230,13 +230,18 @@ origin = lambda case: os.path.join(case["cwd"], case["module"]) if script(case) 
     importlib.util.find_spec(case["module"]).origin
 sys.path[:0] = sorted({os.path.dirname(origin(case)) for case in cases if script(case)})  # as `python SCRIPT` has
 for path in sorted({origin(case) for case in cases}):
-  for node in ast.parse(open(path).read()).body:
-    for alias in getattr(node, "names", ()) if isinstance(node, (ast.Import, ast.ImportFrom)) else ():
+  for node in ast.walk(ast.parse(open(path).read())):  # the functions' imports too (tlt_jax.main's are there)
+    if not isinstance(node, (ast.Import, ast.ImportFrom)) or getattr(node, "level", 0):
+      continue
+    for alias in node.names:
       name = f"{node.module}.{alias.name}" if isinstance(node, ast.ImportFrom) else alias.name
       try:
         importlib.import_module(name)
-      except ImportError:  # `from module import attribute`
-        importlib.import_module(node.module)
+      except ImportError:  # `from module import attribute`, or an optional module the case may not need
+        try:
+          importlib.import_module(node.module or name)
+        except ImportError:
+          pass
 exec(sys.argv[2])
 for case in cases:
   sys.stdout.flush()
