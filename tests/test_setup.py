@@ -22,7 +22,9 @@ from tests.conftest import FAST_COMPILE_FLAGS, run_clis
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INSTALL, RUN = "pip install -e .", "python -m tlt_jax.main"
-_NOT_INHERITED = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "XLA_FLAGS")  # nor JAX_*: a newcomer sets none
+# Nor JAX_*: a newcomer sets none. A newcomer's Python writes bytecode: the run's reward workers read what its main
+# process compiled (this machine's PYTHONDONTWRITEBYTECODE=1 had each of them compile its imports again).
+_NOT_INHERITED = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "XLA_FLAGS", "PYTHONDONTWRITEBYTECODE")
 
 
 def readme_first_command() -> str:
