@@ -27,8 +27,9 @@ from absl import flags, logging
 
 from tlt_jax import cli
 from tlt_jax import config as config_lib
+from tlt_jax import files
 
-# The rest of the package is imported inside the functions: a spawned reward worker (rl/rewards.py) imports
+# The rest of the package (and jax) is imported inside main(): a spawned reward worker (rl/rewards.py) imports
 # this module again, as multiprocessing prepares every worker of a `python -m` program, and needs none of it.
 _CONFIG = cli.define_config(config_lib.__file__)  # its get_config(): the tiny world, found in an installed copy too
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Same as --config.dry_run=True.")
@@ -59,7 +60,6 @@ class _StopSignal:
 def check_outputs(config) -> None:
   """The workdir and the compilation cache can be written, and the export replaces no input (before
   any work)."""
-  from tlt_jax import files  # pylint: disable=import-outside-toplevel
   export = os.path.join(config.workdir, "export")
   for key in ("policy.path", "drafter.path", "data.path", "eval.path"):
     path = config_lib.config_value(config, key)
@@ -79,7 +79,7 @@ def check_outputs(config) -> None:
 
 def main(argv):
   del argv
-  from tlt_jax import distributed, files, metrics, report  # pylint: disable=import-outside-toplevel
+  from tlt_jax import distributed, metrics, report  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl import checks  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
   config = cli.config_value(_CONFIG)
