@@ -34,10 +34,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # --durations=0). pytest-xdist (--dist loadfile) hands a worker the next file as it runs out: these
 # first and the many short ones last, so that the two workers finish together (its default order, by
 # number of tests, left a worker alone with a few-test file of minutes at the end).
-COSTLIEST_FIRST = ("rollout/test_engine.py", "test_experiments.py", "rl/test_trainer.py", "test_setup.py",  # 560-170 s
-                   "test_bench.py", "test_main.py", "test_distributed.py", "test_notebooks.py",  # 170-100 s
-                   "rollout/test_speculative.py", "test_generate.py", "models/test_gguf.py",  # 90-70 s
-                   "kernels/test_tree_attention.py", "test_train_drafter.py", "rl/test_actor.py", "rollout/test_tlt.py")
+COSTLIEST_FIRST = ("rollout/test_engine.py", "test_experiments.py", "test_main.py", "test_notebooks.py",  # 680-195 s
+                   "test_setup.py", "test_bench.py", "rl/test_trainer.py", "test_distributed.py",  # 195-170 s
+                   "rollout/test_speculative.py", "test_generate.py", "models/test_gguf.py",  # 110-65 s
+                   "test_train_drafter.py", "kernels/test_tree_attention.py", "rollout/test_tlt.py", "rl/test_actor.py")
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 assert all(os.path.isfile(os.path.join(_TESTS, name)) for name in COSTLIEST_FIRST), "COSTLIEST_FIRST names a lost file"
 
@@ -217,11 +217,12 @@ def xla_cache(tmp_path_factory):
   return str(path)
 
 
-# Imports what the named CLI modules (or scripts: a path ending in .py) import, in their functions too (and
-# runs `prelude`), once, then runs `python -m MODULE ARGS...` (`python SCRIPT ARGS...`) for each case in a fork, in the
-# case's directory, its stdout and stderr in files, exiting as the interpreter would (a string
-# SystemExit is printed, anything else is a traceback) but without its slow start and teardown: each
-# CLI's own code path, cheaply.
+# Imports what the named CLI modules (or scripts: a path ending in .py) import, in their functions too
+# (and runs `prelude`), once, then runs `python -m MODULE ARGS...` (`python SCRIPT ARGS...`) for each
+# case in a fork, in the case's directory, its stdout and stderr in files, exiting as the interpreter
+# would (a string SystemExit is printed, anything else is a traceback) but without its slow start and
+# teardown: each CLI's own code path, cheaply. An import that fails here fails again, with its
+# traceback, in the case that needs it.
 _FORKING_CLIS = """
 import ast, importlib, json, os, runpy, sys, traceback
 cases = json.loads(sys.argv[1])
