@@ -11,11 +11,13 @@ from tlt_jax import metrics, report
 
 def _records(first_prompts, last_prompts, train=(0.1, 0.3, 0.2, 0.4)):
   evaluation = lambda step, p: {"step": step, "eval/reward": float(np.mean(p)), "eval/reward_ci95": metrics.ci95(p),
-                                "eval/prompt_rewards": list(p), "eval/answered": 0.5 + step / 10}
+                                "eval/prompt_rewards": list(p), "eval/answered": 0.5 + step / 10,
+                                "eval/reward_failures": float(step == 2)}
   steps = [{"step": i + 1, "reward/mean": r, "rollout/tokens_per_s": 100.0 * (i + 1), "time/rollout_s": 2.0,
             "time/step_s": 3.0, "rollout/tail_share": 0.5, "rollout/sd_share": 0.2 * (i % 2),
             "rollout/accept_len": 2.0 + i, "rollout/compilations": 7 if i == 0 else 0, "drafter/version": i + 1,
-            "response_length/median": 20, "response_length/p90": 60} for i, r in enumerate(train)]
+            "response_length/median": 20, "response_length/p90": 60, "train/updates": 2 if i else 0,
+            "reward/failures": float(i == 3), "reward/timeouts": float(i == 2)} for i, r in enumerate(train)]
   return [evaluation(0, first_prompts), *steps[:2], evaluation(2, first_prompts), *steps[2:],
           evaluation(len(train), last_prompts)]
 
@@ -65,9 +67,12 @@ def test_summary_leads_with_the_held_out_reward_then_the_rollout_then_the_output
   assert lines[2].startswith("    change +0.133 +- ") and lines[2].endswith("(paired over 3 prompts): up")
   assert lines[3] == "  held-out responses with an answer line: 50% -> 90%"
   assert lines[4].startswith("  training reward, first / last 2 steps: 0.200 / 0.300")
-  assert lines[5] == ("rollout (steps after the first): 300 tokens/s, tail 50% of decode time, acceptance 4.00 "
+  assert s["training"] == {"reward_failures": 2, "eval_reward_failures": 1, "steps_without_update": 1, "steps": 4}
+  assert lines[5] == ("  reward calls failed: 2 in the steps, 1 in the evaluations; steps without a policy update: 1 "
+                      "of 4")
+  assert lines[6] == ("rollout (steps after the first): 300 tokens/s, tail 50% of decode time, acceptance 4.00 "
                       "tokens per verify, drafter v4")
-  assert lines[6:] == ["outputs:", f"  metrics:     {tmp_path / 'metrics.jsonl'}"]
+  assert lines[7:] == ["outputs:", f"  metrics:     {tmp_path / 'metrics.jsonl'}"]
   no_eval = [r for r in _records([0.1], [0.2]) if "eval/reward" not in r]
   assert "  no held-out evaluation (config.eval.every=0)" in report.text(report.summary(no_eval, str(tmp_path)))
 

@@ -91,12 +91,17 @@ def base() -> ml_collections.ConfigDict:
   c.data.answer_key = ""  # a dotted path into the row, e.g. "reward_model.ground_truth"
   c.data.answer_regex = ""  # its first group is the ground truth, e.g. "#### (.*)" for GSM8K's answers
   c.data.system_prompt = ""  # a system turn before every prompt that has none
-  # What scores a response (tlt_jax.rl.rewards): a built-in (reasoning_gym, math_verify, format, auto),
-  # "path/to/file.py:function" or "package.module:function" with verl's signature
-  # compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict.
-  c.data.reward = "reasoning_gym"
+  # What scores a response (tlt_jax.rl.rewards): a built-in (auto: each row by its data_source; reasoning_gym,
+  # math_verify, gsm8k, format), or a function of yours, "path/to/file.py:function" or "package.module:function",
+  # in verl's convention (compute_score(data_source, solution_str, ground_truth, extra_info), or its batch one)
+  # or TRL's (reward(completions, **kwargs) -> list); a tuple of them is summed with `reward_weights`.
+  c.data.reward = _any("auto")
+  c.data.reward_weights = ()  # one per function of data.reward (() = 1 each)
   c.data.reward_workers = 4  # worker processes scoring rewards (0: in the trainer's process, no timeout)
   c.data.reward_timeout_s = 60.0  # a call that takes longer scores 0 and is counted
+  # More failed (raised or timed out) reward calls than this share of a step's or an evaluation's, or all of
+  # them, stop the run with an error naming the reward and the first exception.
+  c.data.reward_max_failures = 0.1
 
   c.sft = ml_collections.ConfigDict()  # the tiny policy's warm start (tlt_jax.sft)
   c.sft.num_problems = 20000
@@ -233,6 +238,11 @@ def base() -> ml_collections.ConfigDict:
   return c
 
 
+def _any(value) -> ml_collections.FieldReference:
+  """A key that takes a string or a tuple (`--config.data.reward="('a.py:f', 'b.py:g')"`)."""
+  return ml_collections.FieldReference(value, field_type=object)
+
+
 def smoke(c: ml_collections.ConfigDict) -> None:
   """Seconds-sized shapes (`get_config("smoke")` of a config file): a 2-layer tiny policy, short prompts
   and responses, one RL step on one device (one rollout group). For notebook smoke runs and tests."""
@@ -354,7 +364,8 @@ def eval_set(**keys) -> ml_collections.ConfigDict:
   s = ml_collections.ConfigDict()
   s.path = ""  # a .jsonl / .parquet file or a datasets.save_to_disk directory (the `data.path` formats)
   s.prompt_key, s.answer_key, s.answer_regex, s.system_prompt = "", "", "", ""  # as data.*
-  s.reward = "math_verify"  # as data.reward
+  s.reward = _any("auto")  # as data.reward
+  s.reward_weights = ()
   s.size = 0  # prompts: the first this many (0: all)
   s.num_samples = 4  # responses per prompt
   s.temperature = -1.0  # -1: the rollout's

@@ -103,6 +103,7 @@ def main(argv):
     return
   check_outputs(config)
   from tlt_jax.rl import bootstrap  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rl.rewards import RewardError  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl.trainer import NonFiniteUpdates, Trainer  # pylint: disable=import-outside-toplevel
   resume = shlex.join(["python", "-m", "tlt_jax.main", *sys.argv[1:]])
   stop = _StopSignal(os.path.join(os.path.abspath(config.workdir), "checkpoints"), resume)
@@ -114,7 +115,7 @@ def main(argv):
     cli.fail(str(e))
   try:
     records = trainer.run(stop=lambda: stop.reason)
-  except (NonFiniteUpdates, OSError) as e:  # diverged; a checkpoint or metrics write failed; a rollout timed out
+  except (NonFiniteUpdates, RewardError, OSError) as e:  # diverged; rewards failed or are no numbers; a write failed
     cli.fail(str(e))
   finally:
     trainer.close()

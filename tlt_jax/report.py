@@ -2,7 +2,8 @@
 
 `summary(records, workdir)` reads a run's metrics records (metrics.jsonl, resumed parts included)
 and leads with the held-out evaluation (first and last, each with its 95% interval, and whether
-the change is larger than their noise), then the rollout's figures (tokens/s, the tail's share of
+the change is larger than their noise), then what the steps could learn from (failed reward calls,
+steps without an update), then the rollout's figures (tokens/s, the tail's share of
 decode time, acceptance length, drafter version), then where the outputs are. `text` renders it for
 the terminal; `figure` draws reward (held-out, with intervals, and training), response length,
 rollout time and acceptance per step (matplotlib, an optional dependency: without it, one line saying so and no figure).
@@ -95,11 +96,24 @@ def training_reward(records: list[dict]) -> dict | None:
   return {"first_steps": mean(steps[:window]), "last_steps": mean(steps[-window:]), "window": window}
 
 
+def training(records: list[dict]) -> dict | None:
+  """What the steps could learn from: reward calls that failed or timed out (each scored 0), in the steps and
+  in the evaluations, and the steps without a policy update (no group with a reward signal, or every update
+  skipped)."""
+  steps = [r for r in records if "reward/mean" in r]
+  if not steps:
+    return None
+  return {"reward_failures": int(sum(r.get("reward/failures", 0) + r.get("reward/timeouts", 0) for r in steps)),
+          "eval_reward_failures": int(sum(v for r in records for k, v in r.items() if k.startswith("eval/")
+                                          and k.endswith("reward_failures"))),
+          "steps_without_update": sum(r.get("train/updates", 0) == 0 for r in steps), "steps": len(steps)}
+
+
 def summary(records: list[dict], workdir: str, *, figure: str | None = None, wall_s: float | None = None) -> dict:
   steps = [r["step"] for r in records if "reward/mean" in r]
   out = {"steps": max(steps, default=0), "wall_s": wall_s, "held_out": held_out(records),
          "eval_sets": eval_sets(records) or None, "rollout": rollout(records),
-         "training_reward": training_reward(records)}
+         "training_reward": training_reward(records), "training": training(records)}
   paths = {"metrics": os.path.join(workdir, "metrics.jsonl"), "tensorboard": os.path.join(workdir, "tensorboard"),
            "figure": figure, "export": os.path.join(workdir, "export"),
            "checkpoints": os.path.join(workdir, "checkpoints")}
@@ -136,6 +150,10 @@ def text(s: dict) -> str:
   if t:
     lines.append(f"  training reward, first / last {t['window']} steps: {t['first_steps']:.3f} / "
                  f"{t['last_steps']:.3f} (each step's prompts differ: noisy)")
+  t = s.get("training")
+  if t:
+    lines.append(f"  reward calls failed: {t['reward_failures']} in the steps, {t['eval_reward_failures']} in the "
+                 f"evaluations; steps without a policy update: {t['steps_without_update']} of {t['steps']}")
   r = s.get("rollout", {})
   parts = []
   if "tokens_per_s" in r:

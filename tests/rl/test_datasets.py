@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tlt_jax.rl import datasets
-from tlt_jax.rl import rewards
+from tlt_jax.rl import rewards, scorer
 from tlt_jax.rl import tokenizer as tokenizer_lib
 
 # Eurus-2-RL / verl shape: chat messages and a nested ground truth.
@@ -64,8 +64,10 @@ def test_file_shapes_load(tokenizer, tmp_path, writer, suffix, rows, ground_trut
   assert dataset.skipped == {}
   assert [e.ground_truth for e in dataset] == ground_truths
   for line, (example, row) in enumerate(zip(dataset, rows), start=1):
-    assert example.reward == "math_verify"
+    assert example.reward == rewards.Reward.of("auto")
     assert (example.where, example.data_source, example.extra_info) == (f"{path}:{line}", row["data_source"], {})
+    assert example.columns == row and example.chat == (rows is VERL_ROWS)  # a TRL reward's columns, its prompt form
+    assert example.item("x").prompt == (row["prompt"] if rows is VERL_ROWS else row["prompt"])
     assert example.prompt.startswith("<bos>") and example.prompt.endswith("<|assistant|>")
     assert tokenizer.decode(example.prompt_ids) == example.prompt
   if rows is VERL_ROWS:
@@ -90,13 +92,16 @@ def test_keys_regex_system_prompt_and_what_reaches_the_reward(tokenizer, tmp_pat
   keys = datasets.Keys(prompt_key="question", answer_key="answer", answer_regex="#### (.*)",
                        system_prompt="Reason, then answer.")
   dataset = datasets.from_file(path, tokenizer, keys=keys)
-  assert [e.ground_truth for e in dataset] == ["7", "5"] and dataset.skipped == {"answer_regex_no_match": 1}
+  # Where the regex does not match, the ground truth is taken as it is (verl's are bare already).
+  assert [e.ground_truth for e in dataset] == ["7", "5", "just prose"] and dataset.skipped == {}
   first = dataset[0]
   assert first.prompt == ("<bos><|system|>Reason, then answer.<|user|>Tom has 3 apples and buys 4. How many?"
                           "<|assistant|>")
-  item = first.item("so 7\nAnswer: 7")
+  item = first.item("so 7\nAnswer: 7", [5, 6])
   assert (item.data_source, item.ground_truth, item.extra_info, item.where) == (
       "openai/gsm8k", "7", {"split": "test", "index": 0}, f"{path}:1")
+  # TRL's `prompts` entry for a string prompt is the string; its tokens and the row's columns come along.
+  assert (item.prompt, item.completion_ids, item.columns) == (GSM8K_ROWS[0]["question"], (5, 6), GSM8K_ROWS[0])
   nested = datasets.from_file(_write_jsonl(tmp_path / "verl.jsonl", VERL_ROWS), tokenizer,
                               keys=datasets.Keys(answer_key="reward_model.ground_truth"))
   assert [e.ground_truth for e in nested] == ["42", "\\frac{1}{2}"]
@@ -187,6 +192,37 @@ def test_bad_reward_fails_fast(tokenizer, tmp_path):
   path = _write_jsonl(tmp_path / "d.jsonl", FLAT_ROWS)
   with pytest.raises(ValueError, match="unknown reward"):
     datasets.from_file(path, tokenizer, reward="accuracy")
+  # A TRL function's required parameter must be a column of the file.
+  (tmp_path / "r.py").write_text("def acc(completions, answer, **kwargs):\n  return [1.0] * len(completions)\n")
+  with pytest.raises(ValueError, match=r"d.jsonl: reward '.*r.py:acc': its required parameter 'answer' is neither"):
+    datasets.from_file(path, tokenizer, reward=f"{tmp_path}/r.py:acc")
+  assert len(datasets.from_file(_write_jsonl(tmp_path / "a.jsonl", GSM8K_ROWS[:2]), tokenizer,
+                                reward=f"{tmp_path}/r.py:acc")) == 2
+
+
+def test_a_row_the_reward_cannot_score_is_an_error_naming_it(tokenizer, tmp_path):
+  """reasoning_gym reads a reasoning-gym entry that a file's rows do not hold: refused at start-up, not 0 on
+  every sample. auto sends such rows (no reasoning-gym source) to math_verify."""
+  path = _write_jsonl(tmp_path / "d.jsonl", FLAT_ROWS)
+  with pytest.raises(rewards.Unscorable, match=r"d.jsonl:1: reward 'reasoning_gym' scores it with reasoning-gym's "
+                                               r"scorer, which reads the row's reasoning-gym entry \(extra_info.entry\)"):
+    datasets.from_file(path, tokenizer, reward="reasoning_gym")
+  assert len(datasets.from_file(path, tokenizer, reward="auto")) == 2
+
+
+def test_verl_gsm8k_files_need_no_keys(tokenizer, tmp_path):
+  """verl's preprocessed GSM8K (chat prompt with its instruction, a bare ground truth) and GSM8K's own rows
+  both load with the default keys and GSM8K's answer regex; the default reward scores them with gsm8k."""
+  verl = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{r['question']} Let's think step "
+                                                      "by step and output the final answer after \"####\"."}],
+           "ability": "math", "reward_model": {"style": "rule", "ground_truth": r["answer"].split("####")[-1].strip()},
+           "extra_info": {"split": "train", "index": i}} for i, r in enumerate(GSM8K_ROWS[:2])]
+  keys = datasets.Keys(answer_regex="#### (.*)")
+  for rows in (verl, GSM8K_ROWS[:2]):
+    dataset = datasets.from_file(_write_parquet(tmp_path / "d.parquet", rows), tokenizer, keys=keys)
+    assert [e.ground_truth for e in dataset] == ["7", "5"]
+  scores, stats = scorer.Scorer(workers=0).score("auto", [dataset[0].item("3 + 4 = 7\n#### 7")])
+  assert scores.tolist() == [1.0] and stats["formatted"] == 1.0
 
 
 def test_procedural_dataset(tokenizer):
@@ -194,10 +230,12 @@ def test_procedural_dataset(tokenizer):
   assert len(dataset) == 32 and dataset.skipped == {}
   assert dataset.examples == datasets.from_tasks("chain_sum", tokenizer, size=32, seed=0).examples
   example = dataset[0]
-  assert example.reward == "reasoning_gym" and example.data_source == "chain_sum"
+  assert example.reward == rewards.Reward.of("auto") and example.data_source == "chain_sum"
   assert example.prompt == f"<bos><|user|>{example.extra_info['entry']['question']}<|assistant|>"
   assert tokenizer.decode(example.prompt_ids) == example.prompt
-  scores_B, stats = rewards.Scorer(workers=0).score("reasoning_gym", [e.item(e.solution) for e in dataset])
+  assert example.columns == {"prompt": example.extra_info["entry"]["question"], "ground_truth": example.ground_truth,
+                             "data_source": "chain_sum", "extra_info": example.extra_info}
+  scores_B, stats = scorer.Scorer(workers=0).score("auto", [e.item(e.solution) for e in dataset])
   assert scores_B.tolist() == [1.0] * 32 and stats["failures"] == 0
 
 
@@ -211,10 +249,10 @@ def test_procedural_dataset_skips_long_prompts(tokenizer):
 
 def test_load_dispatches_on_source(tokenizer, tmp_path):
   procedural = datasets.load("basic_arithmetic", tokenizer, size=4, seed=1)
-  assert len(procedural) == 4 and procedural[0].reward == "reasoning_gym"
+  assert len(procedural) == 4 and procedural[0].reward == rewards.Reward.of("auto")
   path = _write_parquet(tmp_path / "d.parquet", VERL_ROWS)
   from_file = datasets.load(path, tokenizer, size=4, seed=1, reward="format")
-  assert len(from_file) == 2 and from_file[0].reward == "format"
+  assert len(from_file) == 2 and from_file[0].reward == rewards.Reward.of("format")
   with pytest.raises(FileNotFoundError, match="chain_sum"):
     datasets.load("chain_summ", tokenizer, size=4, seed=1)
 

@@ -1,12 +1,11 @@
-"""Tests for tlt_jax/rl/rewards.py: the built-ins, rewards of the user's (verl's signature, by file or
-module), and the scorer's pool: failures, timeouts and bad scores."""
+"""Tests for tlt_jax/rl/rewards.py: the built-ins, loading a user's functions, reading their calling
+convention (verl's, verl's batch, TRL's) and calling them as verl and TRL do (TRL's own `_calculate_rewards`
+is the reference)."""
 
-import logging
-import os
-import subprocess
-import sys
+import math
 import textwrap
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -66,11 +65,34 @@ def test_format_reward(response, score):
   assert rewards.load("format")(None, response, None) == score
 
 
+@pytest.mark.parametrize(
+    "response, ground_truth, score, formatted",
+    [("3 + 4 = 7\n#### 7", "7", 1.0, 1.0), ("#### 1,234", "1234", 1.0, 1.0), ("#### 7.0", "7", 1.0, 1.0),
+     ("it is 7", "7", 1.0, 0.0), ("#### 8 and later 7", "7", 0.0, 1.0), ("#### -3", "-3", 1.0, 1.0),
+     ("no number", "7", 0.0, 0.0), (None, "7", 0.0, 0.0), ("#### 7", "seven", 0.0, 1.0)],
+)
+def test_gsm8k_reward(response, ground_truth, score, formatted):
+  """The number after the last "####", else the last number (not formatted), equal as numbers."""
+  assert rewards.load("gsm8k")("openai/gsm8k", response, ground_truth) == {"score": score, "formatted": formatted}
+
+
 def test_auto_routes_each_row_by_its_data_source(problem):
-  """A dataset mixing sources: reasoning-gym's rows to its scorer, the rest to math_verify."""
+  """A dataset mixing sources: reasoning-gym's rows to its scorer, GSM8K's to gsm8k, the rest to math_verify."""
   auto = rewards.load("auto")
   assert auto("chain_sum", problem.solution, problem.answer, {"entry": problem.entry}) == 1.0
-  assert auto("openai/gsm8k", "so \\boxed{12}", "12", {}) == 1.0  # math_verify: no entry needed
+  assert auto("openai/gsm8k", "so 12\n#### 12", "12", {}) == {"score": 1.0, "formatted": 1.0}
+  assert auto("openai/gsm8k", "so \\boxed{12}", "12", {})["score"] == 1.0  # its last number
+  assert auto("lighteval/MATH", "so \\boxed{\\frac{1}{2}}", "0.5", {}) == 1.0  # math_verify: no entry needed
+
+
+def test_cannot_score_names_what_a_row_lacks(problem):
+  """reasoning_gym (and auto on a reasoning-gym source) reads the row's entry: a file without it is refused."""
+  item = lambda source, extra: rewards.Item(source, None, "7", extra)
+  for spec in ("reasoning_gym", "auto"):
+    assert "extra_info.entry" in rewards.cannot_score(rewards.Reward.of(spec), item("chain_sum", {}))
+    assert rewards.cannot_score(rewards.Reward.of(spec), item("chain_sum", {"entry": problem.entry})) is None
+  assert rewards.cannot_score(rewards.Reward.of("auto"), item("openai/gsm8k", {})) is None
+  assert rewards.cannot_score(rewards.Reward.of(("format", "reasoning_gym")), item(None, {})) is not None
 
 
 def test_unknown_or_unloadable_rewards_say_why(tmp_path):
@@ -86,106 +108,144 @@ def test_unknown_or_unloadable_rewards_say_why(tmp_path):
     rewards.load("tlt_jax.rl.rewards:score")
 
 
-# A verl user's reward file, unchanged: it reads the data source and the extra info, returns a dict with more
-# to log, raises on one sample, hangs on another.
-USER_REWARD = textwrap.dedent("""
-    import time
 
-    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-      if solution_str == "boom":
-        raise RuntimeError("scorer exploded")
-      if solution_str == "hang":
-        time.sleep(60)
-      if solution_str == "nan":
-        return float("nan")
-      if solution_str == "no score":
-        return {"acc": 1.0}
-      right = solution_str.strip() == ground_truth
-      return {"score": float(right) * extra_info.get("weight", 1.0), "acc": float(right), "len": len(solution_str),
-              "source_is_mine": float(data_source == "mine")}
+
+# Reward functions as verl and TRL users write them: parameters reordered, subsets, **kwargs, async, batches.
+USER_REWARDS = textwrap.dedent("""
+    import asyncio
+
+    def verl_reordered(solution_str, ground_truth, **kwargs):
+      return {"score": float(solution_str.strip() == ground_truth), "source": float(kwargs["data_source"] == "mine")}
+
+    def verl_subset(ground_truth, solution_str):
+      return float(solution_str.strip() == ground_truth)
+
+    def verl_batch(solution_strs, ground_truths, extra_infos=None, **kwargs):
+      return [float(s.strip() == g) * e.get("weight", 1.0) for s, g, e in zip(solution_strs, ground_truths, extra_infos)]
+
+    def trl_accuracy(completions, answer, **kwargs):
+      texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+      kwargs["log_metric"]("step_seen", kwargs["trainer_state"].global_step)
+      return [None if t == "skip" else float(t.strip() == a) for t, a in zip(texts, answer)]
+
+    async def trl_length(prompts, completions, completion_ids, **kwargs):
+      await asyncio.sleep(0)
+      return [len(ids) / 10 for ids in completion_ids]
+
+    def untyped(a, b):
+      return 1.0
+
+    def needs_a_column(completions, difficulty):
+      return [1.0 for _ in completions]
+
+    def required_extra(solution_str, ground_truth, threshold):
+      return 1.0
     """)
 
 
 @pytest.fixture(scope="module")
-def user_reward(tmp_path_factory):
-  path = tmp_path_factory.mktemp("reward") / "my_reward.py"
-  path.write_text(USER_REWARD)
-  return f"{path}:compute_score"
+def user_rewards(tmp_path_factory):
+  path = tmp_path_factory.mktemp("rewards") / "my_rewards.py"
+  path.write_text(USER_REWARDS)
+  return lambda name: f"{path}:{name}"
 
 
-def _items(responses, truth="4"):
-  return [rewards.Item("mine", r, truth, {"weight": 0.5}, f"train.jsonl:{i + 1}") for i, r in enumerate(responses)]
+@pytest.mark.parametrize("name, convention", [("verl_reordered", "verl"), ("verl_subset", "verl"),
+                                              ("verl_batch", "verl_batch"), ("trl_accuracy", "trl"),
+                                              ("trl_length", "trl"), ("math_verify", "verl")])
+def test_the_convention_is_read_from_the_parameter_names(user_rewards, name, convention):
+  spec = name if name in rewards.REWARDS else user_rewards(name)
+  assert rewards.signature(spec).convention == convention
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_users_reward_file_scores_and_logs_its_extra_keys(user_reward, workers):
-  scorer = rewards.Scorer(workers=workers, timeout_s=20)
+def test_a_function_no_convention_can_call_is_refused_at_start_up(user_rewards):
+  with pytest.raises(rewards.RewardError, match=r"its parameters \(a, b\) name none of verl's"):
+    rewards.check(user_rewards("untyped"))
+  with pytest.raises(rewards.RewardError, match="required parameter 'threshold' is none that verl passes"):
+    rewards.check(user_rewards("required_extra"))
+  rewards.check(user_rewards("needs_a_column"))  # its columns are unknown yet
+  with pytest.raises(rewards.RewardError, match=r"required parameter 'difficulty' is neither TRL's .* nor a column of "
+                                                r"the prompts \(answer, prompt\)"):
+    rewards.check(user_rewards("needs_a_column"), ["prompt", "answer"])
+  rewards.check(user_rewards("needs_a_column"), ["prompt", "difficulty"])
+
+
+def test_reward_specs_and_weights():
+  assert rewards.Reward.of("auto") == rewards.Reward(("auto",), (1.0,))
+  assert rewards.Reward.of(("format", "auto"), (0.5, 2)) == rewards.Reward(("format", "auto"), (0.5, 2.0))
+  for spec, weights, why in [((), (), "must name a reward"), (("auto", ""), (), "must name a reward"),
+                             ("auto", (1.0, 2.0), "2 reward weights for 1 reward functions"),
+                             ("auto", (math.nan,), "finite numbers")]:
+    with pytest.raises(rewards.RewardError, match=why):
+      rewards.Reward.of(spec, weights)
+
+
+ROWS = [{"prompt": [{"role": "user", "content": "2 + 2?"}], "answer": "4", "data_source": "mine",
+         "extra_info": {"weight": 0.5}},
+        {"prompt": [{"role": "user", "content": "3 + 3?"}], "answer": "6", "data_source": "other",
+         "extra_info": {"weight": 1.0}},
+        {"prompt": [{"role": "user", "content": "1 + 1?"}], "answer": "2", "data_source": "mine", "extra_info": {}}]
+RESPONSES = ["4", "7", "skip"]
+RESPONSE_IDS = [[5, 6], [7], [8, 9, 10]]
+
+
+def _items():
+  return [rewards.Item(r["data_source"], text, r["answer"], r["extra_info"], f"train.jsonl:{i + 1}", r["prompt"],
+                       ids, r) for i, (r, text, ids) in enumerate(zip(ROWS, RESPONSES, RESPONSE_IDS))]
+
+
+def test_verl_functions_are_called_as_verl_calls_them(user_rewards):
+  """verl's NaiveRewardManager calls compute_score(data_source=, solution_str=, ground_truth=, extra_info=) per
+  response, its BatchRewardManager compute_score(data_sources=, solution_strs=, ground_truths=, extra_infos=)."""
+  for name in ("verl_reordered", "verl_subset"):
+    fn = rewards.load(user_rewards(name))
+    verl = [fn(**{k: v for k, v in dict(data_source=r["data_source"], solution_str=text, ground_truth=r["answer"],
+                                         extra_info=r["extra_info"]).items()
+                  if name == "verl_reordered" or k in ("solution_str", "ground_truth")})
+            for r, text in zip(ROWS, RESPONSES)]
+    assert rewards.call(user_rewards(name), _items()) == ("ok", verl, {})
+  fn = rewards.load(user_rewards("verl_batch"))
+  verl = fn(data_sources=[r["data_source"] for r in ROWS], solution_strs=RESPONSES,
+            ground_truths=[r["answer"] for r in ROWS], extra_infos=[r["extra_info"] for r in ROWS])
+  assert rewards.call(user_rewards("verl_batch"), _items()) == ("ok", verl, {}) and verl == [0.5, 0.0, 0.0]
+
+
+def test_trl_functions_get_what_trls_grpo_trainer_passes(user_rewards):
+  """TRL's own GRPOTrainer._calculate_rewards (on a stand-in trainer) on the same rows, completions and ids:
+  the same values per function, None where TRL has NaN, and the metrics the function logged."""
+  import asyncio
+
+  import torch
+  from trl.trainer.grpo_trainer import GRPOTrainer
+  names = ("trl_accuracy", "trl_length")
+  fns = [rewards.load(user_rewards(n)) for n in names]
+  logged = []
+  loop = asyncio.new_event_loop()
+  threading.Thread(target=loop.run_forever, daemon=True).start()
+  trainer = types.SimpleNamespace(
+      accelerator=types.SimpleNamespace(device="cpu", is_main_process=True), reward_funcs=fns,
+      reward_processing_classes=[None, None], reward_func_names=list(names), args=types.SimpleNamespace(report_to=[]),
+      state=types.SimpleNamespace(global_step=3), _log_completion_extra=lambda *_: None,
+      _log_metric=lambda *metric: logged.append(metric), environments=None, async_loop=loop)
+  completions = [[{"role": "assistant", "content": text}] for text in RESPONSES]  # chat prompts: chat completions
   try:
-    scores, stats = scorer.score(user_reward, _items(["4", "5", "4 "]))
+    theirs = GRPOTrainer._calculate_rewards.__wrapped__(trainer, ROWS, [r["prompt"] for r in ROWS], completions,
+                                                        RESPONSE_IDS)
   finally:
-    scorer.close()
-  np.testing.assert_array_equal(scores, [0.5, 0.0, 0.5])
-  assert stats == {"mean": pytest.approx(1 / 3), "failures": 0.0, "timeouts": 0.0, "acc": pytest.approx(2 / 3),
-                   "len": pytest.approx(4 / 3), "source_is_mine": 1.0}
+    loop.call_soon_threadsafe(loop.stop)
+  state = rewards.TrainerState(global_step=3, max_steps=10)
+  ours = [rewards.call(user_rewards(n), _items(), state) for n in names]
+  assert [kind for kind, *_ in ours] == ["ok", "ok"]
+  got = torch.tensor([[math.nan if v is None else v for v in values] for _, values, _ in ours]).T
+  torch.testing.assert_close(got, theirs, equal_nan=True)
+  assert ours[0][2] == {"step_seen": 3.0} and logged == [("step_seen", 3)]
 
 
-def test_a_worker_of_the_trainer_imports_its_main_module_without_jax(tmp_path):
-  """A spawned worker imports the program's main module again (`python -m tlt_jax.main`'s, as
-  multiprocessing prepares it): cheap, seconds of CPU for each of a run's workers otherwise."""
-  (tmp_path / "probe.py").write_text(textwrap.dedent("""
-      import sys
-      def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-        main = sys.modules.get("__mp_main__")
-        return {"score": float("jax" in sys.modules), "main": float(getattr(main, "__spec__", None) is not None
-                                                                     and main.__spec__.name == "tlt_jax.main")}
-      """))
-  code = ("import importlib.util, sys; from tlt_jax.rl import rewards; "
-          "sys.modules['__main__'].__spec__ = importlib.util.find_spec('tlt_jax.main'); "
-          "scorer = rewards.Scorer(workers=1, timeout_s=60); "
-          f"scores, stats = scorer.score({str(tmp_path / 'probe.py')!r} + ':compute_score', "
-          "[rewards.Item('mine', '4', '4', {})]); scorer.close(); print(scores.tolist(), stats['main'])")
-  run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-  assert run.returncode == 0, run.stderr[-3000:]
-  assert run.stdout.split() == ["[0.0]", "1.0"], run.stdout  # jax not loaded; the main module was
+def test_trl_completions_are_strings_for_string_prompts(user_rewards):
+  items = [rewards.Item(None, "4", "4", {}, prompt="2 + 2?", columns={"answer": "4"})]
+  assert rewards.call(user_rewards("trl_accuracy"), items) == ("ok", [1.0], {"step_seen": 0.0})
 
 
-def test_a_module_reward(tmp_path, monkeypatch):
-  (tmp_path / "my_rewards.py").write_text(USER_REWARD)
-  monkeypatch.syspath_prepend(str(tmp_path))
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))  # the workers' import path
-  scorer = rewards.Scorer(workers=1, timeout_s=20)
-  try:
-    scores, _ = scorer.score("my_rewards:compute_score", _items(["4"]))
-  finally:
-    scorer.close()
-  assert scores.tolist() == [0.5]
-
-
-def test_a_raising_or_hanging_reward_scores_0_and_is_counted_once_logged(user_reward, caplog):
-  """The hung worker is replaced: the next batch scores as usual."""
-  scorer = rewards.Scorer(workers=2, timeout_s=3)
-  try:
-    with caplog.at_level(logging.WARNING):
-      scores, stats = scorer.score(user_reward, _items(["4", "boom", "hang", "4"]))
-    np.testing.assert_array_equal(scores, [0.5, 0.0, 0.0, 0.5])
-    assert stats["failures"] == 1 and stats["timeouts"] == 1
-    assert "failed on sample 1 (train.jsonl:2): RuntimeError: scorer exploded" in caplog.text
-    assert "timed out on sample 2 (train.jsonl:3)" in caplog.text
-    assert scorer.score(user_reward, _items(["4"]))[0].tolist() == [0.5]
-  finally:
-    scorer.close()
-
-
-@pytest.mark.parametrize("response, what", [("nan", "nan"), ("no score", "a dict without 'score'")])
-def test_a_score_that_is_no_number_is_an_error_naming_the_row(user_reward, response, what):
-  with pytest.raises(rewards.RewardError, match=f"returned {what} for sample 1 \\(train.jsonl:2\\)"):
-    rewards.Scorer(workers=0).score(user_reward, _items(["4", response]))
-
-
-def test_a_scorer_error_on_a_bad_entry_is_a_failure():
-  # A missing or unknown reasoning-gym entry makes the scorer raise: a failure, not a crash.
-  entry = {"question": "?", "answer": "1", "metadata": {"source_dataset": "no_such_task"}}
-  items = [rewards.Item("chain_sum", "Answer: 1", "1", extra) for extra in ({"entry": entry}, {})]
-  scores, stats = rewards.Scorer(workers=0).score("reasoning_gym", items)
-  np.testing.assert_array_equal(scores, [0.0, 0.0])
-  assert stats["failures"] == 2
+def test_a_call_that_raises_is_an_error_result(user_rewards):
+  kind, why, _ = rewards.call(user_rewards("trl_accuracy"), [rewards.Item(None, "4", "4", {}, prompt="?")])
+  assert kind == "error" and why.startswith("TypeError: trl_accuracy() missing 1 required positional argument")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tlt_jax import packing
-from tlt_jax.rl import datasets, rewards, sft, tokenizer as tokenizer_lib
+from tlt_jax.rl import datasets, scorer, sft, tokenizer as tokenizer_lib
 
 import configs.tiny
 
@@ -71,6 +71,6 @@ def test_unanswered_solutions_lose_their_answer_line_and_with_it_the_reward(tok)
     if text != answered_text:
       dropped += 1
       assert answered_text == f"{text}\nAnswer: {ex.ground_truth}"  # only the answer line is gone
-      scores, _ = rewards.Scorer(workers=0).score(ex.reward, [ex.item(text), ex.item(answered_text)])
+      scores, _ = scorer.Scorer(workers=0).score(ex.reward, [ex.item(text), ex.item(answered_text)])
       assert scores.tolist() == [0.0, 1.0]
   assert 0.25 < dropped / len(examples) < 0.35

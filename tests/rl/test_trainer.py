@@ -168,10 +168,35 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, tiny_policy_
     trainer.close()
 
 
-def test_a_task_of_your_own_with_a_reward_file_keys_and_evaluation_sets(tmp_path, tiny_policy_dir, xla_cache):
-  """configs/gsm8k_style.py:smoke on GSM8K-shaped files (question, "... #### N" answers; JSONL to train on,
-  Parquet held out): its reward file scores in a worker process and logs its extra key, the answer regex
-  gives the ground truths, both evaluation sets report pass@1 and pass@k, and the summary lists them."""
+# A verl user's and a TRL user's reward functions, as they write them: parameters reordered or left out,
+# **kwargs, a batch function, an async one, None where a function does not apply.
+VERL_REWARDS = """
+def score(solution_str, ground_truth, **kwargs):
+  right = solution_str.strip().endswith(ground_truth)
+  return {"score": float(right), "gsm8k_row": float(kwargs["data_source"] == "openai/gsm8k")}
+
+def lengths(solution_strs, extra_infos):
+  return [min(len(s), 50) / 50 for s in solution_strs]
+"""
+TRL_REWARDS = """
+import asyncio
+
+def has_number(completions, **kwargs):
+  texts = [c[0]["content"] for c in completions]
+  kwargs["log_metric"]("batch", len(texts))
+  return [None if i % 2 else float(any(ch.isdigit() for ch in t)) for i, t in enumerate(texts)]
+
+async def short(completion_ids, reward_model, **kwargs):
+  await asyncio.sleep(0)
+  return [float(len(ids) < 20) for ids in completion_ids]
+"""
+
+
+def test_a_task_of_your_own_in_verls_shape_with_verl_and_trl_rewards(tmp_path, tiny_policy_dir, xla_cache):
+  """configs/gsm8k_style.py:smoke on verl-shaped GSM8K files (chat prompts with verl's instruction, bare ground
+  truths, data_source, extra_info; Parquet to train on, JSONL held out) with no data keys set, scored by
+  functions in verl's, verl's batch and TRL's conventions, weighted: each function's mean is logged, the sum
+  is the reward, the evaluation sets report pass@1, pass@k and their failed calls, and the summary lists them."""
   import json
 
   import pyarrow as pa
@@ -179,26 +204,42 @@ def test_a_task_of_your_own_with_a_reward_file_keys_and_evaluation_sets(tmp_path
 
   from configs import gsm8k_style
   from tlt_jax import report
-  rows = [{"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
-          for a in range(1, 5) for b in range(1, 3)]
-  train, test = tmp_path / "train.jsonl", tmp_path / "test.parquet"
-  train.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  pq.write_table(pa.Table.from_pylist(rows[:3]), test)
+  rows = [{"data_source": "openai/gsm8k",
+           "prompt": [{"role": "user", "content": f"What is {a} + {b}? Let's think step by step and output the "
+                                                 "final answer after \"####\"."}],
+           "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+           "extra_info": {"split": "train", "index": 3 * a + b}} for a in range(1, 5) for b in range(1, 3)]
+  train, test = tmp_path / "train.parquet", tmp_path / "test.jsonl"
+  pq.write_table(pa.Table.from_pylist(rows), train)
+  test.write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+  (tmp_path / "verl_rewards.py").write_text(VERL_REWARDS)
+  (tmp_path / "trl_rewards.py").write_text(TRL_REWARDS)
   c = gsm8k_style.get_config("smoke")
   c.workdir, c.policy.path, c.data.path, c.eval.path = str(tmp_path / "run"), tiny_policy_dir, str(train), str(test)
+  c.data.reward = tuple(f"{tmp_path}/{spec}" for spec in ("verl_rewards.py:score", "verl_rewards.py:lengths",
+                                                          "trl_rewards.py:has_number", "trl_rewards.py:short"))
+  c.data.reward_weights = (1.0, 0.1, 0.2, 0.3)
   c.rollout.speculative = False  # the plain rollout: this test follows the task's data, not the drafter
   c.rollout.compilation_cache_dir = xla_cache
   trainer = Trainer(c, *bootstrap.load(c), devices=jax.devices()[:1])
   try:
     assert [e.ground_truth for e in trainer.prompts][:3] == ["2", "3", "3"]
+    assert trainer.eval_sets[1].examples[0].reward.specs == c.data.reward  # the sets read data.reward
     records = trainer.run()
   finally:
     trainer.close()
   first = metrics.read(str(tmp_path / "run" / "metrics.jsonl"))[0]
-  assert "reward/formatted" in records[0] and records[0]["reward/timeouts"] == 0
-  for record in (first, records[0]):
+  step = records[0]
+  assert step["reward/failures"] == step["reward/timeouts"] == 0 and step["reward/batch"] == 8
+  parts = {name: step[f"reward/{name}"] for name in ("score", "lengths", "has_number", "short")}
+  assert all(0 <= v <= 1 for v in parts.values()) and step["reward/gsm8k_row"] == 1.0
+  # The sum of the weighted means: every function applies to every sample but has_number (every other).
+  assert step["reward/mean"] == pytest.approx(parts["score"] + 0.1 * parts["lengths"] + 0.3 * parts["short"]
+                                              + 0.2 * parts["has_number"] / 2, abs=1e-5)
+  for record in (first, step):
     assert {"eval/greedy/pass@1", "eval/pass8/pass@1", "eval/pass8/pass@2", "eval/pass@1"} <= set(record)
+    assert record["eval/greedy/reward_failures"] == record["eval/reward_failures"] == 0
     assert len(record["eval/greedy/prompt_rewards"]) == 2  # the set's first 2 prompts
   summary = report.summary(metrics.read(str(tmp_path / "run" / "metrics.jsonl")), c.workdir)
   assert set(summary["eval_sets"]) == {"greedy", "pass8"} and "pass@2" in summary["eval_sets"]["pass8"]["last"]
-  assert "  pass8: reward " in report.text(summary)
+  assert summary["training"]["reward_failures"] == 0 and "  pass8: reward " in report.text(summary)

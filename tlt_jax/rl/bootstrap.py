@@ -23,7 +23,7 @@ from tlt_jax.rl import warmup
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, hf
 from tlt_jax.rl import checks
-from tlt_jax.rl import datasets, rollouts, sft, tokenizer as tokenizer_lib
+from tlt_jax.rl import datasets, rewards, rollouts, sft, tokenizer as tokenizer_lib
 
 
 class Loaded(NamedTuple):
@@ -103,8 +103,15 @@ def load_drafter(config, policy: CausalLM, tok, prompts: datasets.Dataset | None
   d = config.drafter.distill
   if config.policy.path:
     prompts = prompts or load_prompts(config, tok)
-    logging.info("drafter warm-up: sampling the policy's responses to %d training prompts", d.prompts)
     warm_prompts = [e.prompt_ids for e in prompts.examples[:d.prompts]]
+    shortest = min(map(len, warm_prompts))
+    if shortest >= d.row_len:
+      raise ValueError(f"config.drafter.distill.row_len={d.row_len}: holds none of the warm-up's prompts and a "
+                       f"response token (the shortest prompt has {shortest} tokens); set it to data.max_prompt_len + "
+                       f"rollout.sampling.max_new_tokens ({config.data.max_prompt_len} + "
+                       f"{config.rollout.sampling.max_new_tokens}), as rl.row_len")
+    logging.info("drafter warm-up: sampling the policy's responses to %d training prompts (the first "
+                 "drafter.distill.prompts=%d of %d)", len(warm_prompts), d.prompts, len(prompts))
     with tqdm(total=len(warm_prompts), desc="drafter warm-up samples", unit="sample") as bar:
       own = warmup.sample(policy, warm_prompts, stop_ids=(tok.eos_token_id,), num_samples=1,
                           temperature=config.rollout.sampling.temperature,
@@ -152,9 +159,20 @@ def _prompt_file(config, prefix: str, tok) -> datasets.Dataset:
   keys_from = "data" if prefix == "eval" else prefix  # the held-out file has the training data's keys
   try:
     return datasets.from_file(path, tok, keys=_keys(config, keys_from), max_prompt_len=config.data.max_prompt_len,
-                              reward=config_lib.config_value(config, f"{keys_from}.reward"))
+                              reward=reward(config, keys_from))
+  except rewards.Unscorable as e:
+    spec = config_lib.config_value(config, f"{keys_from}.reward")
+    raise ValueError(f"config.{keys_from}.reward={spec!r} cannot score the rows of config.{key}={path!r}: {e}; set "
+                     f"config.{keys_from}.reward to a reward that can (one of {sorted(rewards.REWARDS)}, or a "
+                     "function of yours)") from None
   except (OSError, ValueError) as e:
     raise ValueError(f"config.{key}={path!r}: {e}") from None
+
+
+def reward(config, prefix: str = "data") -> rewards.Reward:
+  """The reward config.<prefix>.reward and its reward_weights name (`data`, or an evaluation set's)."""
+  return rewards.Reward.of(config_lib.config_value(config, f"{prefix}.reward"),
+                           config_lib.config_value(config, f"{prefix}.reward_weights"))
 
 
 def load_prompts(config, tok) -> datasets.Dataset:
@@ -164,7 +182,7 @@ def load_prompts(config, tok) -> datasets.Dataset:
   else:
     prompts = datasets.from_tasks(config.task.family, tok, size=config.data.size, seed=config.seed + 2,
                                   difficulty=sft.difficulty(config), max_prompt_len=config.data.max_prompt_len,
-                                  reward=config.data.reward)
+                                  reward=reward(config))
   if len(prompts) < config.rollout.prompts_per_step:
     raise ValueError(f"{len(prompts)} prompts, fewer than config.rollout.prompts_per_step="
                      f"{config.rollout.prompts_per_step}")
@@ -182,7 +200,7 @@ def load_eval_sets(config, tok) -> dict[str, datasets.Dataset]:
   else:
     held_out = datasets.from_tasks(config.task.family, tok, size=e.size, seed=config.seed + 1_000_003,
                                    difficulty=sft.difficulty(config), max_prompt_len=config.data.max_prompt_len,
-                                   reward=config.data.reward)
+                                   reward=reward(config))
   sets = {"": held_out}
   for name, s in e.sets.items():
     data = _prompt_file(config, f"eval.sets.{name}", tok)

@@ -27,7 +27,7 @@ _AT_LEAST = {
     "drafter.distill.batch_rows": 1, "drafter.distill.row_len": 2, "drafter.distill.draft_steps": 0,
     "drafter.distill.prompts": 1,
     "rl.mini_batches": 1, "rl.max_skipped_updates": 1, "rl.row_len": 2, "rl.overlong_buffer": 0, "rl.tis_cap": 0,
-    "rl.advantage_eps": 0, "data.reward_workers": 0,
+    "rl.advantage_eps": 0, "data.reward_workers": 0, "data.reward_max_failures": 0,
     "rl.optimizer.learning_rate": 0, "rl.optimizer.warmup_steps": 0, "rl.optimizer.weight_decay": 0,
     "rl.actor.micro_batch_rows": 1, "rl.actor.logits_chunk": 1, "rl.actor.attention_block": 0,
     "rl.actor.clip_low": 0, "rl.actor.clip_high": 0, "rl.actor.kl_coef": 0,
@@ -35,7 +35,7 @@ _AT_LEAST = {
 }
 _ABOVE = {"model.rope_theta": 0, "task.tail_alpha": 0, "rl.optimizer.max_grad_norm": 0, "data.reward_timeout_s": 0,
           "drafter.draft_vocab_coverage": 0}
-_AT_MOST = {"sft.unanswered": 1, "drafter.draft_vocab_coverage": 1}
+_AT_MOST = {"sft.unanswered": 1, "drafter.draft_vocab_coverage": 1, "data.reward_max_failures": 1}
 _CHOICES = {
     "policy.dtype": ("float32", "bfloat16"),
     "policy.weight_dtype": ("float32", "bfloat16"),
@@ -92,11 +92,15 @@ def check(config: ml_collections.ConfigDict) -> None:
     need(config_value(config, key) in choices, key, f"must be one of {choices}")
   for key in ("mesh.data", "mesh.fsdp", "mesh.tensor"):
     need(config_value(config, key) == -1 or config_value(config, key) >= 1, key, "must be >= 1, or -1 (the rest)")
-  for key in ["data.reward", *(f"eval.sets.{name}.reward" for name in config.eval.sets)]:
+  for prefix in ["data", *(f"eval.sets.{name}" for name in config.eval.sets)]:
     try:
-      rewards.check(config_value(config, key))
+      rewards.check(config_value(config, f"{prefix}.reward"))
     except rewards.RewardError as e:
-      need(False, key, str(e))
+      need(False, f"{prefix}.reward", str(e))
+    try:
+      rewards.Reward.of(config_value(config, f"{prefix}.reward"), config_value(config, f"{prefix}.reward_weights"))
+    except rewards.RewardError as e:
+      need(False, f"{prefix}.reward_weights", str(e))
   for prefix in ["data", *(f"eval.sets.{name}" for name in config.eval.sets)]:
     try:
       datasets.Keys(*(config_value(config, f"{prefix}.{k}") for k in ("prompt_key", "answer_key", "answer_regex",

@@ -8,14 +8,19 @@ format included):
   (a list of {role, content});
 - the ground truth under `reward_model: {ground_truth: ...}`, or top-level `ground_truth`,
   `answer` or `solution` (first found); a key may be a dotted path (`reward_model.ground_truth`),
-  and `answer_regex`'s first group takes the answer out of it (`#### (.*)` for GSM8K's answers);
-- `data_source` and `extra_info` pass through to the reward (tlt_jax.rl.rewards).
+  and `answer_regex`'s first group takes the answer out of it where it matches (`#### (.*)` for GSM8K's
+  answers; a ground truth it does not match, e.g. verl's bare "72", is taken as it is);
+- `data_source` and `extra_info` pass through to the reward (tlt_jax.rl.rewards), and a TRL-style reward
+  function gets every column.
+So verl's preprocessed files (`prompt` as chat messages, `reward_model.ground_truth`, `data_source`,
+`extra_info`) and TRL's (`prompt`, a column with the answer) need no keys set.
 A key a file does not have at all is an error naming it and the file's columns. Every prompt goes
 through the tokenizer's chat template with a generation prompt (after `system_prompt`, if set); a
 template that fails (jinja2 missing, a broken template) is an error naming the tokenizer and the
 cause. Malformed rows, and file rows whose conversation the template rejects (`raise_exception`),
 are skipped and counted by reason; the first few are logged with file:line. A file with no usable
-row is an error naming it.
+row is an error naming it, and so is a row its reward cannot score (`rewards.Unscorable`: a built-in
+that reads what the row lacks) or a TRL reward whose required parameter is no column.
 """
 
 import collections
@@ -38,6 +43,7 @@ from tlt_jax.rl import tokenizer as tokenizer_lib
 _PROMPT_KEYS = ("prompt", "question", "problem")
 _GROUND_TRUTH_KEYS = ("ground_truth", "answer", "solution")
 _LOGGED_SKIPS = 5  # per file; the rest are only counted
+_TASK_COLUMNS = ("prompt", "ground_truth", "data_source", "extra_info")  # a procedural problem's, as a row
 
 Messages = list[dict[str, str]]
 
@@ -48,7 +54,7 @@ class Keys:
 
   prompt_key: str = ""  # "" = the first of prompt / question / problem
   answer_key: str = ""  # dotted path; "" = reward_model.ground_truth, else ground_truth / answer / solution
-  answer_regex: str = ""  # its first group (else the whole match) is the ground truth; "" = the field as it is
+  answer_regex: str = ""  # where it matches, its first group (else the whole match) is the ground truth
   system_prompt: str = ""  # a system turn before every prompt that has none
 
   def __post_init__(self):
@@ -66,15 +72,20 @@ class Example:
   prompt_ids: list[int]  # chat-templated, ending with the assistant turn's opening
   prompt: str  # the text prompt_ids encode
   ground_truth: str
-  reward: str  # what scores it (rewards.load)
+  reward: rewards.Reward  # what scores it
   data_source: str | None  # the row's (a procedural task's: its reasoning-gym dataset)
   extra_info: dict[str, Any]  # what the reward reads beside (e.g. the reasoning-gym entry)
   where: str  # its file:line (or task and number), named in errors
   solution: str | None = None  # a worked solution (procedural tasks), the SFT target
+  messages: Messages = dataclasses.field(default_factory=list)  # the conversation prompt_ids encode
+  chat: bool = True  # the row's prompt was chat messages (TRL's conversational format), not a string
+  columns: dict[str, Any] = dataclasses.field(default_factory=dict)  # the row as read (TRL rewards get them)
 
-  def item(self, response: str | None) -> rewards.Item:
-    """`response` to this prompt, as the reward scores it."""
-    return rewards.Item(self.data_source, response, self.ground_truth, self.extra_info, self.where)
+  def item(self, response: str | None, response_ids: Sequence[int] = ()) -> rewards.Item:
+    """`response` (its tokens: `response_ids`) to this prompt, as the reward scores it."""
+    prompt = self.messages if self.chat else (self.messages[-1]["content"] if self.messages else self.prompt)
+    return rewards.Item(self.data_source, response, self.ground_truth, self.extra_info, self.where, prompt,
+                        tuple(response_ids), self.columns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,14 +120,13 @@ def load(
     size: int,
     seed: int,
     max_prompt_len: int | None = None,
-    reward: str | None = None,
+    reward: str | Sequence[str] | rewards.Reward = "auto",
     keys: Keys = Keys(),
 ) -> Dataset:
   """A task family name (procedural; size and seed apply) or a file (`from_file`)."""
   if source in tasks.FAMILIES:
-    return from_tasks(source, tokenizer, size=size, seed=seed, max_prompt_len=max_prompt_len,
-                      reward=reward or "reasoning_gym")
-  return from_file(source, tokenizer, keys=keys, max_prompt_len=max_prompt_len, reward=reward or "math_verify")
+    return from_tasks(source, tokenizer, size=size, seed=seed, max_prompt_len=max_prompt_len, reward=reward)
+  return from_file(source, tokenizer, keys=keys, max_prompt_len=max_prompt_len, reward=reward)
 
 
 def from_tasks(
@@ -127,23 +137,26 @@ def from_tasks(
     seed: int,
     difficulty: tasks.Difficulty = tasks.Difficulty(),
     max_prompt_len: int | None = None,
-    reward: str = "reasoning_gym",
+    reward: str | Sequence[str] | rewards.Reward = "auto",
 ) -> Dataset:
-  """Procedural problems (tasks.generate); too-long prompts are skipped and counted."""
-  rewards.check(reward)
+  """Procedural problems (tasks.generate); too-long prompts are skipped and counted. A TRL reward gets
+  their columns `prompt`, `ground_truth`, `data_source` and `extra_info` (`entry`: reasoning-gym's item)."""
+  reward = rewards.check(reward, _TASK_COLUMNS)
   _check_chat_template(tokenizer)
   examples = []
   skipped = collections.Counter()
   for number, problem in enumerate(tasks.generate(family, size, seed, difficulty)):
+    messages = [{"role": "user", "content": problem.prompt}]
     try:
-      prompt, prompt_ids = _encode_prompt(
-          tokenizer, [{"role": "user", "content": problem.prompt}], max_prompt_len)
+      prompt, prompt_ids = _encode_prompt(tokenizer, messages, max_prompt_len)
     except _Skip as skip:
       skipped[skip.reason] += 1
       continue
-    examples.append(Example(prompt_ids, prompt, problem.answer, reward, problem.entry["metadata"]["source_dataset"],
-                            {"entry": problem.entry, "num_terms": problem.num_terms}, f"{family} #{number}",
-                            problem.solution))
+    source = problem.entry["metadata"]["source_dataset"]
+    extra_info = {"entry": problem.entry, "num_terms": problem.num_terms}
+    examples.append(Example(prompt_ids, prompt, problem.answer, reward, source, extra_info, f"{family} #{number}",
+                            problem.solution, messages, chat=False,
+                            columns=dict(zip(_TASK_COLUMNS, (problem.prompt, problem.answer, source, extra_info)))))
   if skipped:
     logging.warning("%s: skipped %d of %d problems: %s", family, sum(skipped.values()), size,
                     dict(skipped))
@@ -156,11 +169,11 @@ def from_file(
     *,
     keys: Keys = Keys(),
     max_prompt_len: int | None = None,
-    reward: str = "math_verify",
+    reward: str | Sequence[str] | rewards.Reward = "auto",
 ) -> Dataset:
   """Rows of a .jsonl or .parquet file or a `datasets` directory (module docstring); malformed ones are
-  skipped and counted by reason."""
-  rewards.check(reward)
+  skipped and counted by reason. A row `reward` cannot score is an error (`rewards.Unscorable`)."""
+  reward = rewards.check(reward)
   _check_chat_template(tokenizer)
   if not os.path.exists(path):
     raise FileNotFoundError(
@@ -176,6 +189,10 @@ def from_file(
       row = _as_row(raw)
       if not checked:  # the first row that parses
         _check_keys(path, row, keys)
+        try:
+          rewards.check(reward, list(row))
+        except rewards.RewardError as e:
+          raise ValueError(f"{path}: {e}") from None
         checked = True
       messages = _messages(row, keys)
       ground_truth = _ground_truth(row, keys, regex)
@@ -194,8 +211,13 @@ def from_file(
         logging.warning("%s:%d: skipped (%s): %s", path, line, skip.reason, skip)
       continue
     extra_info = row.get("extra_info")
-    examples.append(Example(prompt_ids, prompt, ground_truth, reward, row.get("data_source"),
-                            dict(extra_info) if isinstance(extra_info, dict) else {}, f"{path}:{line}"))
+    example = Example(prompt_ids, prompt, ground_truth, reward, row.get("data_source"),
+                      dict(extra_info) if isinstance(extra_info, dict) else {}, f"{path}:{line}", messages=messages,
+                      chat=not isinstance(_get(row, _prompt_key(row, keys)), str), columns=row)
+    why = rewards.cannot_score(reward, example.item(None))
+    if why:
+      raise rewards.Unscorable(f"{path}:{line}: {why}")
+    examples.append(example)
   if not examples:
     raise ValueError(f"{path}: no usable rows ({num_rows} rows; skipped by reason: {dict(skipped)})")
   if skipped:
@@ -273,10 +295,15 @@ def _check_keys(path: str, row: dict[str, Any], keys: Keys) -> None:
                        f"{', '.join(sorted(row))}")
 
 
-def _messages(row: dict[str, Any], keys: Keys) -> Messages:
+def _prompt_key(row: dict[str, Any], keys: Keys) -> str | None:
   names = (keys.prompt_key,) if keys.prompt_key else _PROMPT_KEYS
-  key = next((k for k in names if _get(row, k) is not None), None)
+  return next((k for k in names if _get(row, k) is not None), None)
+
+
+def _messages(row: dict[str, Any], keys: Keys) -> Messages:
+  key = _prompt_key(row, keys)
   if key is None:
+    names = (keys.prompt_key,) if keys.prompt_key else _PROMPT_KEYS
     raise _Skip("missing_prompt", f"no {' / '.join(names)} field")
   prompt = _get(row, key)
   if isinstance(prompt, str):
@@ -308,10 +335,8 @@ def _ground_truth(row: dict[str, Any], keys: Keys, regex: re.Pattern | None) -> 
     raise _Skip("missing_ground_truth", f"no {' / '.join(names)} field")
   if not isinstance(value, str):
     raise _Skip("bad_ground_truth", f"ground truth is a {type(value).__name__}, not a string")
-  if regex is not None:
-    found = regex.search(value)
-    if found is None:
-      raise _Skip("answer_regex_no_match", f"answer_regex {regex.pattern!r} does not match {value[-80:]!r}")
+  found = regex.search(value) if regex is not None else None
+  if found is not None:  # no match: a ground truth that is already bare (verl's)
     value = (found.group(1) if regex.groups else found.group(0)).strip()
   return value
 

@@ -6,7 +6,7 @@ at different steps differ only by the policy. A set reports its mean reward with
 prompts (a prompt's samples are not independent), each prompt's mean (for paired comparisons), the
 accuracy (reward >= 1 counts as correct), pass@1 and pass@k (the unbiased estimator of Chen et al.
 2021: per prompt 1 - C(n - c, k) / C(n, k) of n samples with c correct, averaged over prompts), the
-share of responses with an answer line and the median length. The held-out set's records are
+share of responses with an answer line, the median length and the reward calls that failed or timed out. The held-out set's records are
 `eval/<key>`, a named set's `eval/<name>/<key>`.
 
 Several processes split each set's prompts in contiguous shares, sample their share on their own
@@ -26,6 +26,7 @@ import numpy as np
 from tlt_jax import distributed
 from tlt_jax import metrics as metrics_lib
 from tlt_jax.rl import datasets, rewards, tasks
+from tlt_jax.rl import scorer as scorer_lib
 from tlt_jax.rollout.base import BaseRollout
 
 OFFSET = 1 << 30  # held-out sampling keys: prompt indices training never reaches
@@ -58,20 +59,24 @@ def _share(n: int) -> tuple[int, int]:
   return n * p // count, n * (p + 1) // count
 
 
-def evaluate(s: EvalSet, scorer: rewards.Scorer, tok) -> dict:
+def evaluate(s: EvalSet, scorer: scorer_lib.Scorer, tok, state: rewards.TrainerState | None = None) -> dict:
   """The set's records (module docstring). Every process calls it at the same point."""
   start_s = time.perf_counter()
   start, end = _share(len(s.examples))
   examples = s.examples[start:end]
-  local = []
+  local, failed = [], 0.0
   if examples:
     samples, _ = s.rollout.generate([ex.prompt_ids for ex in examples], num_samples=s.num_samples,
                                     prompt_offset=OFFSET + start)
     texts = [tok.decode(x.tokens, skip_special_tokens=True) for x in samples]
-    scores, _ = scorer.score(examples[0].reward, [examples[x.prompt_index].item(t) for x, t in zip(samples, texts)])
+    scores, stats = scorer.score(examples[0].reward,
+                                 [examples[x.prompt_index].item(t, x.tokens.tolist()) for x, t in zip(samples, texts)],
+                                 what=f"in evaluation {s.name or 'held-out'!r}", state=state)
+    failed = stats["failures"] + stats["timeouts"]
     local = [(start + x.prompt_index, float(score), tasks.extract_answer(t) is not None, len(x.tokens))
              for x, t, score in zip(samples, texts, scores)]
   rows = sorted(r for part in distributed.allgather(local) for r in part)
+  failed = sum(distributed.allgather(failed))
   prompt, score, answered, length = (np.asarray(column) for column in zip(*rows))
   per_prompt = metrics_lib.group_means(score, prompt.tolist())
   correct = [int((score[prompt == i] >= 1.0).sum()) for i in sorted(set(prompt.tolist()))]
@@ -82,4 +87,5 @@ def evaluate(s: EvalSet, scorer: rewards.Scorer, tok) -> dict:
           s.key("pass@1"): float(np.mean([c / s.num_samples for c in correct])),
           s.key(f"pass@{k}"): float(np.mean([pass_at_k(s.num_samples, c, k) for c in correct])),
           s.key("answered"): float(answered.mean()), s.key("response_length"): float(np.median(length)),
+          s.key("reward_failures"): float(failed),
           s.key("time_s") if s.name else "time/eval_s": time.perf_counter() - start_s}

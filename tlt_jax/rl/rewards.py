@@ -1,56 +1,69 @@
-"""Rewards: built-in ones by name or a function of the user's, scored in a pool of worker processes.
+"""Rewards: the built-ins, functions of the user's in verl's or TRL's convention, and how each is called.
 
-Every reward has verl's custom-reward signature, so a verl user's reward file works unchanged:
-
-  compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
-
-A dict's "score" is the reward and its other numeric keys are logged (`reward/<key>`, a step's mean).
-`data.reward` (and an evaluation set's `reward`) names one:
+`data.reward` (and an evaluation set's `reward`) names one function, or a tuple of them summed with
+`data.reward_weights` (default 1 each) as TRL sums its `reward_funcs`. Each is
   * a built-in of REWARDS: "reasoning_gym" (its scorer of the row's dataset on the extracted answer;
     extra_info["entry"] is its item), "math_verify" (the answer line, else \\boxed{} or "the final
-    answer is", against the ground truth), "format" (a non-empty `Answer:` line), or "auto": each row
-    by its data_source, reasoning-gym's datasets to reasoning_gym and everything else to math_verify;
+    answer is", against the ground truth), "gsm8k" (the number after the last "####", else the last
+    number, equal to the ground truth's), "format" (a non-empty `Answer:` line), or "auto" (the default):
+    each row by its data_source, reasoning-gym's datasets to reasoning_gym, GSM8K's (verl's
+    "openai/gsm8k") to gsm8k, everything else to math_verify;
   * "path/to/file.py:function" or "package.module:function".
-`check` imports it at start-up, so a reward that cannot be loaded stops the run before anything else.
 
-`Scorer` runs the calls in a pool of worker processes (spawned: rewards never share the trainer's
-threads), each call under a timeout: a reward that raises or hangs scores 0, is counted
-(`reward/failures`, `reward/timeouts`) and logged for the first few samples with the sample's index;
-a hung worker is replaced. A score that is not a finite number, or a dict without "score", is a
-`RewardError` naming the row: a bug in the reward rather than a hard sample. `workers=0` scores in
-this process, with no timeout.
+A function's calling convention is read from its parameter names (`signature`):
+  * TRL: it names `prompts`, `completions` or `completion_ids`. Called once per batch by keyword, as TRL's
+    GRPOTrainer calls one: `prompts` (a row's chat messages when its prompt was a chat list, else the prompt
+    string), `completions` (then `[{"role": "assistant", "content": text}]`, else the text), `completion_ids`,
+    every column of the rows as a list, `trainer_state` (`global_step`, `max_steps`) and `log_metric(name,
+    value)` (logged as `reward/<name>`). It returns one float per completion, or None where it does not
+    apply (left out of the sum; a completion no function applies to scores 0).
+  * verl batch: it names `data_sources`, `solution_strs`, `ground_truths` or `extra_infos`: called once per
+    batch with those lists, as verl's BatchRewardManager; it returns a list of floats or dicts.
+  * verl: called per response by keyword, `data_source=, solution_str=, ground_truth=, extra_info=`, as
+    verl's NaiveRewardManager calls `compute_score`; it returns a float or a dict.
+A function gets the keywords it names, or all of them when it takes `**kwargs`; a required parameter its
+convention does not pass is an error at start-up. `async def` functions are awaited. A dict's "score" is
+the reward and its other numeric keys are logged (`reward/<key>`, a step's mean). A value that is not a
+finite number (or None, in TRL's convention) is a bug in the reward: `tlt_jax.rl.scorer` stops on it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import importlib
 import importlib.util
+import inspect
 import math
-import multiprocessing
 import numbers
 import os
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import math_verify
-import numpy as np
 import reasoning_gym
-from absl import logging
 
 from tlt_jax.rl import tasks
 
-RewardFn = Callable[..., float | dict]
+RewardFn = Callable[..., Any]
 
 _MATH_VERIFY_TIMEOUT_S = 5
-_LOGGED = 3  # failures and timeouts logged per batch; the rest are counted
+GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
 
 
 class RewardError(ValueError):
-  """A reward returned something that is not a score, or cannot be loaded."""
+  """A reward returned something that is not a score, cannot be loaded, or failed on too many samples."""
 
+
+class Unscorable(ValueError):
+  """A built-in reward cannot score a prompt file's rows (they lack what it reads)."""
+
+
+# ---- the built-ins (verl's signature) ----
 
 def reasoning_gym_reward(data_source: str | None, solution_str: str | None, ground_truth: str | None,
                          extra_info: Mapping[str, Any] | None = None) -> float:
@@ -87,6 +100,25 @@ def math_verify_reward(data_source: str | None, solution_str: str | None, ground
   return float(math_verify.verify(gold, prediction, timeout_seconds=timeout))
 
 
+_NUMBER = r"-?[\d,]*\.?\d+"
+
+
+def gsm8k_reward(data_source: str | None, solution_str: str | None, ground_truth: str | None,
+                 extra_info: Mapping[str, Any] | None = None) -> dict[str, float]:
+  """1 if the number after the response's last "####" (else its last number) equals the ground truth as a
+  number; "formatted" (logged) says whether it had the "####"."""
+  del data_source, extra_info
+  marked = re.findall(rf"####\s*({_NUMBER})", solution_str or "")
+  found = marked or re.findall(_NUMBER, solution_str or "")
+  if not found:
+    return {"score": 0.0, "formatted": 0.0}
+  try:
+    right = abs(float(found[-1].replace(",", "")) - float(str(ground_truth).replace(",", ""))) < 1e-6
+  except ValueError:  # a ground truth that is no number
+    right = False
+  return {"score": float(right), "formatted": float(bool(marked))}
+
+
 def format_reward(data_source: str | None, solution_str: str | None, ground_truth: str | None,
                   extra_info: Mapping[str, Any] | None = None) -> float:
   """1 if the response ends with a non-empty `Answer:` line."""
@@ -94,24 +126,88 @@ def format_reward(data_source: str | None, solution_str: str | None, ground_trut
   return float(tasks.extract_answer(solution_str) is not None)
 
 
+def _by_source(data_source: str | None) -> RewardFn:
+  if data_source in reasoning_gym.factory.DATASETS:
+    return reasoning_gym_reward
+  return gsm8k_reward if data_source in GSM8K_SOURCES else math_verify_reward
+
+
 def auto_reward(data_source: str | None, solution_str: str | None, ground_truth: str | None,
-                extra_info: Mapping[str, Any] | None = None) -> float:
-  """By the row's data_source: a reasoning-gym dataset's rows to its scorer, the rest to math_verify."""
-  fn = reasoning_gym_reward if data_source in reasoning_gym.factory.DATASETS else math_verify_reward
-  return fn(data_source, solution_str, ground_truth, extra_info)
+                extra_info: Mapping[str, Any] | None = None) -> float | dict[str, float]:
+  """By the row's data_source: reasoning-gym's datasets to its scorer, GSM8K's to gsm8k, the rest to
+  math_verify."""
+  return _by_source(data_source)(data_source, solution_str, ground_truth, extra_info)
 
 
 REWARDS: dict[str, RewardFn] = {
+    "auto": auto_reward,
     "reasoning_gym": reasoning_gym_reward,
     "math_verify": math_verify_reward,
+    "gsm8k": gsm8k_reward,
     "format": format_reward,
-    "auto": auto_reward,
 }
 
 
+# ---- what a run names ----
+
+@dataclasses.dataclass(frozen=True)
+class Reward:
+  """The reward functions a prompt set is scored by (specs, module docstring) and their weights."""
+
+  specs: tuple[str, ...]
+  weights: tuple[float, ...]
+
+  @classmethod
+  def of(cls, spec: str | Sequence[str] | Reward, weights: Sequence[float] = ()) -> Reward:
+    """From a config's `reward` (one spec or a tuple) and `reward_weights` (() = 1 each)."""
+    if isinstance(spec, Reward):
+      return spec
+    specs = (spec,) if isinstance(spec, str) else tuple(spec)
+    if not specs or not all(isinstance(s, str) and s for s in specs):
+      raise RewardError(f"must name a reward, or a tuple of them; got {spec!r}")
+    weights = tuple(weights) or (1.0,) * len(specs)
+    if len(weights) != len(specs):
+      raise RewardError(f"{len(weights)} reward weights for {len(specs)} reward functions")
+    if not all(isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
+      raise RewardError(f"reward weights must be finite numbers; got {weights!r}")
+    return cls(specs, tuple(float(w) for w in weights))
+
+  def names(self) -> list[str]:
+    """Each function's name as its mean is logged (`reward/<name>`): its own, else its spec when two share one."""
+    names = [getattr(load(s), "__name__", None) or s.rpartition(":")[2] for s in self.specs]
+    return names if len(set(names)) == len(names) else list(self.specs)
+
+  def __str__(self) -> str:
+    return repr(self.specs[0]) if len(self.specs) == 1 else repr(self.specs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+  """One response to score, and the row it answers (`where`: its file:line, named in errors)."""
+
+  data_source: str | None
+  solution_str: str | None
+  ground_truth: str | None
+  extra_info: Mapping[str, Any]
+  where: str = ""
+  prompt: str | list[dict[str, str]] | None = None  # TRL's `prompts` entry: chat messages, or the prompt string
+  completion_ids: Sequence[int] = ()
+  columns: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # every column of the row
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerState:
+  """What a TRL reward function reads as `trainer_state` (the fields of TRL's it has)."""
+
+  global_step: int = 0  # RL steps done before this batch
+  max_steps: int = 0
+
+
+# ---- loading and conventions ----
+
 @functools.cache
 def load(spec: str) -> RewardFn:
-  """The reward `spec` names (module docstring); a RewardError says why it cannot be loaded."""
+  """The function `spec` names (module docstring); a RewardError says why it cannot be loaded."""
   if spec in REWARDS:
     return REWARDS[spec]
   where, _, name = spec.rpartition(":")
@@ -135,116 +231,139 @@ def load(spec: str) -> RewardFn:
   return fn
 
 
-def check(spec: str) -> None:
-  """Loads the reward `spec` names (a RewardError says why it cannot be)."""
-  load(spec)
+TRL_NAMES = ("prompts", "completions", "completion_ids")
+TRL_EXTRAS = ("trainer_state", "log_metric")
+VERL_BATCH_NAMES = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
+VERL_NAMES = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
 @dataclasses.dataclass(frozen=True)
-class Item:
-  """One response to score, and where its row came from (named in errors)."""
+class Signature:
+  """How a reward function is called: its convention ("trl", "verl_batch" or "verl"), the keywords it takes
+  (None: any, it has **kwargs) and those it requires."""
 
-  data_source: str | None
-  solution_str: str | None
-  ground_truth: str | None
-  extra_info: Mapping[str, Any]
-  where: str = ""
+  convention: str
+  takes: frozenset[str] | None
+  required: tuple[str, ...]
+
+  @property
+  def batched(self) -> bool:
+    return self.convention != "verl"
+
+  def kwargs(self, given: dict[str, Any]) -> dict[str, Any]:
+    return given if self.takes is None else {k: v for k, v in given.items() if k in self.takes}
 
 
-def _call(spec: str, item: Item | None) -> tuple[str, Any]:
-  """("ok", the reward's result) or ("error", what it raised): in a worker, or here. No item: loads it."""
+@functools.cache
+def signature(spec: str) -> Signature:
+  """The convention of the function `spec` names, from its parameter names (module docstring)."""
+  fn = load(spec)
   try:
-    fn = load(spec)
-    if item is None:
-      return "ok", None
-    return "ok", fn(item.data_source, item.solution_str, item.ground_truth, dict(item.extra_info))
-  except Exception as e:  # pylint: disable=broad-exception-caught  (a bad sample must not stop a step)
-    return "error", f"{type(e).__name__}: {e}"
+    params = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError) as e:
+    raise RewardError(f"reward {spec!r}: cannot read its parameters: {e}") from None
+  keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+  names = {p.name for p in params if p.kind in keyword}
+  any_keyword = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+  required = tuple(p.name for p in params if p.default is inspect.Parameter.empty
+                   and p.kind in (*keyword, inspect.Parameter.POSITIONAL_ONLY))
+  if names & set(TRL_NAMES):
+    convention, passed = "trl", None  # with the dataset's columns: checked by `check` once they are known
+  elif names & set(VERL_BATCH_NAMES):
+    convention, passed = "verl_batch", VERL_BATCH_NAMES
+  elif names & set(VERL_NAMES) or any_keyword:
+    convention, passed = "verl", VERL_NAMES
+  else:
+    raise RewardError(f"reward {spec!r}: its parameters ({', '.join(p.name for p in params) or 'none'}) name none "
+                      f"of verl's ({', '.join(VERL_NAMES)}), verl's batch ones ({', '.join(VERL_BATCH_NAMES)}) or "
+                      f"TRL's ({', '.join(TRL_NAMES)}), so it cannot be called by keyword as they call one")
+  missing = [name for name in required if passed is not None and name not in passed]
+  if missing:
+    raise RewardError(f"reward {spec!r}: its required parameter {missing[0]!r} is none that {convention} passes "
+                      f"({', '.join(passed)}); give it a default")
+  return Signature(convention, None if any_keyword else frozenset(names), required)
 
 
-def _number(value: Any) -> float | None:
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    return None
-  value = float(value)
-  return value if math.isfinite(value) else None
+def check(reward: str | Sequence[str] | Reward, columns: Sequence[str] | None = None) -> Reward:
+  """Loads the functions `reward` names and reads their conventions (a RewardError says why one cannot be
+  used). With `columns` (the prompt file's), a TRL function's required parameters must be among them."""
+  reward = Reward.of(reward)
+  for spec in reward.specs:
+    sig = signature(spec)
+    if sig.convention == "trl" and columns is not None:
+      given = {*TRL_NAMES, *TRL_EXTRAS, *columns}
+      missing = [name for name in sig.required if name not in given]
+      if missing:
+        raise RewardError(f"reward {spec!r}: its required parameter {missing[0]!r} is neither TRL's "
+                          f"({', '.join(TRL_NAMES + TRL_EXTRAS)}) nor a column of the prompts "
+                          f"({', '.join(sorted(columns))})")
+  return reward
 
 
-class Scorer:
-  """Scores batches of responses with named rewards (module docstring)."""
+def cannot_score(reward: Reward, item: Item) -> str | None:
+  """Why a built-in of `reward` cannot score `item`'s row (None: it can): reasoning_gym reads the row's
+  reasoning-gym entry, which only tlt_jax's procedural tasks (or files that keep it) hold."""
+  for spec in reward.specs:
+    if spec == "reasoning_gym" or (spec == "auto" and _by_source(item.data_source) is reasoning_gym_reward):
+      entry = item.extra_info.get("entry") if isinstance(item.extra_info, Mapping) else None
+      if not (isinstance(entry, Mapping) and isinstance(entry.get("metadata"), Mapping)
+              and "source_dataset" in entry["metadata"]):
+        return (f"reward {spec!r} scores it with reasoning-gym's scorer, which reads the row's reasoning-gym entry "
+                f"(extra_info.entry), and the row has none")
+  return None
 
-  def __init__(self, workers: int = 4, timeout_s: float = 60.0):
-    self.workers, self.timeout_s = workers, timeout_s
-    self._pool, self._loaded = None, set()
 
-  def _get_pool(self, spec: str):
-    """The pool, its workers started and `spec` loaded in them (a worker's start, imports included, takes
-    seconds: it is not a call's time)."""
-    if self._pool is None:
-      self._pool = multiprocessing.get_context("spawn").Pool(self.workers)
-      self._loaded = set()
-    if spec not in self._loaded:
-      try:
-        self._pool.starmap_async(_call, [(spec, None)] * self.workers, chunksize=1).get(
-            timeout=max(120.0, 10 * self.timeout_s))
-      except multiprocessing.TimeoutError:
-        self._restart()
-        raise RewardError(f"reward {spec!r}: the reward workers did not start in time") from None
-      self._loaded.add(spec)
-    return self._pool
+# ---- calling ----
 
-  def _restart(self) -> None:
-    """Replaces the pool (its hung workers are killed)."""
-    self._pool.terminate()
-    self._pool.join()
-    self._pool = None
+def _resolved(value: Any) -> Any:
+  """`value`, awaited when it is awaitable (an `async def` reward's); in a thread of its own when this one
+  already runs an event loop (a notebook)."""
+  if not inspect.isawaitable(value):
+    return value
+  async def wait():
+    return await value
+  try:
+    asyncio.get_running_loop()
+  except RuntimeError:
+    return asyncio.run(wait())
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    return pool.submit(asyncio.run, wait()).result()
 
-  def score(self, spec: str, items: Sequence[Item]) -> tuple[np.ndarray, dict[str, float]]:
-    """(scores [N], stats): the mean, `failures` and `timeouts` (each such sample scored 0) and the
-    mean of every other numeric key the reward's dicts return."""
-    check(spec)
-    if self.workers:
-      pool = self._get_pool(spec)
-      pending = [pool.apply_async(_call, (spec, item)) for item in items]
-      results, hung = [], False
-      for p in pending:
-        try:
-          results.append(p.get(timeout=self.timeout_s))
-        except multiprocessing.TimeoutError:
-          results.append(("timeout", f"no result in {self.timeout_s:g} s"))
-          hung = True
-      if hung:
-        self._restart()
+
+def _plain(value: Any) -> Any:
+  """Arrays and tensors as lists, NumPy scalars as Python numbers (what crosses a process boundary)."""
+  if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+    return value.tolist()
+  return value
+
+
+def call(spec: str, items: Sequence[Item], state: TrainerState | None = None) -> tuple[str, Any, dict]:
+  """("ok", one value per item, metrics the function logged) or ("error", what it raised, {}). A per-response
+  (verl) function is called once per item, a batch one once."""
+  metrics: dict[str, list[float]] = {}
+  try:
+    fn, sig = load(spec), signature(spec)
+    if sig.convention == "verl":
+      values = [_plain(_resolved(fn(**sig.kwargs(dict(zip(VERL_NAMES, (i.data_source, i.solution_str, i.ground_truth,
+                                                                        dict(i.extra_info)))))))) for i in items]
+    elif sig.convention == "verl_batch":
+      values = _plain(_resolved(fn(**sig.kwargs(dict(zip(VERL_BATCH_NAMES, (
+          [i.data_source for i in items], [i.solution_str for i in items], [i.ground_truth for i in items],
+          [dict(i.extra_info) for i in items])))))))
     else:
-      results = [_call(spec, item) for item in items]
-    scores = np.zeros(len(items), np.float32)
-    counts, extras, logged = {"error": 0, "timeout": 0}, {}, 0
-    for i, ((kind, value), item) in enumerate(zip(results, items)):
-      if kind != "ok":
-        counts[kind] += 1
-        if logged < _LOGGED:
-          logged += 1
-          logging.warning("reward %r %s on sample %d (%s): %s; scored 0", spec,
-                          "failed" if kind == "error" else "timed out", i, item.where or "no source", value)
-        continue
-      score = value.get("score") if isinstance(value, Mapping) else value
-      if _number(score) is None:
-        got = "a dict without 'score'" if isinstance(value, Mapping) and "score" not in value else repr(score)
-        raise RewardError(f"reward {spec!r} returned {got} for sample {i} ({item.where or 'no source'}): "
-                          "a reward must return a finite number or a dict with a 'score'")
-      scores[i] = score
-      if isinstance(value, Mapping):
-        for key, x in value.items():
-          if key != "score" and _number(x) is not None:
-            extras.setdefault(key, []).append(float(x))
-    if counts["error"] + counts["timeout"] > logged:
-      logging.warning("reward %r: %d of %d samples failed, %d timed out", spec, counts["error"], len(items),
-                      counts["timeout"])
-    stats = {"mean": float(scores.mean()) if len(scores) else 0.0, "failures": float(counts["error"]),
-             "timeouts": float(counts["timeout"]), **{k: float(np.mean(v)) for k, v in extras.items()}}
-    return scores, stats
+      values = _plain(_resolved(fn(**sig.kwargs(_trl_kwargs(items, state or TrainerState(), metrics)))))
+    return "ok", values, {k: sum(v) / len(v) for k, v in metrics.items()}
+  except Exception as e:  # pylint: disable=broad-exception-caught  (a bad sample must not stop a step)
+    return "error", f"{type(e).__name__}: {e}", {}
 
-  def close(self) -> None:
-    if self._pool is not None:
-      self._pool.close()
-      self._pool.join()
-      self._pool = None
+
+def _trl_kwargs(items: Sequence[Item], state: TrainerState, metrics: dict[str, list[float]]) -> dict[str, Any]:
+  """What TRL's GRPOTrainer passes a reward function for this batch (module docstring)."""
+  def log_metric(name: str, value: float) -> None:
+    metrics.setdefault(name, []).append(float(value))
+  completions = [[{"role": "assistant", "content": i.solution_str or ""}] if isinstance(i.prompt, list)
+                 else i.solution_str or "" for i in items]
+  columns = dict.fromkeys(k for i in items for k in i.columns if k not in ("prompt", "completion", *TRL_NAMES))
+  return {"prompts": [i.prompt for i in items], "completions": completions,
+          "completion_ids": [list(i.completion_ids) for i in items],
+          **{k: [i.columns.get(k) for i in items] for k in columns}, "trainer_state": state, "log_metric": log_metric}

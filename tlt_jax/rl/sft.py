@@ -23,7 +23,7 @@ from tqdm import tqdm
 from tlt_jax import packing
 from tlt_jax.models import CausalLM, KVCache, hf
 from tlt_jax.rl import builders
-from tlt_jax.rl import datasets, rewards, tasks, tokenizer as tokenizer_lib
+from tlt_jax.rl import datasets, scorer, tasks, tokenizer as tokenizer_lib
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.state import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
@@ -117,7 +117,7 @@ def evaluate(config, model: CausalLM, tok, held_out: datasets.Dataset) -> dict:
         seed=config.seed))
     rollout = engine.generate(prompts)
     responses = [tok.decode(s.tokens, skip_special_tokens=True) for s in rollout.samples]
-    scores, stats = rewards.Scorer(workers=0).score("reasoning_gym", [ex.item(r) for ex, r in zip(held_out, responses)])
+    scores, stats = scorer.Scorer(workers=0).score("reasoning_gym", [ex.item(r) for ex, r in zip(held_out, responses)])
     correct = scores >= 1.0
     terms = np.asarray([ex.extra_info["num_terms"] for ex in held_out])
     by_bin = {}

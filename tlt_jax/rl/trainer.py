@@ -50,7 +50,7 @@ from tlt_jax.drafter import export
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, hf
 from tlt_jax.rl import actor as actor_lib
-from tlt_jax.rl import datasets, evaluation, grpo, rewards, rollouts
+from tlt_jax.rl import datasets, evaluation, grpo, rewards, rollouts, scorer
 from tlt_jax.rl import checks
 from tlt_jax.rollout import profile
 
@@ -84,7 +84,7 @@ class Trainer:
       raise ValueError(f"config.eval.every: held-out evaluations need the held-out prompts and every set of "
                        f"config.eval.sets ({sorted(c.eval.sets)}); got {sorted(eval_sets)}")
     self.policy, self.tok, self.prompts = policy, tokenizer, prompts
-    self.scorer = rewards.Scorer(c.data.reward_workers, c.data.reward_timeout_s)
+    self.scorer = scorer.Scorer(c.data.reward_workers, c.data.reward_timeout_s, c.data.reward_max_failures)
     # The rollouts hold the policy in its compute dtype (a bfloat16 copy of float32 masters).
     graphdef, state = nnx.split(policy)
     rollout_policy = nnx.merge(graphdef, actor_lib.rollout_copy(state, policy.dtype))
@@ -173,7 +173,8 @@ class Trainer:
 
   def evaluate(self) -> dict[str, float | list[float]]:
     """Every evaluation set's records (tlt_jax.rl.evaluation)."""
-    return {k: v for s in self.eval_sets for k, v in evaluation.evaluate(s, self.scorer, self.tok).items()}
+    state = rewards.TrainerState(self.step, self.config.steps)
+    return {k: v for s in self.eval_sets for k, v in evaluation.evaluate(s, self.scorer, self.tok, state).items()}
 
   def _eval_due(self) -> bool:
     every = self.config.eval.every
@@ -206,8 +207,9 @@ class Trainer:
     self._rolled_out = True
 
     texts = [self.tok.decode(s.tokens, skip_special_tokens=True) for s in samples]
-    scores, reward_stats = self.scorer.score(examples[0].reward,
-                                             [examples[s.prompt_index].item(t) for s, t in zip(samples, texts)])
+    scores, reward_stats = self.scorer.score(
+        examples[0].reward, [examples[s.prompt_index].item(t, s.tokens.tolist()) for s, t in zip(samples, texts)],
+        what=f"in step {self.step + 1}", state=rewards.TrainerState(self.step, c.steps))
     lengths = np.asarray([len(s.tokens) for s in samples])
     shaped = scores + grpo.overlong_penalty(lengths, c.rollout.sampling.max_new_tokens, c.rl.overlong_buffer)
     adv = grpo.advantages(shaped.reshape(-1, g), c.rl.advantage_std, c.rl.advantage_eps).reshape(-1)
