@@ -86,7 +86,8 @@ def bad_settings(config, cli: bool = False):
       same(("rollout.bandit.epsilon", "rl.actor.clip_low"), negative),
       same(("rl.actor.clip_low",), st.floats(min_value=1)),
       same(CHOICES, word.filter(lambda w: w not in VALID_CHOICES)),
-      same(("data.reward",), st.lists(word.filter(lambda w: w not in VALID_CHOICES), min_size=1, max_size=2).map(tuple)),
+      same(("data.reward",),
+           st.lists(word.filter(lambda w: w not in VALID_CHOICES), min_size=1, max_size=2).map(tuple)),
       same(("data.reward_weights",), st.lists(st.floats(-2, 2), min_size=2, max_size=3).map(tuple)),  # 1 function
       same(("data.reward_max_failures",), negative | st.floats(min_value=1, exclude_min=True, allow_infinity=False)),
       same(("mesh.data", "mesh.fsdp", "mesh.tensor"), st.integers(max_value=-2) | st.just(0)),

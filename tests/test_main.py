@@ -93,6 +93,56 @@ def test_start_up_sets_the_compilation_cache(main_runs):
   assert code == 3 and f"compilation cache: {cache}" in stderr, stderr
 
 
+# ---- rewards that fail, return no score, or cannot score the rows: one error line, no traceback ----
+
+BAD_REWARDS = """
+def boom(solution_str, **kwargs):
+  raise RuntimeError("the grader is down")
+
+def nan(solution_str, **kwargs):
+  return float("nan")
+
+def text(completions, **kwargs):
+  return ["1.0" for _ in completions]
+"""
+
+
+@pytest.fixture(scope="module")
+def reward_fault_runs(tmp_path_factory, tiny_policy_dir, xla_cache):
+  """`python -m tlt_jax.main` (configs/tiny.py:smoke, plain rollouts) on a verl-shaped file with each bad
+  reward (forked from one process, tests/conftest.py `run_clis`): {case: (exit code, stdout, stderr)}."""
+  tmp = tmp_path_factory.mktemp("reward_faults")
+  data = tmp / "data.jsonl"
+  data.write_text("".join(json.dumps({"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{a}+1?"}],
+                                      "reward_model": {"ground_truth": str(a + 1)}}) + "\n" for a in range(4)))
+  (tmp / "bad.py").write_text(BAD_REWARDS)
+  base = ["--config=configs/tiny.py:smoke", f"--config.policy.path={tiny_policy_dir}", f"--config.data.path={data}",
+          "--config.rollout.speculative=False", "--config.data.reward_workers=1"]
+  cases = {name: [*base, f"--config.workdir={tmp / name}", f"--config.data.reward={spec}"]
+           for name, spec in [("boom", f"{tmp}/bad.py:boom"), ("nan", f"{tmp}/bad.py:nan"),
+                              ("text", f"{tmp}/bad.py:text"), ("unscorable", "reasoning_gym")]}
+  runs = run_clis([("tlt_jax.main", args, REPO) for args in cases.values()], tmp, compilation_cache=xla_cache)
+  return dict(zip(cases, runs)), str(data)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("boom", r"error: reward '\S+bad.py:boom' failed on 2 of 2 samples in step 1 \(all\), so no update could learn "
+             r"from them; the first, sample 0 \(\S+data.jsonl:\d\): RuntimeError: the grader is down"),
+    ("nan", r"error: reward '\S+bad.py:nan' returned nan for sample 0 \(\S+data.jsonl:\d\): a reward must return a "
+            r"finite number"),
+    ("text", r"error: reward '\S+bad.py:text' returned '1.0' for sample 0 .*\(or None where it does not apply\)"),
+    ("unscorable", r"error: config.data.reward='reasoning_gym' cannot score the rows of config.data.path='\S+': "
+                   r"\S+data.jsonl:1: reward 'reasoning_gym' scores it with reasoning-gym's scorer, .* set "
+                   r"config.data.reward to a reward that can")])
+def test_bad_rewards_stop_the_run_with_one_error_line(reward_fault_runs, case, message):
+  """A run whose rewards all fail, or that returns what is no score, or whose reward cannot score its rows,
+  stops with one `error:` line naming the reward (and the row), never a traceback or a run of zero rewards."""
+  code, _, stderr = reward_fault_runs[0][case]
+  errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+  assert code == 1 and len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+  assert re.match(message, errors[0]), errors[0]
+
+
 # ---- faults: SIGKILL at random points, SIGTERM ----
 
 STEPS = 8  # a run killed soon after its first new step never reaches the end, on any machine

@@ -205,7 +205,8 @@ def test_a_row_the_reward_cannot_score_is_an_error_naming_it(tokenizer, tmp_path
   every sample. auto sends such rows (no reasoning-gym source) to math_verify."""
   path = _write_jsonl(tmp_path / "d.jsonl", FLAT_ROWS)
   with pytest.raises(rewards.Unscorable, match=r"d.jsonl:1: reward 'reasoning_gym' scores it with reasoning-gym's "
-                                               r"scorer, which reads the row's reasoning-gym entry \(extra_info.entry\)"):
+                                               r"scorer, which reads the row's reasoning-gym entry "
+                                               r"\(extra_info.entry\)"):
     datasets.from_file(path, tokenizer, reward="reasoning_gym")
   assert len(datasets.from_file(path, tokenizer, reward="auto")) == 2
 

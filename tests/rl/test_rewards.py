@@ -7,7 +7,6 @@ import textwrap
 import threading
 import types
 
-import numpy as np
 import pytest
 
 from tlt_jax.rl import rewards
@@ -121,7 +120,8 @@ USER_REWARDS = textwrap.dedent("""
       return float(solution_str.strip() == ground_truth)
 
     def verl_batch(solution_strs, ground_truths, extra_infos=None, **kwargs):
-      return [float(s.strip() == g) * e.get("weight", 1.0) for s, g, e in zip(solution_strs, ground_truths, extra_infos)]
+      return [float(s.strip() == g) * e.get("weight", 1.0)
+              for s, g, e in zip(solution_strs, ground_truths, extra_infos)]
 
     def trl_accuracy(completions, answer, **kwargs):
       texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]

@@ -6,8 +6,8 @@ at different steps differ only by the policy. A set reports its mean reward with
 prompts (a prompt's samples are not independent), each prompt's mean (for paired comparisons), the
 accuracy (reward >= 1 counts as correct), pass@1 and pass@k (the unbiased estimator of Chen et al.
 2021: per prompt 1 - C(n - c, k) / C(n, k) of n samples with c correct, averaged over prompts), the
-share of responses with an answer line, the median length and the reward calls that failed or timed out. The held-out set's records are
-`eval/<key>`, a named set's `eval/<name>/<key>`.
+share of responses with an answer line, the median length and the reward calls that failed or timed
+out. The held-out set's records are `eval/<key>`, a named set's `eval/<name>/<key>`.
 
 Several processes split each set's prompts in contiguous shares, sample their share on their own
 devices (each prompt's keys from its index in the whole set: the samples are those one process would
