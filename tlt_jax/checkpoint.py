@@ -4,7 +4,10 @@ A checkpoint at step s holds `arrays` (policy params + optimizer state, drafter 
 state, ...: any pytree of arrays) and `meta` (JSON: data position, bandit state, drafter version,
 ...). orbax writes each step to a temporary directory and renames it when complete, so a run
 killed mid-save leaves the previous checkpoint as the latest one (the temporary directory is
-removed when the next run opens the manager). A complete-looking step that does not restore
+removed, with a note, when the next run opens the manager). A save first checks that the
+filesystem has room for it (the newest checkpoint's size, plus a margin): a full disk stops the
+run with an OSError naming the directory and the space needed, before a write fails halfway (a
+write that fails all the same, the disk filling during it, is an OSError too). A complete-looking step that does not restore
 (a truncated or garbled array file, missing metadata) is skipped with a warning naming it and
 the step before it restored (`restore_latest`).
 
@@ -21,7 +24,10 @@ process, written by its process, read back by it (`unstack_processes`).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import shutil
 import time
 from typing import Any, Callable
 
@@ -98,10 +104,31 @@ def unstack_processes(arrays: dict[str, jax.Array], spec: dict) -> dict[str, np.
   return out
 
 
+_MARGIN_BYTES = 1 << 20  # beyond a checkpoint's size: the step's metrics and TensorBoard events
+
+
+def _megabytes(n: float) -> str:
+  return f"{n / 1e6:.1f} MB"
+
+
+def _bytes_in(path: str) -> int:
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(path) for f in names)
+
+
+def _no_space(e: Exception) -> bool:
+  """Whether `e` (an OSError, or orbax's ValueError from tensorstore) says the disk is full."""
+  return getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e)
+
+
 class Checkpoints:
 
   def __init__(self, directory: str, every: int, keep: int):
     self.directory = os.path.abspath(directory)
+    if os.path.isdir(self.directory):
+      for name in sorted(os.listdir(self.directory)):
+        if name.endswith(".orbax-checkpoint-tmp"):
+          logging.warning("removing %s: a checkpoint whose write did not finish (the run was stopped during it)",
+                          os.path.join(self.directory, name))
     self.manager = ocp.CheckpointManager(
         self.directory, item_names=("arrays", "meta"),
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every,
@@ -118,9 +145,38 @@ class Checkpoints:
     """Starts a background save if `step` is due (every N steps, or `force`); returns whether it did."""
     if not (force or self.manager.should_save(step)):
       return False
+    self._check_room(step, arrays)
     arrays = jax.tree.map(lambda x: jax.device_put(np.asarray(x), _everywhere()) if _process_local(x) else x, arrays)
-    return self.manager.save(step, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
-                                                           meta=ocp.args.JsonSave(meta)), force=force)
+    with self._disk_errors(step):
+      return self.manager.save(step, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
+                                                             meta=ocp.args.JsonSave(meta)), force=force)
+
+  def _check_room(self, step: int, arrays: Any) -> None:
+    """Raises OSError (ENOSPC) on every process when the filesystem lacks room for checkpoint `step`: the
+    newest checkpoint's size (else the arrays'), 10% and a megabyte more."""
+    newest = self.manager.latest_step()
+    size = _bytes_in(os.path.join(self.directory, str(newest))) if newest is not None else \
+        sum(x.nbytes for x in jax.tree.leaves(arrays))
+    need = int(1.1 * size) + _MARGIN_BYTES
+    os.makedirs(self.directory, exist_ok=True)
+    free = shutil.disk_usage(self.directory).free
+    if any(distributed.allgather(free < need)):
+      raise OSError(errno.ENOSPC, f"no space left on device for checkpoint {step} in {self.directory}: it needs "
+                                  f"about {_megabytes(need)}, {_megabytes(free)} free there (free some, or lower "
+                                  "checkpoint.keep, then resume)")
+
+  @contextlib.contextmanager
+  def _disk_errors(self, step: int | None):
+    """orbax's failures for want of space, as one OSError naming the directory."""
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except  (orbax wraps tensorstore's errors in ValueErrors)
+      if not _no_space(e):
+        raise
+      what = f"checkpoint {step}" if step is not None else "a checkpoint"
+      raise OSError(errno.ENOSPC, f"no space left on device writing {what} in {self.directory} "
+                                  f"({_megabytes(shutil.disk_usage(self.directory).free)} free there); the newest "
+                                  "complete checkpoint is intact: free some space, then resume") from None
 
   def restore(self, step: int, abstract_arrays: Any | Callable[[dict], Any]) -> tuple[Any, dict]:
     """Arrays shaped and sharded like `abstract_arrays` (ShapeDtypeStructs or arrays; or a function
@@ -168,7 +224,9 @@ class Checkpoints:
     return None
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    with self._disk_errors(None):
+      self.manager.wait_until_finished()
 
   def close(self) -> None:
-    self.manager.close()
+    with self._disk_errors(None):
+      self.manager.close()

@@ -82,10 +82,13 @@ def fail(message: str) -> NoReturn:
   sys.exit("error: " + re.sub(r"\s*\n\s*", " ", message.strip()))
 
 
-class _QuietOrbax(logging.logging.Filter):
-  """orbax logs every save and restore at INFO; keep its warnings only."""
+class _QuietLibraries(logging.logging.Filter):
+  """orbax logs every save and restore at INFO: its warnings only. A full disk fails every background write of
+  orbax and tensorstore, each logged with its traceback: left out, since the run stops on it with one line."""
 
   def filter(self, record):
+    if any("No space left on device" in text for text in (record.getMessage(), str((record.exc_info or ())[1:2]))):
+      return False
     return record.levelno >= logging.logging.WARNING or "orbax" not in record.pathname
 
 
@@ -93,7 +96,7 @@ def run(main: Callable[[list[str]], None]) -> None:
   """`app.run(main)` with the flags parsed by `parse_flags`, input errors printed on one line, and
   orbax's INFO chatter left out of the log."""
   def checked(argv):
-    logging.get_absl_handler().addFilter(_QuietOrbax())
+    logging.get_absl_handler().addFilter(_QuietLibraries())
     if len(argv) > 1:
       fail(f"unexpected arguments: {argv[1:]}")
     try:

@@ -9,9 +9,12 @@ key, a config file that does not load, a prompt file that does not parse or a wo
 cannot be written is one line `error: ...` naming it, before any work. Resumes from
 <workdir>/checkpoints when there are any.
 
-SIGTERM or Ctrl-C: the step in flight finishes, a checkpoint is written, and the run exits 0
-saying where it stopped and how to resume; a second signal abandons the step (the run resumes
-from the last checkpoint). A killed run resumes from its newest complete checkpoint.
+SIGTERM or Ctrl-C (to the process or its whole group, as a terminal or a scheduler sends them): the
+step in flight finishes, a checkpoint is written, and the run exits 0 saying where it stopped and how
+to resume; a second signal abandons the step (the run resumes from the last checkpoint), and so does
+the first before the training loop starts (SFT, drafter warm-up: nothing to keep). A killed run
+resumes from its newest complete checkpoint. One run per workdir: a second one on it is refused,
+naming the first (tlt_jax.lock).
 """
 
 from __future__ import annotations
@@ -36,24 +39,27 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Same as --config.dry_run=True.")
 
 
 class _StopSignal:
-  """SIGTERM / SIGINT handler: the first asks the trainer to stop after the step in flight, a second
-  abandons it: the process exits at once, as if killed (an exception raised from a handler can land
-  in a finalizer and be swallowed), and a restart redoes the step from the last complete checkpoint."""
+  """SIGTERM / SIGINT handler: once `armed` (the training loop runs), the first asks the trainer to stop
+  after the step in flight; a second, or the first before then, exits at once, as if killed (an exception
+  raised from a handler can land in a finalizer and be swallowed): a restart redoes the step from the last
+  complete checkpoint (every output is written atomically)."""
 
   def __init__(self, checkpoints: str, resume: str):
     self.reason: str | None = None
+    self.armed = False
     self.checkpoints, self.resume = checkpoints, resume
 
   def __call__(self, signum, frame):
     del frame
     name = signal.Signals(signum).name
-    if self.reason is None:
+    if self.reason is None and self.armed:
       self.reason = name
       logging.warning("%s: stopping after the step in flight, then writing a checkpoint (send it again to abandon "
                       "the step)", name)
       return
-    print(f"{name} again: abandoned the step in flight; resume with: {self.resume} (it continues from the newest "
-          f"complete checkpoint in {self.checkpoints})", file=sys.stderr, flush=True)
+    what = "the step in flight" if self.armed else "the run before its first step"
+    print(f"{name}{' again' if self.reason else ''}: abandoned {what}; resume with: {self.resume} (it continues "
+          f"from the newest complete checkpoint in {self.checkpoints}, if any)", file=sys.stderr, flush=True)
     os._exit(128 + signum)  # pylint: disable=protected-access
 
 
@@ -75,6 +81,21 @@ def check_outputs(config) -> None:
       files.check_writable(os.path.join(path, "probe"))
     except files.OutputError as e:
       cli.fail(f"config.{key}={path!r}: {e}")
+
+
+def _lock_workdir(config) -> None:
+  """Process 0 takes the workdir's lock (tlt_jax.lock) for the rest of the process's life; when another run
+  holds it, every process stops with one line naming that run."""
+  from tlt_jax import distributed, lock  # pylint: disable=import-outside-toplevel
+  busy = None
+  if distributed.primary():
+    try:
+      lock.WorkdirLock(config.workdir)  # its descriptor stays open, and the lock held, until the process ends
+    except lock.InUse as e:
+      busy = str(e)
+  busy = distributed.allgather(busy)[0]
+  if busy:
+    cli.fail(f"config.workdir={config.workdir!r}: {busy}")
 
 
 def main(argv):
@@ -102,6 +123,7 @@ def main(argv):
     print(json.dumps(sizes, indent=2))
     return
   check_outputs(config)
+  _lock_workdir(config)
   from tlt_jax.rl import bootstrap  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl.rewards import RewardError  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl.trainer import NonFiniteUpdates, Trainer  # pylint: disable=import-outside-toplevel
@@ -113,12 +135,15 @@ def main(argv):
     trainer = Trainer(config, *bootstrap.load(config))
   except (OSError, ValueError) as e:
     cli.fail(str(e))
+  stop.armed = True
   try:
     records = trainer.run(stop=lambda: stop.reason)
-  except (NonFiniteUpdates, RewardError, OSError) as e:  # diverged; rewards failed or are no numbers; a write failed
-    cli.fail(str(e))
-  finally:
-    trainer.close()
+    trainer.close()  # waits for the last checkpoint, whose write may fail too
+  except BaseException as e:
+    trainer.close(quiet=True)
+    if isinstance(e, (NonFiniteUpdates, RewardError, OSError)):  # diverged; rewards failed; a write failed
+      cli.fail(f"{e}" + (f"; resume with: {resume}" if isinstance(e, OSError) else ""))
+    raise
   if trainer.stopped:
     print(f"stopped by {trainer.stopped} after step {trainer.step} of {config.steps}; checkpoint "
           f"{trainer.checkpoint_path}; resume with: {resume}")

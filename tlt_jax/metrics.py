@@ -83,8 +83,11 @@ class Writer:
     self.wandb = wandb
 
   def write(self, step: int, record: dict[str, float]) -> None:
-    with open(self.path, "a", encoding="utf-8") as f:
-      f.write(json.dumps({"step": step, **record}) + "\n")
+    try:
+      with open(self.path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": step, **record}) + "\n")
+    except OSError as e:  # a full disk: name the file
+      raise OSError(e.errno, f"cannot write {self.path}: {e.strerror}") from None
     scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}
     for key, value in scalars.items():  # TensorBoard's names take no '@' (pass@k): it would log each rename
       self.tensorboard.add_scalar(key.replace("@", "_"), value, step)

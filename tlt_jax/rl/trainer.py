@@ -333,11 +333,16 @@ class Trainer:
     if drafter is not None:
       export.export_eagle(policy, drafter, os.path.join(out, "drafter"))
 
-  def close(self) -> None:
-    """Waits for the checkpoints and the metrics to be written; stops the reward workers."""
-    for rollout in self._rollouts:
-      rollout.close()
-    self.scorer.close()
-    self.checkpoints.close()
+  def close(self, quiet: bool = False) -> None:
+    """Waits for the checkpoints and the metrics to be written; stops the reward workers. `quiet`: after a
+    failure (already reported), closes what it can and raises nothing (a full disk fails every write)."""
+    parts = [rollout.close for rollout in self._rollouts] + [self.scorer.close, self.checkpoints.close]
     if self.metrics is not None:
-      self.metrics.close()
+      parts.append(self.metrics.close)
+    for close in parts:
+      try:
+        close()
+      except Exception:  # pylint: disable=broad-except
+        if not quiet:
+          raise
+        logging.debug("after a failure, closing failed too", exc_info=True)
