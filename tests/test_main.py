@@ -20,7 +20,7 @@ from flax import nnx
 
 from configs import tiny
 from tests.conftest import run_clis, tiny_rl_config
-from tlt_jax import metrics
+from tlt_jax import lock, metrics
 from tlt_jax.drafter import checkpoint as drafter_checkpoint
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import hf
@@ -120,8 +120,12 @@ def reward_fault_runs(tmp_path_factory, tiny_policy_dir, xla_cache):
           "--config.rollout.speculative=False", "--config.data.reward_workers=1"]
   cases = {name: [*base, f"--config.workdir={tmp / name}", f"--config.data.reward={spec}"]
            for name, spec in [("boom", f"{tmp}/bad.py:boom"), ("nan", f"{tmp}/bad.py:nan"),
-                              ("text", f"{tmp}/bad.py:text"), ("unscorable", "reasoning_gym")]}
-  runs = run_clis([("tlt_jax.main", args, REPO) for args in cases.values()], tmp, compilation_cache=xla_cache)
+                              ("text", f"{tmp}/bad.py:text"), ("unscorable", "reasoning_gym"), ("locked", "auto")]}
+  held = lock.WorkdirLock(str(tmp / "locked"))  # another run's, for the runs' time: the last case is refused
+  try:
+    runs = run_clis([("tlt_jax.main", args, REPO) for args in cases.values()], tmp, compilation_cache=xla_cache)
+  finally:
+    held.release()
   return dict(zip(cases, runs)), str(data)
 
 
@@ -133,17 +137,20 @@ def reward_fault_runs(tmp_path_factory, tiny_policy_dir, xla_cache):
     ("text", r"error: reward '\S+bad.py:text' returned '1.0' for sample 0 .*\(or None where it does not apply\)"),
     ("unscorable", r"error: config.data.reward='reasoning_gym' cannot score the rows of config.data.path='\S+': "
                    r"\S+data.jsonl:1: reward 'reasoning_gym' scores it with reasoning-gym's scorer, .* set "
-                   r"config.data.reward to a reward that can")])
-def test_bad_rewards_stop_the_run_with_one_error_line(reward_fault_runs, case, message):
+                   r"config.data.reward to a reward that can"),
+    ("locked", rf"error: config.workdir='\S+locked': \S+locked is in use by another run \(pid {os.getpid()} on .*, "
+               r"started .* UTC: .*\); wait for it to end, or give this run another workdir")])
+def test_bad_rewards_and_a_busy_workdir_stop_the_run_with_one_error_line(reward_fault_runs, case, message):
   """A run whose rewards all fail, or that returns what is no score, or whose reward cannot score its rows,
-  stops with one `error:` line naming the reward (and the row), never a traceback or a run of zero rewards."""
+  stops with one `error:` line naming the reward (and the row), never a traceback or a run of zero rewards;
+  so does a run on a workdir that another run holds (naming that run)."""
   code, _, stderr = reward_fault_runs[0][case]
   errors = [line for line in stderr.splitlines() if line.startswith("error:")]
   assert code == 1 and len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
   assert re.match(message, errors[0]), errors[0]
 
 
-# ---- faults: SIGKILL at random points, SIGTERM ----
+# ---- faults: SIGKILL at random points, SIGTERM, Ctrl-C ----
 
 STEPS = 8  # a run killed soon after its first new step never reaches the end, on any machine
 
@@ -184,11 +191,27 @@ def _fault_config(workdir, steps, policy_dir, drafter_dir, cache_dir):
 
 
 def _launch(config, log):
-  """`python -m tlt_jax.main` on `config`, with this process's environment (its 8 CPU devices)."""
+  """`python -m tlt_jax.main` on `config`, with this process's environment (its 8 CPU devices), in a process
+  group of its own (its reward workers join it): a signal to the group is a terminal's Ctrl-C or a scheduler's
+  SIGTERM."""
   env = {**os.environ, "PYTHONPATH": REPO}
   with open(log, "w", encoding="utf-8") as out:
     return subprocess.Popen([sys.executable, "-m", "tlt_jax.main", "--config=configs/tiny.py", *_overrides(config)],
-                            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+                            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _alive_in_group(pgid: int) -> list[int]:
+  """The live (not zombie) processes of process group `pgid` (Linux's /proc)."""
+  alive = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+        state, _, group = f.read().rpartition(")")[2].split()[:3]
+    except OSError:  # gone meanwhile
+      continue
+    if int(group) == pgid and state != "Z":
+      alive.append(int(pid))
+  return alive
 
 
 def _last_step(workdir) -> int:
@@ -245,13 +268,14 @@ def _timing(key: str) -> bool:
 
 def test_sigkill_and_sigterm_at_random_points_resume_exactly(tmp_path, straight, bf16_policy_dir, drafter_dir,
                                                             xla_cache):
-  """One TLT run, interrupted three times in a row once it has trained a step: SIGKILL inside a
-  checkpoint write (orbax's temporary directory exists), SIGKILL at a seeded random moment, then
-  SIGTERM at one (the step in flight finishes, a checkpoint is written, exit 0 with a resume
-  message). Each restart resumes from the newest complete checkpoint, redoing at most the step
-  in flight; the last run completes and equals the uninterrupted one record for record (the
-  drafter's loss, held-out loss and top-1 included: its data buffer is in the checkpoint), in
-  its final policy and in the exported drafter's bytes. (Subprocess starts dominate the cost:
+  """One TLT run, interrupted three times in a row once it has trained a step, each signal sent to its
+  whole process group (its reward workers too): SIGKILL inside a checkpoint write (orbax's temporary
+  directory exists), SIGKILL at a seeded random moment, then SIGTERM at one (the step in flight
+  finishes, a checkpoint is written, exit 0 with a resume message, no process left). Each restart
+  resumes from the newest complete checkpoint, redoing at most the step in flight; the last run
+  completes and equals the uninterrupted one record for record (the drafter's loss, held-out loss
+  and top-1 included: its data buffer is in the checkpoint), in its final policy and in the
+  exported drafter's bytes. (Subprocess starts dominate the cost:
   the SIGTERM shares this chain.)"""
   workdir = tmp_path / "run"
   config = _fault_config(workdir, STEPS, bf16_policy_dir, drafter_dir, xla_cache)
@@ -270,11 +294,14 @@ def test_sigkill_and_sigterm_at_random_points_resume_exactly(tmp_path, straight,
     else:
       time.sleep(rng.uniform(0.0, 0.3))
     during_save = writing()
-    proc.send_signal(sig)
+    os.killpg(proc.pid, sig)  # the whole group, reward workers included, as a scheduler signals a job
     code = proc.wait(timeout=120)
     assert code == (0 if sig == signal.SIGTERM else -signal.SIGKILL), f"run {k} ended before the signal: {code}"
+    _wait(lambda: not _alive_in_group(proc.pid), every=0.05, timeout=10)  # no orphaned reward worker
     interruptions.append({"signal": sig.name, "recorded": _last_step(workdir), "during_save": during_save})
   assert interruptions[0]["during_save"]
+  # The restart after the kill inside a write says it removes the unfinished checkpoint.
+  assert "a checkpoint whose write did not finish" in (tmp_path / "run1.log").read_text()
   stopped = interruptions[-1]["recorded"]
   assert (f"stopped by SIGTERM after step {stopped} of {STEPS}; checkpoint {checkpoints / str(stopped)}; "
           "resume with: python -m tlt_jax.main --config=configs/tiny.py") in (tmp_path / "run2.log").read_text()
@@ -325,3 +352,71 @@ def test_sigkill_and_sigterm_at_random_points_resume_exactly(tmp_path, straight,
   assert all(0 < g < 0.1 for g in gaps) and all(r["mismatch/kl_k3"] >= 0 for r in records[1:])
   drafter = lambda d: (d / "export" / "drafter" / "model.safetensors").read_bytes()
   assert drafter(workdir) == drafter(straight_dir)
+
+
+def test_ctrl_c_to_the_process_group_exits_within_seconds(tmp_path, tiny_policy_dir, xla_cache):
+  """A terminal's Ctrl-C signals the whole foreground group, reward workers included. Once: the step in flight
+  finishes, a checkpoint is written, the run exits 0 within seconds saying how to resume, and no process of
+  its group is left. Twice: it exits at once (130), and so does a Ctrl-C before the first step."""
+  c = tiny_rl_config(tmp_path / "run", 500, xla_cache)
+  c.policy.path, c.eval.every, c.checkpoint.every, c.data.reward_workers = tiny_policy_dir, 0, 5, 2
+  for k, (presses, when) in enumerate([(1, "after a step"), (2, "after a step"), (1, "at start-up")]):
+    before = _last_step(c.workdir)
+    proc = _launch(c, tmp_path / f"run{k}.log")
+    if when == "after a step":
+      _wait(lambda: _last_step(c.workdir) > before or proc.poll() is not None, every=0.05)
+    else:
+      time.sleep(1.0)  # importing, before the drafter and the policy are read
+    start = time.monotonic()
+    for _ in range(presses):
+      os.killpg(proc.pid, signal.SIGINT)
+      time.sleep(0.05)
+    code = proc.wait(timeout=60)
+    took = time.monotonic() - start
+    log = (tmp_path / f"run{k}.log").read_text()
+    _wait(lambda: not _alive_in_group(proc.pid), every=0.05, timeout=10)
+    if presses == 1 and when == "after a step":
+      stopped = _last_step(c.workdir)
+      assert code == 0 and f"stopped by SIGINT after step {stopped} of 500; checkpoint " in log, log[-3000:]
+      assert str(stopped) in os.listdir(tmp_path / "run" / "checkpoints")
+    else:
+      what = "the step in flight" if presses == 2 else "the run before its first step"
+      assert code == 128 + signal.SIGINT and f"abandoned {what}; resume with: python -m tlt_jax.main" in log, \
+          log[-3000:]
+    assert "Traceback" not in log and took < 30, (took, log[-3000:])
+    print(f"Ctrl-C x{presses} {when}: exit {code} after {took:.1f} s")
+
+
+# Run between the runs (as `python remount.py SIZE_KB`, a run_clis case): the disk's size, or what it holds plus 128 KB.
+_REMOUNT = """
+import shutil, subprocess, sys
+disk = sys.argv[1]
+size = int(sys.argv[2]) if len(sys.argv) > 2 else shutil.disk_usage(disk).used // 1024 + 128
+subprocess.run(["mount", "-o", f"remount,size={size}k", disk], check=True)
+"""
+
+
+def test_a_full_disk_is_one_error_line_and_the_run_resumes(tmp_path, tiny_policy_dir, xla_cache):
+  """The workdir on a small filesystem (tmpfs, mounted as root; else skipped): a run that fills it stops
+  before its next checkpoint with one `error:` line naming the directory and the space needed, no
+  traceback, its checkpoints intact; with room again, the same command resumes from the newest one."""
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True).returncode:
+    pytest.skip("mounting a small filesystem needs root")
+  try:
+    (tmp_path / "remount.py").write_text(_REMOUNT)
+    c = tiny_rl_config(disk / "run", 2, xla_cache)
+    c.policy.path, c.eval.every, c.checkpoint.every = tiny_policy_dir, 0, 1
+    args = lambda steps: ["--config=configs/tiny.py", *_overrides(c), f"--config.steps={steps}"]
+    remount = lambda *size: (str(tmp_path / "remount.py"), [str(disk), *size], REPO)
+    runs = run_clis([("tlt_jax.main", args(2), REPO), remount(), ("tlt_jax.main", args(4), REPO),
+                     remount(str(64 << 10)), ("tlt_jax.main", args(4), REPO)], tmp_path, compilation_cache=xla_cache)
+  finally:
+    subprocess.run(["umount", str(disk)], check=True)
+  (first, *_), _, (code, _, log), _, (last, _, resumed) = runs
+  errors = [line for line in log.splitlines() if line.startswith("error:")]
+  assert first == 0 and code == 1 and len(errors) == 1 and "Traceback" not in log, log[-3000:]
+  assert re.match(rf"error: \[Errno 28\] no space left on device for checkpoint 3 in {disk}/run/checkpoints: it "
+                  r"needs about \d+\.\d MB, 0\.\d MB free there .*; resume with: python -m tlt_jax.main", errors[0])
+  assert last == 0 and f"resumed from {disk}/run/checkpoints/2 at step 2" in resumed, resumed[-3000:]

@@ -7,9 +7,9 @@ killed mid-save leaves the previous checkpoint as the latest one (the temporary 
 removed, with a note, when the next run opens the manager). A save first checks that the
 filesystem has room for it (the newest checkpoint's size, plus a margin): a full disk stops the
 run with an OSError naming the directory and the space needed, before a write fails halfway (a
-write that fails all the same, the disk filling during it, is an OSError too). A complete-looking step that does not restore
-(a truncated or garbled array file, missing metadata) is skipped with a warning naming it and
-the step before it restored (`restore_latest`).
+write that fails all the same, the disk filling during it, is an OSError too). A complete-looking
+step that does not restore (a truncated or garbled array file, missing metadata) is skipped with a
+warning naming it and the step before it restored (`restore_latest`).
 
 The arrays' shapes may depend on the metadata (the drafter's data buffer grows and shrinks): then
 `restore` takes a function from the metadata to the arrays' shapes and reads the metadata first.

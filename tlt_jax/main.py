@@ -44,10 +44,11 @@ class _StopSignal:
   raised from a handler can land in a finalizer and be swallowed): a restart redoes the step from the last
   complete checkpoint (every output is written atomically)."""
 
-  def __init__(self, checkpoints: str, resume: str):
+  def __init__(self):
     self.reason: str | None = None
     self.armed = False
-    self.checkpoints, self.resume = checkpoints, resume
+    self.resume = shlex.join(["python", "-m", "tlt_jax.main", *sys.argv[1:]])
+    self.checkpoints = "the workdir's checkpoints"  # their directory, once the config is read
 
   def __call__(self, signum, frame):
     del frame
@@ -61,6 +62,11 @@ class _StopSignal:
     print(f"{name}{' again' if self.reason else ''}: abandoned {what}; resume with: {self.resume} (it continues "
           f"from the newest complete checkpoint in {self.checkpoints}, if any)", file=sys.stderr, flush=True)
     os._exit(128 + signum)  # pylint: disable=protected-access
+
+
+# The handler of SIGTERM and SIGINT, installed before the flags are parsed and the package is imported: a
+# Ctrl-C at any point ends the run with one line.
+_STOP = _StopSignal()
 
 
 def check_outputs(config) -> None:
@@ -127,17 +133,15 @@ def main(argv):
   from tlt_jax.rl import bootstrap  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl.rewards import RewardError  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl.trainer import NonFiniteUpdates, Trainer  # pylint: disable=import-outside-toplevel
-  resume = shlex.join(["python", "-m", "tlt_jax.main", *sys.argv[1:]])
-  stop = _StopSignal(os.path.join(os.path.abspath(config.workdir), "checkpoints"), resume)
-  for signum in (signal.SIGTERM, signal.SIGINT):
-    signal.signal(signum, stop)
+  resume = _STOP.resume
+  _STOP.checkpoints = os.path.join(os.path.abspath(config.workdir), "checkpoints")
   try:  # prompt files, the policy and the drafter are read (and checked) before SFT or a rollout starts
     trainer = Trainer(config, *bootstrap.load(config))
   except (OSError, ValueError) as e:
     cli.fail(str(e))
-  stop.armed = True
+  _STOP.armed = True
   try:
-    records = trainer.run(stop=lambda: stop.reason)
+    records = trainer.run(stop=lambda: _STOP.reason)
     trainer.close()  # waits for the last checkpoint, whose write may fail too
   except BaseException as e:
     trainer.close(quiet=True)
@@ -160,4 +164,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  for _signum in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(_signum, _STOP)
   cli.run(main)
