@@ -1,7 +1,8 @@
 """Two processes (jax.distributed on localhost, gloo) x 4 CPU devices run `python -m tlt_jax.main`
 with TLT like one process on 8 devices: 2 steps (rewards equal, the policy update equal up to
 float rounding, the held-out evaluation before them equal: each process samples its share),
-checkpoints written once, and a fresh 2-process run restores the last one."""
+checkpoints written once, a run on a workdir another run holds refused by both processes, and a
+fresh 2-process run restores the last checkpoint."""
 
 import json
 import os
@@ -15,7 +16,7 @@ from flax import nnx
 
 from configs import tiny
 from tests.conftest import float_order_mismatches, tiny_rl_config, xla_flags_without_device_count
-from tlt_jax import metrics
+from tlt_jax import lock, metrics
 from tlt_jax.models import hf
 from tlt_jax.rl import bootstrap
 from tlt_jax.rl.trainer import Trainer
@@ -37,11 +38,11 @@ def _overrides(config, base, prefix="--config."):
   return out
 
 
-def _launch(config, logdir, processes=2, timeout_s=600):
+def _launch(config, logdir, processes=2, timeout_s=600, refused=False):
   """`python -m tlt_jax.main` in `processes` processes of 8 / `processes` CPU devices; their logs.
 
   A process that fails takes the others down at once (they would wait for it until jax.distributed
-  times out)."""
+  times out); `refused`: every process must exit 1 by itself (the run stopped before any work)."""
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
@@ -58,7 +59,7 @@ def _launch(config, logdir, processes=2, timeout_s=600):
       procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
   deadline = time.monotonic() + timeout_s
   while any(p.poll() is None for p in procs):
-    if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+    if (not refused and any(p.poll() not in (None, 0) for p in procs)) or time.monotonic() > deadline:
       for p in procs:
         p.kill()
     time.sleep(0.2)
@@ -68,7 +69,7 @@ def _launch(config, logdir, processes=2, timeout_s=600):
       logs.append(f.read())
   report = "".join(f"\n--- process {i} exited {p.returncode}:\n{log[-6000:]}"
                    for i, (p, log) in enumerate(zip(procs, logs)))
-  assert all(p.returncode == 0 for p in procs), report
+  assert all(p.returncode == (1 if refused else 0) for p in procs), report
   return logs
 
 
@@ -116,6 +117,13 @@ def test_two_processes_match_one(tmp_path, tiny_policy_dir, xla_cache, monkeypat
   assert [r["step"] for r in records] == [0, 1, 2] and all(r["spot/groups"] == 2 for r in records[1:])
   assert records[-1]["drafter/version"] >= 1 and sorted(os.listdir(two / "checkpoints")) == ["1", "2"]
   os.rename(two / "export", tmp_path / "export")
+  # While another run holds the workdir, both processes of a new run refuse it, naming that run.
+  held = lock.WorkdirLock(str(two))
+  try:
+    refusals = _launch(c, tmp_path, refused=True)
+  finally:
+    held.release()
+  assert all(f"is in use by another run (pid {os.getpid()} on " in log for log in refusals), refusals
   # A fresh 2-process run restores step 2 (drafter, each process's drafter data buffer, bandits) and exports it again.
   logs = _launch(c, tmp_path)
   assert all("resumed from" in log and "at step 2" in log for log in logs)
