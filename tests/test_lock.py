@@ -41,3 +41,18 @@ def test_the_lock_of_a_killed_process_is_taken_over(tmp_path):
   taken = lock.WorkdirLock(str(workdir))
   assert json.loads((workdir / lock.NAME).read_text())["pid"] == os.getpid()
   taken.release()
+
+
+def test_a_run_that_wrote_nothing_leaves_nothing(tmp_path):
+  """Released with the workdir holding only its file, the lock removes it and the directories it made."""
+  held = lock.WorkdirLock(str(tmp_path / "runs" / "new"))
+  held.release()
+  assert os.listdir(tmp_path) == []
+  (tmp_path / "kept").mkdir()
+  held = lock.WorkdirLock(str(tmp_path / "kept"))  # existed before: stays
+  held.release()
+  held = lock.WorkdirLock(str(tmp_path / "used"))
+  (tmp_path / "used" / "metrics.jsonl").write_text("")
+  held.release()
+  assert sorted(os.listdir(tmp_path)) == ["kept", "used"] and sorted(os.listdir(tmp_path / "used")) == [
+      "metrics.jsonl", lock.NAME]

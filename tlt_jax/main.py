@@ -89,24 +89,25 @@ def check_outputs(config) -> None:
       cli.fail(f"config.{key}={path!r}: {e}")
 
 
-def _lock_workdir(config) -> None:
-  """Process 0 takes the workdir's lock (tlt_jax.lock) for the rest of the process's life; when another run
-  holds it, every process stops with one line naming that run."""
+def _lock_workdir(config):
+  """The workdir's lock (tlt_jax.lock), which process 0 takes (the others get None); when another run holds
+  it, every process stops with one line naming that run."""
   from tlt_jax import distributed, lock  # pylint: disable=import-outside-toplevel
-  busy = None
+  held, busy = None, None
   if distributed.primary():
     try:
-      lock.WorkdirLock(config.workdir)  # its descriptor stays open, and the lock held, until the process ends
+      held = lock.WorkdirLock(config.workdir)
     except lock.InUse as e:
       busy = str(e)
   busy = distributed.allgather(busy)[0]
   if busy:
     cli.fail(f"config.workdir={config.workdir!r}: {busy}")
+  return held
 
 
 def main(argv):
   del argv
-  from tlt_jax import distributed, metrics, report  # pylint: disable=import-outside-toplevel
+  from tlt_jax import distributed  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl import checks  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
   config = cli.config_value(_CONFIG)
@@ -129,7 +130,17 @@ def main(argv):
     print(json.dumps(sizes, indent=2))
     return
   check_outputs(config)
-  _lock_workdir(config)
+  held = _lock_workdir(config)
+  try:
+    _train(config, start)
+  finally:  # a run that wrote nothing (bad input) leaves nothing
+    if held is not None:
+      held.release()
+
+
+def _train(config, start: float) -> None:
+  """The run, on a workdir this process holds: its inputs read, RL steps, the summary."""
+  from tlt_jax import metrics, report  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl import bootstrap  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl.rewards import RewardError  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl.trainer import NonFiniteUpdates, Trainer  # pylint: disable=import-outside-toplevel

@@ -48,7 +48,7 @@ def test_resume_continues_exactly(tmp_path, tiny_policy_dir, xla_cache):
   # Held-out evaluations before the first step and every 2 steps, identical after the resume.
   assert [r["step"] for r in a if "eval/reward" in r] == [0, 2, 4] and set(a[0]) == {"step", "eval/reward",
       "eval/reward_ci95", "eval/prompt_rewards", "eval/accuracy", "eval/pass@1", "eval/pass@2", "eval/answered",
-      "eval/response_length", "time/eval_s"}
+      "eval/response_length", "eval/reward_failures", "time/eval_s"}
   # The interval is over the held-out prompts' means (3 prompts: `tiny_rl_config`'s eval.size).
   assert len(a[0]["eval/prompt_rewards"]) == 3 and a[0]["eval/reward"] == pytest.approx(
       np.mean(a[0]["eval/prompt_rewards"]), abs=1e-4)

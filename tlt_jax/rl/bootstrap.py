@@ -104,14 +104,14 @@ def load_drafter(config, policy: CausalLM, tok, prompts: datasets.Dataset | None
   if config.policy.path:
     prompts = prompts or load_prompts(config, tok)
     warm_prompts = [e.prompt_ids for e in prompts.examples[:d.prompts]]
+    logging.info("drafter warm-up: sampling the policy's responses to %d training prompts (the first "
+                 "drafter.distill.prompts=%d of %d)", len(warm_prompts), d.prompts, len(prompts))
     shortest = min(map(len, warm_prompts))
     if shortest >= d.row_len:
       raise ValueError(f"config.drafter.distill.row_len={d.row_len}: holds none of the warm-up's prompts and a "
                        f"response token (the shortest prompt has {shortest} tokens); set it to data.max_prompt_len + "
                        f"rollout.sampling.max_new_tokens ({config.data.max_prompt_len} + "
                        f"{config.rollout.sampling.max_new_tokens}), as rl.row_len")
-    logging.info("drafter warm-up: sampling the policy's responses to %d training prompts (the first "
-                 "drafter.distill.prompts=%d of %d)", len(warm_prompts), d.prompts, len(prompts))
     with tqdm(total=len(warm_prompts), desc="drafter warm-up samples", unit="sample") as bar:
       own = warmup.sample(policy, warm_prompts, stop_ids=(tok.eos_token_id,), num_samples=1,
                           temperature=config.rollout.sampling.temperature,

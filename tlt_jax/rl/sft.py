@@ -137,8 +137,11 @@ def warm_start(config, tok) -> tuple[CausalLM, list[float]]:
   """A fresh tiny policy trained on worked solutions; returns it and its loss curve."""
   train_set = datasets.from_tasks(config.task.family, tok, size=config.sft.num_problems, seed=config.seed,
                                   difficulty=difficulty(config))
-  rows = packing.pack(sequences(train_set, tok, config.sft.unanswered, config.seed), config.sft.row_len,
-                      truncate=False)
+  try:
+    rows = packing.pack(sequences(train_set, tok, config.sft.unanswered, config.seed), config.sft.row_len,
+                        truncate=False)
+  except ValueError as e:  # no solution fits a row
+    raise ValueError(f"config.sft.row_len={config.sft.row_len}: {e}") from None
   model = build_policy(config, tok)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   logging.info("tiny policy: %.2fM parameters; %d packed rows of %d tokens", n_params / 1e6, rows.shape[1],
