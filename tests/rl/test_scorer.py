@@ -46,6 +46,12 @@ USER_REWARD = textwrap.dedent("""
 
     def four(solution_str, **kwargs):
       return 4.0
+
+    def crash(solution_str, **kwargs):
+      if solution_str == "crash":
+        import os
+        os._exit(3)  # as a segfaulting extension would end the interpreter
+      return 1.0
     """)
 
 
@@ -116,6 +122,16 @@ def test_a_raising_or_hanging_reward_scores_0_and_is_counted_once_logged(user_re
     assert "failed on sample 1 (train.jsonl:2): RuntimeError: scorer exploded" in caplog.text
     assert "timed out on sample 2 (train.jsonl:3)" in caplog.text
     assert s.score(user_reward(), _items(["4"]))[0].tolist() == [0.5]
+  finally:
+    s.close()
+
+
+def test_a_worker_that_dies_is_a_failed_call_and_is_replaced(user_reward):
+  s = scorer.Scorer(workers=2, timeout_s=20, max_failures=0.5)
+  try:
+    scores, stats = s.score(user_reward("crash"), _items(["4", "crash", "4", "4"]))
+    assert scores.tolist() == [1.0, 0.0, 1.0, 1.0] and stats["failures"] == 1
+    assert s.score(user_reward("crash"), _items(["4"] * 4))[0].tolist() == [1.0] * 4
   finally:
     s.close()
 

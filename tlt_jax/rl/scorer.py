@@ -116,6 +116,17 @@ class Scorer:
     load_s = max(120.0, 10 * self.timeout_s)
     results: list[tuple | None] = [None] * len(tasks)
     pending = deque(range(len(tasks)))
+    try:
+      self._serve_all(tasks, pending, results, load_s)
+    except BaseException:  # a reward that cannot load, a Ctrl-C: no answer may be left in a worker's pipe
+      for w in list(self._workers):
+        if w.job:
+          self._replace(w)
+      raise
+    return results
+
+  def _serve_all(self, tasks, pending: deque, results: list, load_s: float) -> None:
+    """Hands `pending` tasks to idle workers (a spec's first to a worker loads it) until all are answered."""
     while pending or any(w.job for w in self._workers):
       for w in self._workers:
         if w.job is None and pending:
@@ -133,6 +144,7 @@ class Scorer:
         try:
           result = conn.recv()
         except (EOFError, OSError):  # it died: a reward that crashed the interpreter, or a kill from outside
+          w.process.join(timeout=5)
           result = ("error", f"the reward's worker process died (exit code {w.process.exitcode})", {})
           self._replace(w)
         if isinstance(job, str):  # loaded a spec
@@ -148,7 +160,6 @@ class Scorer:
           if isinstance(job, str):
             raise rewards.RewardError(f"reward {job!r}: its worker process did not start in {load_s:g} s")
           results[job] = ("timeout", f"no result in {self.timeout_s:g} s", {})
-    return results
 
   def _replace(self, worker: _Worker) -> None:
     worker.kill()
