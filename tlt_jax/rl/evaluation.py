@@ -64,19 +64,29 @@ def evaluate(s: EvalSet, scorer: scorer_lib.Scorer, tok, state: rewards.TrainerS
   start_s = time.perf_counter()
   start, end = _share(len(s.examples))
   examples = s.examples[start:end]
-  local, failed = [], 0.0
+  local, failed, error = [], 0.0, None
   if examples:
     samples, _ = s.rollout.generate([ex.prompt_ids for ex in examples], num_samples=s.num_samples,
                                     prompt_offset=OFFSET + start)
     texts = [tok.decode(x.tokens, skip_special_tokens=True) for x in samples]
-    scores, stats = scorer.score(examples[0].reward,
-                                 [examples[x.prompt_index].item(t, x.tokens.tolist()) for x, t in zip(samples, texts)],
-                                 what=f"in evaluation {s.name or 'held-out'!r}", state=state)
-    failed = stats["failures"] + stats["timeouts"]
-    local = [(start + x.prompt_index, float(score), tasks.extract_answer(t) is not None, len(x.tokens))
-             for x, t, score in zip(samples, texts, scores)]
-  rows = sorted(r for part in distributed.allgather(local) for r in part)
-  failed = sum(distributed.allgather(failed))
+    try:
+      scores, stats = scorer.score(
+          examples[0].reward, [examples[x.prompt_index].item(t, x.tokens.tolist()) for x, t in zip(samples, texts)],
+          what=f"in evaluation {s.name or 'held-out'!r}", state=state)
+    except rewards.RewardError as e:  # raised on every process below (the others would wait for this one)
+      error = e
+    else:
+      failed = stats["failures"] + stats["timeouts"]
+      local = [(start + x.prompt_index, float(score), tasks.extract_answer(t) is not None, len(x.tokens))
+               for x, t, score in zip(samples, texts, scores)]
+  parts = distributed.allgather((local, failed, None if error is None else str(error)))
+  errors = [why for _, _, why in parts if why]
+  if error is not None:
+    raise error
+  if errors:
+    raise rewards.RewardError(errors[0])
+  rows = sorted(r for part, _, _ in parts for r in part)
+  failed = sum(f for _, f, _ in parts)
   prompt, score, answered, length = (np.asarray(column) for column in zip(*rows))
   per_prompt = metrics_lib.group_means(score, prompt.tolist())
   correct = [int((score[prompt == i] >= 1.0).sum()) for i in sorted(set(prompt.tolist()))]
