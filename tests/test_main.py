@@ -117,7 +117,7 @@ def reward_fault_runs(tmp_path_factory, tiny_policy_dir, xla_cache):
                                       "reward_model": {"ground_truth": str(a + 1)}}) + "\n" for a in range(4)))
   (tmp / "bad.py").write_text(BAD_REWARDS)
   base = ["--config=configs/tiny.py:smoke", f"--config.policy.path={tiny_policy_dir}", f"--config.data.path={data}",
-          "--config.rollout.speculative=False", "--config.data.reward_workers=1"]
+          "--config.rollout.speculative=False", "--config.data.reward_workers=0"]  # the scorer tests run the workers
   cases = {name: [*base, f"--config.workdir={tmp / name}", f"--config.data.reward={spec}"]
            for name, spec in [("boom", f"{tmp}/bad.py:boom"), ("nan", f"{tmp}/bad.py:nan"),
                               ("text", f"{tmp}/bad.py:text"), ("unscorable", "reasoning_gym"), ("locked", "auto"),
@@ -368,7 +368,7 @@ def test_ctrl_c_to_the_process_group_exits_within_seconds(tmp_path, tiny_policy_
   finishes, a checkpoint is written, the run exits 0 within seconds saying how to resume, and no process of
   its group is left. Twice: it exits at once (130), and so does a Ctrl-C before the first step."""
   c = tiny_rl_config(tmp_path / "run", 500, xla_cache)
-  c.policy.path, c.eval.every, c.checkpoint.every, c.data.reward_workers = tiny_policy_dir, 0, 5, 2
+  c.policy.path, c.eval.every, c.checkpoint.every, c.data.reward_workers = tiny_policy_dir, 0, 5, 1
   for k, (presses, when) in enumerate([(1, "after a step"), (2, "after a step"), (1, "at start-up")]):
     before = _last_step(c.workdir)
     proc = _launch(c, tmp_path / f"run{k}.log")
