@@ -30,14 +30,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-# The suite's costliest files, costliest first (seconds in one run, idle 2-core machine, 2026-11-29; refresh with
+# The suite's costliest files, costliest first (seconds in one run, idle 2-core machine, 2026-12-06; refresh with
 # --durations=0). pytest-xdist (--dist loadfile) hands a worker the next file as it runs out: these
 # first and the many short ones last, so that the two workers finish together (its default order, by
 # number of tests, left a worker alone with a few-test file of minutes at the end).
-COSTLIEST_FIRST = ("rollout/test_engine.py", "test_experiments.py", "test_main.py", "test_notebooks.py",  # 680-195 s
-                   "test_setup.py", "test_bench.py", "rl/test_trainer.py", "test_distributed.py",  # 195-170 s
-                   "rollout/test_speculative.py", "test_generate.py", "models/test_gguf.py",  # 110-65 s
-                   "test_train_drafter.py", "kernels/test_tree_attention.py", "rollout/test_tlt.py", "rl/test_actor.py")
+COSTLIEST_FIRST = ("rollout/test_engine.py", "test_experiments.py", "test_main.py", "test_bench.py",  # 341-118 s
+                   "test_distributed.py", "rl/test_trainer.py", "test_notebooks.py", "test_setup.py",  # 115-103 s
+                   "test_generate.py", "rollout/test_speculative.py", "models/test_gguf.py",  # 64-54 s
+                   "kernels/test_tree_attention.py", "test_train_drafter.py", "rollout/test_tlt.py",  # 49-29 s
+                   "models/test_transformer.py", "rl/test_actor.py")
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 assert all(os.path.isfile(os.path.join(_TESTS, name)) for name in COSTLIEST_FIRST), "COSTLIEST_FIRST names a lost file"
 
