@@ -209,6 +209,15 @@ def _launch(config, log):
                             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
+def _holder(workdir) -> int | None:
+  """The pid the workdir's lock file names (tlt_jax.lock), if it names one yet."""
+  try:
+    with open(os.path.join(workdir, lock.NAME), encoding="utf-8") as f:
+      return json.load(f)["pid"]
+  except (OSError, ValueError, KeyError):
+    return None
+
+
 def _alive_in_group(pgid: int) -> list[int]:
   """The live (not zombie) processes of process group `pgid` (Linux's /proc)."""
   alive = []
@@ -374,8 +383,8 @@ def test_ctrl_c_to_the_process_group_exits_within_seconds(tmp_path, tiny_policy_
     proc = _launch(c, tmp_path / f"run{k}.log")
     if when == "after a step":
       _wait(lambda: _last_step(c.workdir) > before or proc.poll() is not None, every=0.05)
-    else:
-      time.sleep(1.0)  # importing, before the drafter and the policy are read
+    else:  # once it holds the workdir: its inputs are being read, no step has started
+      _wait(lambda: proc.poll() is not None or _holder(c.workdir) == proc.pid, every=0.02)
     start = time.monotonic()
     for _ in range(presses):
       os.killpg(proc.pid, signal.SIGINT)
