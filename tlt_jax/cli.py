@@ -87,9 +87,17 @@ class _QuietLibraries(logging.logging.Filter):
   orbax and tensorstore, each logged with its traceback: left out, since the run stops on it with one line."""
 
   def filter(self, record):
-    if any("No space left on device" in text for text in (record.getMessage(), str((record.exc_info or ())[1:2]))):
+    raised = record.exc_info[1] if record.exc_info else None
+    if "No space left on device" in f"{record.getMessage()} {raised}":
       return False
     return record.levelno >= logging.logging.WARNING or "orbax" not in record.pathname
+
+
+def _unraisable(unraisable) -> None:
+  """sys.unraisablehook that drops what tensorstore's callbacks raise when they fire after orbax closed their
+  event loop (its failed writes on a full disk end so): harmless, and each a traceback."""
+  if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+    sys.__unraisablehook__(unraisable)
 
 
 def run(main: Callable[[list[str]], None]) -> None:
@@ -97,6 +105,7 @@ def run(main: Callable[[list[str]], None]) -> None:
   orbax's INFO chatter left out of the log."""
   def checked(argv):
     logging.get_absl_handler().addFilter(_QuietLibraries())
+    sys.unraisablehook = _unraisable
     if len(argv) > 1:
       fail(f"unexpected arguments: {argv[1:]}")
     try:

@@ -151,14 +151,18 @@ def _train(config, start: float) -> None:
   except (OSError, ValueError) as e:
     cli.fail(str(e))
   _STOP.armed = True
+  expected = (NonFiniteUpdates, RewardError, OSError)  # diverged; rewards failed; a write failed (a full disk)
   try:
     records = trainer.run(stop=lambda: _STOP.reason)
-    trainer.close()  # waits for the last checkpoint, whose write may fail too
   except BaseException as e:
     trainer.close(quiet=True)
-    if isinstance(e, (NonFiniteUpdates, RewardError, OSError)):  # diverged; rewards failed; a write failed
+    if isinstance(e, expected):
       cli.fail(f"{e}" + (f"; resume with: {resume}" if isinstance(e, OSError) else ""))
     raise
+  try:
+    trainer.close()  # waits for the last checkpoint, whose write may fail too
+  except OSError as e:
+    cli.fail(f"{e}; resume with: {resume}")
   if trainer.stopped:
     print(f"stopped by {trainer.stopped} after step {trainer.step} of {config.steps}; checkpoint "
           f"{trainer.checkpoint_path}; resume with: {resume}")

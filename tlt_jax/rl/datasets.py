@@ -83,7 +83,7 @@ class Example:
 
   def item(self, response: str | None, response_ids: Sequence[int] = ()) -> rewards.Item:
     """`response` (its tokens: `response_ids`) to this prompt, as the reward scores it."""
-    prompt = self.messages if self.chat else (self.messages[-1]["content"] if self.messages else self.prompt)
+    prompt = self.messages if self.chat else self.messages[-1]["content"]  # a string prompt: its user turn
     return rewards.Item(self.data_source, response, self.ground_truth, self.extra_info, self.where, prompt,
                         tuple(response_ids), self.columns)
 

@@ -334,15 +334,18 @@ class Trainer:
       export.export_eagle(policy, drafter, os.path.join(out, "drafter"))
 
   def close(self, quiet: bool = False) -> None:
-    """Waits for the checkpoints and the metrics to be written; stops the reward workers. `quiet`: after a
-    failure (already reported), closes what it can and raises nothing (a full disk fails every write)."""
+    """Waits for the checkpoints and the metrics to be written; stops the reward workers. Every part is
+    closed even when one fails (a full disk fails every write); the first failure is raised after, unless
+    `quiet` (after a failure already reported)."""
     parts = [rollout.close for rollout in self._rollouts] + [self.scorer.close, self.checkpoints.close]
     if self.metrics is not None:
       parts.append(self.metrics.close)
+    first = None
     for close in parts:
       try:
         close()
-      except Exception:  # pylint: disable=broad-except
-        if not quiet:
-          raise
-        logging.debug("after a failure, closing failed too", exc_info=True)
+      except Exception as e:  # pylint: disable=broad-except
+        first = first or e
+        logging.debug("closing %s failed", close, exc_info=True)
+    if first is not None and not quiet:
+      raise first
