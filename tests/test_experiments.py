@@ -2,7 +2,8 @@
 script and in a module it imports, fails at import), and its --helpshort lists its own flags. Running
 them takes minutes each (docs/BENCHMARKS.md records what they measured); experiments/accelerator.py
 runs end to end at its smoke size, and bench_kernels' smoke, which checks every tree-attention
-implementation in its interpreter, in seconds; gpu_check.py's smoke runs every part of the GPU check."""
+implementation in its interpreter, in seconds; gpu_check.py's smoke runs every part of the GPU check,
+vs_trl.py's both sides."""
 
 import csv
 import json
@@ -247,3 +248,22 @@ def test_bench_kernels_says_what_failed(tmp_path):
   assert xla["ok"] and not triton["ok"] and "does not support bfloat16" in triton["error"]
   proc = run("--impls=xla,cuda")
   assert proc.returncode == 1 and proc.stderr.startswith("error: --impls: 'cuda' is not one of"), proc.stderr[-3000:]
+
+
+def test_vs_trl_smoke_runs_both_sides_on_the_same_prompts(tmp_path, tiny_policy_dir, smoke_env):
+  """`vs_trl.py` on configs/smollm2.py's smoke job (a tiny policy): tlt_jax's trainer and TRL's GRPOTrainer each
+  run a step in a process of its own, TRL gets the same prompt tokens, and the summary holds both sides'
+  phases, the update's phases and the ratios."""
+  out = tmp_path / "out"
+  done = subprocess.run([sys.executable, "vs_trl.py", "--config=../configs/smollm2.py:smoke", "--steps=1",
+                         f"--config.policy.path={tiny_policy_dir}", "--config.rl.dynamic_sampling=False",
+                         f"--out={out}"], cwd=EXPERIMENTS, env=smoke_env,
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  summary = json.loads((out / "summary.json").read_text())
+  assert json.loads((out / "trl.json").read_text())["same_prompt_tokens"]
+  assert set(summary["last_step"]) == {"tlt_jax", "trl"} and set(summary["trl_over_tlt_jax"]) == {
+      "rollout_s", "reward_s", "old_logp_s", "update_s", "step_s"}
+  phases = summary["tlt_jax_update_phases"]
+  assert all(phases[k] > 0 for k in ("forward_s", "forward_backward_s", "optimizer_s", "forward_backward_temp_gb"))
+  assert all(v > 0 for v in summary["peak_rss_gb"].values())

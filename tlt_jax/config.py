@@ -200,6 +200,11 @@ def base() -> ml_collections.ConfigDict:
   # Truncated importance sampling for the training-inference mismatch (verl's TIS): each token's policy
   # loss weighed by min(p_trainer / p_rollout, tis_cap) of the rollout's own log-probs (0: off).
   c.rl.tis_cap = 0.0
+  # The ratio's old log-probs: "rollout" (the rollout's own: no forward pass), "recompute" (the trainer's
+  # forward pass over the responses before the first update; logs the mismatch/* gap to the rollout's), or
+  # "auto": the rollout's where they are the trainer's numbers up to float32 rounding (policy.dtype float32,
+  # no top-k / top-p), else recomputed (bfloat16 compute, whose rollout rounds differently).
+  c.rl.old_logp = "auto"
   c.rl.optimizer = ml_collections.ConfigDict()  # actor.make_optimizer: AdamW after global-norm clipping
   c.rl.optimizer.learning_rate = 1e-4
   c.rl.optimizer.warmup_steps = 0  # learning-rate warm-up

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.conftest import tiny_rl_config
+from tests.conftest import float_order_mismatches, tiny_rl_config
 from tlt_jax import metrics
 from tlt_jax.models import hf
 from tlt_jax.rl import bootstrap, grpo
@@ -21,9 +21,10 @@ def _timing(key: str) -> bool:
   return key.endswith(("_s", "_share")) or key.startswith("time/") or key == "rollout/compilations"
 
 
-def _run(workdir, steps, policy_dir, cache_dir):
+def _run(workdir, steps, policy_dir, cache_dir, **overrides):
   c = tiny_rl_config(workdir, steps, cache_dir)
   c.policy.path = policy_dir
+  c.update_from_flattened_dict(overrides)
   trainer = Trainer(c, *bootstrap.load(c), devices=jax.devices()[:2])  # the plain engine data-parallel over 2 devices
   try:
     trainer.run()
@@ -56,9 +57,7 @@ def test_resume_continues_exactly(tmp_path, tiny_policy_dir, xla_cache):
   a = a[1:]
   # The policy did train: rewards varied in some groups, so there were gradients and the parameters moved.
   assert all(r["train/updates"] == 2 for r in a) and any(r["train/grad_norm"] > 0 for r in a)
-  # In float32 the rollout's log-probs are the trainer's (other kernels, batching and order of sums).
-  print("float32 mismatch:", [(r["mismatch/logp_abs_diff"], r["mismatch/kl_k3"]) for r in a])
-  assert all(r["mismatch/logp_abs_diff"] < 1e-5 and abs(r["mismatch/kl_k3"]) < 1e-9 for r in a)
+  assert not any(k.startswith("mismatch/") for r in a for k in r)  # float32: the rollout's old log-probs
   initial = nnx.state(hf.from_pretrained(policy_dir))
   moved = jax.tree.map(lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max()), initial, straight)
   assert max(jax.tree.leaves(moved)) > 1e-3
@@ -70,6 +69,24 @@ def test_resume_continues_exactly(tmp_path, tiny_policy_dir, xla_cache):
   c.policy.path, c.policy.scan_layers = policy_dir, False
   with pytest.raises(ValueError, match=r"layers scanned; resume it with --config.policy.scan_layers=True"):
     Trainer(c, *bootstrap.load(c), devices=jax.devices()[:2])
+
+
+def test_the_rollouts_old_log_probs_update_as_the_recomputed_ones(tmp_path, tiny_policy_dir, xla_cache):
+  """In float32 (`rl.old_logp="auto"`) the updates take the rollout's log-probs as the ratio's old ones,
+  without a forward pass: they are the trainer's own up to float32 rounding (other kernels, batching and
+  order of sums), so the updates are the recomputing run's up to rounding too."""
+  runs = {}
+  for old in ("auto", "recompute"):
+    params = _run(tmp_path / old, 1, tiny_policy_dir, xla_cache, **{"rl.old_logp": old, "eval.every": 0})
+    records = metrics.read(str(tmp_path / old / "metrics.jsonl"))
+    runs[old] = params, records
+  recomputed = runs["recompute"][1][0]
+  print("float32 mismatch:", recomputed["mismatch/logp_abs_diff"], recomputed["mismatch/kl_k3"])
+  assert recomputed["mismatch/logp_abs_diff"] < 1e-5 and abs(recomputed["mismatch/kl_k3"]) < 1e-9
+  assert recomputed["train/updates"] == 2 and not any(k.startswith("mismatch/") for k in runs["auto"][1][0])
+  stats = lambda run: (run[0], [{"loss": r["train/loss"], "grad_norm": r["train/grad_norm"]} for r in run[1]])
+  initial = nnx.state(hf.from_pretrained(tiny_policy_dir))
+  assert not float_order_mismatches(initial, stats(runs["recompute"]), stats(runs["auto"]))
 
 
 def test_tlt_step_trains_the_drafter_on_idle_groups_and_checkpoints_it(tmp_path, tiny_policy_dir, xla_cache,

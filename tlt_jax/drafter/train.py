@@ -41,7 +41,7 @@ from absl import logging
 from flax import nnx
 
 from tlt_jax.drafter.model import Drafter, check_feature_layers
-from tlt_jax.models.transformer import CausalLM, KVCache
+from tlt_jax.models.transformer import CausalLM
 from tlt_jax.packing import Sequences, pack, segment_mask
 
 LOGIT_WEIGHT = 0.1  # EAGLE's weight of the soft cross-entropy beside the feature regression
@@ -83,9 +83,7 @@ def sequence_pairs(target: CausalLM, feature_layers: Sequence[int], rows: np.nda
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _sequence_pairs(graphdef, feature_layers, params, tokens, positions, segments, loss_mask) -> Pairs:
   target = nnx.merge(graphdef, params)
-  b, t = tokens.shape
-  cache = KVCache.zeros(target.config, b, t, target.dtype)
-  hidden, aux, _ = target(tokens, positions, cache, segment_mask(segments), hidden_layers=feature_layers)
+  hidden, aux, _ = target(tokens, positions, None, segment_mask(segments), hidden_layers=feature_layers)
   shift = lambda x: jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
   # Pair t exists when x_{t+1} belongs to the same sample as x_t.
   valid = (shift(segments) == segments) & (segments > 0)

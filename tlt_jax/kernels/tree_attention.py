@@ -60,6 +60,18 @@ def _scores(q_BxTxKxGxD, k_BxCxKxD, visible_BxTxC, scale):
   return jnp.where(visible_BxTxC[:, None, None], s, -jnp.inf)
 
 
+def dense(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, visible_BxTxS, scale: float | None = None):
+  """[B, T, H, D] attention of T queries over S keys / values (GQA: H = K x groups), query t seeing key s
+  iff `visible_BxTxS[b, t, s]`: one dense, differentiable softmax. Training's self-attention (the keys are
+  the queries' own tokens, no cache) and the cache's `reference` without blocks."""
+  b, t, h, d = q_BxTxHxD.shape
+  kv_heads = k_BxSxKxD.shape[2]
+  q = q_BxTxHxD.reshape(b, t, kv_heads, h // kv_heads, d)
+  s = _scores(q, k_BxSxKxD, visible_BxTxS, d**-0.5 if scale is None else scale)
+  p = jax.nn.softmax(s, axis=-1).astype(v_BxSxKxD.dtype)
+  return jnp.einsum("bkgtc,bckd->btkgd", p, v_BxSxKxD).reshape(b, t, h, d)
+
+
 def reference(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_BxTxW, *, block: int | None = None,
               scale: float | None = None, pages_BxM=None):
   """[B, T, H, D] attention outputs over layer `layer` of the caches (GQA: H = K x groups).
@@ -71,13 +83,11 @@ def reference(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_BxTxW,
   """
   b, t, h, d = q_BxTxHxD.shape
   s_cap, kv_heads = layout.capacity(k_LxNxPxKxD, pages_BxM), k_LxNxPxKxD.shape[3]
+  if block is None:
+    return dense(q_BxTxHxD, layout.rows(k_LxNxPxKxD, layer, pages_BxM), layout.rows(v_LxNxPxKxD, layer, pages_BxM),
+                 _visible(lengths_B, mask_BxTxW, 0, s_cap), scale)
   scale = d**-0.5 if scale is None else scale
   q = q_BxTxHxD.reshape(b, t, kv_heads, h // kv_heads, d)
-  if block is None:
-    s = _scores(q, layout.rows(k_LxNxPxKxD, layer, pages_BxM), _visible(lengths_B, mask_BxTxW, 0, s_cap), scale)
-    p = jax.nn.softmax(s, axis=-1).astype(v_LxNxPxKxD.dtype)
-    out = jnp.einsum("bkgtc,bckd->btkgd", p, layout.rows(v_LxNxPxKxD, layer, pages_BxM))
-    return out.reshape(b, t, h, d)
 
   _check_block(k_LxNxPxKxD, pages_BxM, block)
   n_blocks = jnp.minimum((jnp.max(lengths_B) + mask_BxTxW.shape[2] + block - 1) // block, s_cap // block)

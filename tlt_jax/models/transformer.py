@@ -159,6 +159,10 @@ class Attention(nnx.Module):
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    if k_LxNxPxKxD is None:  # training: self-attention over the tokens' own keys, no cache
+      attend = lambda q_, mask_: tree_attention.dense(q_, k, v, mask_)
+      out = attend(q, mask_BxTxW) if query_block is None else _by_query_blocks(attend, q, mask_BxTxW, query_block)
+      return self.o_proj(out.reshape(b, t, cfg.num_heads * cfg.head_dim)), None, None
     start = lengths_B + mask_BxTxW.shape[2] - t
     k_LxNxPxKxD = sharding.constrain(_write(k_LxNxPxKxD, layer, k, start, pages_BxM), (None, *sharding.CACHE_AXES))
     v_LxNxPxKxD = sharding.constrain(_write(v_LxNxPxKxD, layer, v, start, pages_BxM), (None, *sharding.CACHE_AXES))
@@ -257,7 +261,7 @@ class CausalLM(nnx.Module):
     return jnp.einsum("...h,hv->...v", hidden.astype(self.dtype), w.astype(self.dtype),
                       preferred_element_type=jnp.float32)
 
-  def __call__(self, tokens_BxT, positions_BxT, cache: KVCache, mask_BxTxW, *,
+  def __call__(self, tokens_BxT, positions_BxT, cache: KVCache | None, mask_BxTxW, *,
                kv_block: int | None = None, attention: str = "auto", hidden_layers: Sequence[int] = (),
                remat: bool = False, query_block: int | None = None):
     """Runs T new tokens per row; returns (final hidden [B,T,H], aux hidden, cache with them written).
@@ -265,7 +269,8 @@ class CausalLM(nnx.Module):
     `hidden_layers` are 0-based decoder-layer indices whose outputs are returned (EAGLE-3 input;
     layer i is Hugging Face's `hidden_states[i + 1]`). For training long sequences, `remat`
     recomputes each layer in the backward pass instead of keeping its activations, and
-    `query_block` computes attention that many queries at a time.
+    `query_block` computes attention that many queries at a time. `cache=None` (training): the T tokens
+    attend to one another only (`mask_BxTxW` is [B, T, T]), nothing is cached, and None is returned for it.
     """
     cfg = self.config
     x = sharding.constrain(self.model.embed_tokens(tokens_BxT), sharding.ACTIVATION_AXES)
@@ -276,8 +281,8 @@ class CausalLM(nnx.Module):
       layer_def = nnx.graphdef(self.model.layers[0])
 
     def run(state, x, k, v, i):
-      return nnx.merge(layer_def, state)(x, cos, sin, i, k, v, cache.lengths, mask_BxTxW, kv_block, attention,
-                                         query_block, cache.pages)
+      return nnx.merge(layer_def, state)(x, cos, sin, i, k, v, lengths, mask_BxTxW, kv_block, attention,
+                                         query_block, pages)
 
     if remat:  # unrolled, the layer index stays a Python int: each copy indexes the cache at a constant
       run = jax.checkpoint(run, static_argnums=() if cfg.scan_layers else (4,))
@@ -288,14 +293,15 @@ class CausalLM(nnx.Module):
       x, k, v = run(state, x, k, v, i)
       return (x, k, v, tuple(jnp.where(i == j, x, a) for j, a in zip(hidden_layers, aux))), None
 
-    carry = (x, cache.k, cache.v, tuple(jnp.zeros_like(x) for _ in hidden_layers))
+    lengths, pages, k, v = (None,) * 4 if cache is None else (cache.lengths, cache.pages, cache.k, cache.v)
+    carry = (x, k, v, tuple(jnp.zeros_like(x) for _ in hidden_layers))
     if cfg.scan_layers:  # the cache's layer axis is carried whole: layer i writes and reads its own slice
       carry, _ = jax.lax.scan(step, carry, (jnp.arange(cfg.num_layers), stacked))
     else:
       for i, layer in enumerate(self.model.layers):
         carry, _ = step(carry, (i, nnx.state(layer)))
     x, k, v, aux = carry
-    return self.model.norm(x), aux, dataclasses.replace(cache, k=k, v=v)
+    return self.model.norm(x), aux, None if cache is None else dataclasses.replace(cache, k=k, v=v)
 
 
 def prefill(model: CausalLM, tokens_BxT, lengths_B, cache: KVCache, *, all_logits: bool = False,

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tlt_jax import packing, sharding
-from tlt_jax.models.transformer import CausalLM, KVCache
+from tlt_jax.models.transformer import CausalLM
 from tlt_jax.rl import grpo
 
 # Planes of a training batch beyond the packed rows' tokens / positions / segments.
@@ -40,26 +40,26 @@ def token_logprobs(model: CausalLM, tokens_BxT, positions_BxT, segments_BxT, *, 
   distribution softmax(logits / temperature), in float32.
 
   Slot 0 (and every sample's first slot, a prompt token) has no prediction of its own sample:
-  its values are meaningless and always weigh 0. The LM head runs over `chunk` positions at a
-  time, recomputed in the backward pass, so [B, T, vocab] logits never exist at once (a 32k-token
-  row of a 152k vocabulary would be 20 GB).
+  its values are meaningless and always weigh 0. Rows longer than `chunk` run the LM head over `chunk`
+  positions at a time, recomputed in the backward pass, so [B, T, vocab] logits never exist at once (a
+  32k-token row of a 152k vocabulary would be 20 GB); a row of one chunk keeps its log-softmax for the
+  backward pass instead (recomputing it would save no memory: the backward pass starts with the head).
   """
   b, t = tokens_BxT.shape
-  cache = KVCache.zeros(model.config, b, t, model.dtype)
-  hidden, _, _ = model(tokens_BxT, positions_BxT, cache, packing.segment_mask(segments_BxT), remat=remat,
+  hidden, _, _ = model(tokens_BxT, positions_BxT, None, packing.segment_mask(segments_BxT), remat=remat,
                        query_block=query_block)
   c = min(chunk, t)
   n = -(-t // c)
   targets = jnp.pad(tokens_BxT[:, 1:], ((0, 0), (0, n * c - t + 1)))  # slot s predicts token s + 1
   hidden = jnp.pad(hidden, ((0, 0), (0, n * c - t), (0, 0)))
 
-  @jax.checkpoint
   def head(h_BxCxH, y_BxC):
     logp_all = jax.nn.log_softmax(model.logits(h_BxCxH) / temperature, axis=-1)
     return (jnp.take_along_axis(logp_all, y_BxC[..., None], axis=-1)[..., 0],
             -(jnp.exp(logp_all) * logp_all).sum(-1))
 
   split = lambda x: jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 1, 0)
+  head = jax.checkpoint(head) if n > 1 else head
   logp, entropy = jax.lax.map(lambda args: head(*args), (split(hidden), split(targets)))
   merge = lambda x: jnp.pad(jnp.moveaxis(x, 0, 1).reshape(b, n * c)[:, :t - 1], ((0, 0), (1, 0)))
   return merge(logp), merge(entropy)
@@ -126,7 +126,10 @@ class Actor:
     self.seed = seed
     optimizer = self.optimizer
     abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(self.params))  # a dry run's
-    if abstract or mesh is not None:  # the moments sharded like their params (FSDP), the counts replicated
+    on_mesh = all(isinstance(getattr(x, "sharding", None), NamedSharding) for x in jax.tree.leaves(self.params))
+    # The moments sharded like their params (FSDP), the counts replicated: also what the update returns, so
+    # that its second call finds the first's executable.
+    if abstract or on_mesh:
       shardings = state_shardings(optimizer, self.params)
       if abstract:
         self.opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -145,7 +148,8 @@ class Actor:
     self._logprobs = jax.jit(self._logprobs_fn, out_shardings=None if mesh is None else NamedSharding(mesh, P()))
     # Gradients come out sharded like the params they belong to (FSDP), not gathered.
     param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
-    self._grads = jax.jit(self._grads_fn, out_shardings=(param_shardings, None))
+    self._grads = jax.jit(self._grads_fn, out_shardings=(param_shardings, None), donate_argnums=(2,))
+    self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=param_shardings)
     self._apply = jax.jit(self._apply_fn, donate_argnums=(0, 1))
 
   # ---- pure functions ----
@@ -154,7 +158,8 @@ class Actor:
     return token_logprobs(nnx.merge(self.graphdef, params), tokens, positions, segments,
                           **{**self._forward, "remat": False})[0]
 
-  def _grads_fn(self, params, batch):
+  def _grads_fn(self, params, batch, sum_so_far):
+    """The micro-batch's loss gradient added to `sum_so_far` (donated: the sum is updated in place)."""
     def loss(p):
       logp, entropy = token_logprobs(nnx.merge(self.graphdef, p), batch["tokens"], batch["positions"],
                                      batch["segments"], **self._forward)
@@ -164,7 +169,7 @@ class Actor:
       stats["entropy"] = (entropy * batch["weights"]).sum()
       return value, stats
     (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
-    return grads, {"loss": value, **stats}
+    return jax.tree.map(jnp.add, sum_so_far, grads), {"loss": value, **stats}
 
   def _apply_fn(self, params, opt_state, grads):
     """The optimizer update, or params and state unchanged when the gradient is not finite."""
@@ -204,10 +209,9 @@ class Actor:
   def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
     """One optimizer update from a mini-batch of [R, T] planes; returns its loss statistics and
     `skipped` (1.0 when the loss or the gradient was not finite and nothing changed)."""
-    grads, sums = None, {}
+    grads, sums = self._zeros(self.params), {}
     for mb in self._micro_batches(batch):
-      g, stats = self._grads(self.params, mb)
-      grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+      grads, stats = self._grads(self.params, mb, grads)
       for k, v in stats.items():
         sums[k] = sums.get(k, 0.0) + float(v)
     if not all(map(math.isfinite, sums.values())):
@@ -228,9 +232,9 @@ class Actor:
              for k in ("tokens", "positions", "segments")}
     batch.update({k: jax.ShapeDtypeStruct((self.micro_batch_rows, row_len), jnp.float32, sharding=batch_sharding)
                   for k in FLOAT_PLANES})
-    grads = self._grads.lower(params, batch).compile()
     grads_abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding), params)
-    return {"gradient": grads, "update": self._apply.lower(params, opt_state, grads_abstract).compile()}
+    return {"gradient": self._grads.lower(params, batch, grads_abstract).compile(),
+            "update": self._apply.lower(params, opt_state, grads_abstract).compile()}
 
 
 def training_batch(rows_5xRxT: np.ndarray, advantages: np.ndarray, keep: np.ndarray, aggregation: str,

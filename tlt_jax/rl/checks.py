@@ -43,6 +43,7 @@ _CHOICES = {
     "task.family": tuple(sorted(tasks.FAMILIES)),
     "rl.loss_aggregation": grpo.AGGREGATIONS,
     "rl.advantage_std": grpo.ADVANTAGE_STDS,
+    "rl.old_logp": ("auto", "rollout", "recompute"),
     "rollout.drafter": ("eagle", "suffix"),
 }
 # Tuple keys and what they hold (a --config override writes a tuple as a Python literal).

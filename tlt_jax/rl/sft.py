@@ -21,7 +21,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from tlt_jax import packing
-from tlt_jax.models import CausalLM, KVCache, hf
+from tlt_jax.models import CausalLM, hf
 from tlt_jax.rl import builders
 from tlt_jax.rl import datasets, scorer, tasks, tokenizer as tokenizer_lib
 from tlt_jax.rollout.engine import Engine
@@ -58,9 +58,7 @@ def sequences(examples, tok, unanswered: float = 0.0, seed: int = 0):
 
 def lm_loss(model: CausalLM, tokens, positions, segments, loss_mask):
   """Mean next-token cross-entropy over the loss mask; packed samples never see each other."""
-  b, t = tokens.shape
-  cache = KVCache.zeros(model.config, b, t, model.dtype)
-  hidden, _, _ = model(tokens, positions, cache, packing.segment_mask(segments))
+  hidden, _, _ = model(tokens, positions, None, packing.segment_mask(segments))
   logits = model.logits(hidden[:, :-1])
   weights = loss_mask[:, 1:]
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])

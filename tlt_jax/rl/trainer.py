@@ -7,9 +7,10 @@ One step:
      `rollout.drafter='suffix'`; or plain with `rollout.speculative=False`); row keys depend on the
      running prompt count, so a resumed run samples exactly what the uninterrupted one would have;
   3. rewards (+ DAPO's overlong penalty), group advantages, dynamic sampling, overlong filtering;
-  4. log-probs of the responses recomputed by the trainer (`old_logp`; rollout numerics enter the
-     loss only through `rl.tis_cap`'s importance weights), their gap to the rollout's own log-probs
-     logged (`mismatch/*`), then `mini_batches` optimizer updates of micro-batched gradients;
+  4. the responses' old log-probs (`rl.old_logp`): the rollout's own where they are the trainer's numbers
+     (float32), else recomputed by the trainer, their gap to the rollout's logged (`mismatch/*`; rollout
+     numerics then enter the loss only through `rl.tis_cap`'s importance weights); then `mini_batches`
+     optimizer updates of micro-batched gradients;
   5. the new policy into the rollouts (the drafter reads its embedding and lm_head live);
   6. a metrics record (`rollout/compilations`: executables compiled during the rollout, the first
      step's engines' and drafter trainer's; none after it); a checkpoint every `checkpoint.every` steps.
@@ -53,6 +54,15 @@ from tlt_jax.rl import actor as actor_lib
 from tlt_jax.rl import datasets, evaluation, grpo, rewards, rollouts, scorer
 from tlt_jax.rl import checks
 from tlt_jax.rollout import profile
+
+def recomputes_old_logp(config) -> bool:
+  """Whether the trainer recomputes the old log-probs (`rl.old_logp`; "auto": unless the rollout's are its
+  own numbers: float32 compute, and the sampling distribution is softmax(logits / T), no top-k / top-p)."""
+  if config.rl.old_logp != "auto":
+    return config.rl.old_logp == "recompute"
+  s = config.rollout.sampling
+  return not (config.policy.dtype == "float32" and not s.top_k and s.top_p >= 1)
+
 
 class NonFiniteUpdates(RuntimeError):
   """Too many policy updates in a row had a non-finite loss or gradient."""
@@ -106,6 +116,9 @@ class Trainer:
                                  temperature=c.rollout.sampling.temperature, seed=c.seed,
                                  mesh=mesh if distributed.multiprocess() else None)
     self.ref_params = jax.tree.map(jnp.copy, self.actor.params) if self.actor.uses_ref else None
+    self.recompute_old_logp = recomputes_old_logp(c)
+    logging.info("old log-probs: %s (config.rl.old_logp=%s)", "recomputed by the trainer" if self.recompute_old_logp
+                 else "the rollout's (float32: the trainer's own)", c.rl.old_logp)
     self._push_policy()
     self.step = 0
     self._rolled_out = False  # whether this process has run a step's rollout (compiling every executable)
@@ -217,6 +230,7 @@ class Trainer:
     keep = grpo.trained_samples(shaped.reshape(-1, g), truncated, c.rl.dynamic_sampling, c.rl.overlong_filter)
 
     t_train = time.perf_counter()
+    reward_s = t_train - start - rollout_s
     train_stats = self._update(examples, samples, adv, keep)
     self._push_policy()
     train_s = time.perf_counter() - t_train
@@ -229,7 +243,8 @@ class Trainer:
               "response_length/truncated": int(sum(s.finish_reason == "length" for s in samples)),
               "groups_kept": int(keep.reshape(-1, g).any(axis=1).sum()), "samples_trained": int(keep.sum()),
               **train_stats, **rollout_metrics, "rollout/compilations": len(compiled),
-              "time/rollout_s": rollout_s, "time/train_s": train_s, "time/step_s": time.perf_counter() - start}
+              "time/rollout_s": rollout_s, "time/reward_s": reward_s, "time/train_s": train_s,
+              "time/step_s": time.perf_counter() - start}
     if self._eval_due():
       record.update(self.evaluate())
     if self.checkpoints.due(self.step) and self.checkpoints.save(self.step, *self._state()):
@@ -239,26 +254,29 @@ class Trainer:
     return record
 
   def _update(self, examples, samples, adv, keep) -> dict[str, float]:
-    """Mini-batch updates over the kept samples (old log-probs of all of them first)."""
+    """Mini-batch updates over the kept samples (old log-probs of all of them first, recomputed or the
+    rollout's)."""
     c = self.config
     kept = np.flatnonzero(keep)
     if not len(kept):
-      return {"train/updates": 0, "train/skipped_updates": 0}
+      return {"train/updates": 0, "train/skipped_updates": 0, "time/old_logp_s": 0.0, "time/update_s": 0.0}
+    start = time.perf_counter()
     order = np.random.default_rng([c.seed, self.step]).permutation(kept)
     sequences = [(examples[s.prompt_index].prompt_ids, s.tokens.tolist()) for s in samples]
     batches, gap = [], {"abs_diff": 0.0, "k3": 0.0, "tokens": 0}
     for part in np.array_split(order, min(c.rl.mini_batches, len(order))):
       rows = packing.pack([sequences[i] for i in part], c.rl.row_len, index=True)
-      old = self.actor.logprobs(self.actor.params, rows)
-      ref = self.actor.logprobs(self.ref_params, rows) if self.ref_params is not None else None
       rollout_logp = actor_lib.response_plane(rows, [samples[i].logprobs for i in part])
+      old = self.actor.logprobs(self.actor.params, rows) if self.recompute_old_logp else rollout_logp
+      ref = self.actor.logprobs(self.ref_params, rows) if self.ref_params is not None else None
       for k, v in actor_lib.mismatch(old, rollout_logp, rows).items():
         gap[k] += v
       is_weights = np.minimum(np.exp(old - rollout_logp), c.rl.tis_cap) if c.rl.tis_cap else None
       batches.append(actor_lib.training_batch(rows, adv[part], np.ones(len(part), bool), c.rl.loss_aggregation,
                                               old, ref, is_weights, c.rollout.sampling.max_new_tokens))
     mismatch = {"mismatch/logp_abs_diff": gap["abs_diff"] / max(gap["tokens"], 1),
-                "mismatch/kl_k3": gap["k3"] / max(gap["tokens"], 1)}
+                "mismatch/kl_k3": gap["k3"] / max(gap["tokens"], 1)} if self.recompute_old_logp else {}
+    times = {"time/old_logp_s": time.perf_counter() - start}  # and the reference's, with a KL
     sums, skipped = {}, 0
     for batch in batches:
       stats = self.actor.update(batch)
@@ -278,8 +296,9 @@ class Trainer:
       for k, v in stats.items():
         sums[k] = sums.get(k, 0.0) + v
     applied = len(batches) - skipped
+    times["time/update_s"] = time.perf_counter() - start - times["time/old_logp_s"]
     return {**{f"train/{k}": v / max(applied, 1) for k, v in sums.items()}, "train/updates": applied,
-            "train/skipped_updates": skipped, **mismatch}
+            "train/skipped_updates": skipped, **mismatch, **times}
 
   # ---- the loop ----
 
