@@ -17,8 +17,10 @@ the rollout's temperature and budget, then a distilled EAGLE drafter with a redu
 and reused; 22 minutes on 2 cores on a slow day), then 12 GRPO steps of 8 prompts x 8 samples whose
 long tail decodes speculatively (a chain and a tree) where the bandit finds it pays, with the held-out
 reward (64 prompts x 4 samples) before the first step and after the last: 99 minutes on a slow day's
-2-core CPU (docs/BENCHMARKS.md, "SmolLM2-135M"). There training bounds a step: the recomputed
-log-probs and the update of 64 responses take ~180 s against ~65 s of rollout. The layers are
+2-core CPU with an earlier, 2x slower trainer (docs/BENCHMARKS.md, "SmolLM2-135M"). There training
+bounds a step: the update of 64 responses takes ~90 s against ~35 s of rollout (the old log-probs are
+the float32 rollout's; docs/BENCHMARKS.md, "The trainer vs TRL's"). Two rows a micro-batch: on a CPU
+the least padding and the smallest buffers, measured there. The layers are
 unrolled (on a CPU a scanned loop copies each layer's weights every decode step); on a GPU or TPU set
 `--config.policy.scan_layers=True`.
 

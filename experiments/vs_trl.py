@@ -73,7 +73,9 @@ def run_tlt_jax(config, out: str) -> dict:
   update, batches = trainer.actor.update, []
   trainer.actor.update = lambda batch: batches.append(batch) or update(batch)
   try:
-    records = trainer.run()
+    # Step 1 alone, its checkpoint written (orbax saves the first step) before the steps that are timed.
+    records = trainer.run(1) + trainer.run()
+    peak = peak_rss_gb()  # the run's (the phases below hold copies of the params and the optimizer state)
     phases = update_phases(trainer.actor, batches[-1]) if batches else None  # None: no group's rewards differed
     indices = [trainer._batch_prompts(s)[0] for s in range(c.steps)]  # pylint: disable=protected-access
   finally:
@@ -81,7 +83,7 @@ def run_tlt_jax(config, out: str) -> dict:
   steps = [{"rollout_s": r["time/rollout_s"], "reward_s": r["time/reward_s"], "old_logp_s": r["time/old_logp_s"],
             "update_s": r["time/update_s"], "step_s": r["time/step_s"], "samples_trained": r["samples_trained"],
             "reward": r["reward/mean"]} for r in records]
-  return {"steps": steps, "prompt_indices": indices, "peak_rss_gb": peak_rss_gb(), "update_phases": phases,
+  return {"steps": steps, "prompt_indices": indices, "peak_rss_gb": peak, "update_phases": phases,
           "old_logp": "recomputed" if trainer.recompute_old_logp else "the rollout's"}
 
 
@@ -177,7 +179,8 @@ def run_trl(config, out: str, indices: list[list[int]]) -> dict:
       epsilon=c.rl.actor.clip_low, epsilon_high=c.rl.actor.clip_high, beta=0.0,
       scale_rewards="none" if c.rl.advantage_std == "none" else "group", learning_rate=c.rl.optimizer.learning_rate,
       lr_scheduler_type="constant", warmup_steps=0, weight_decay=c.rl.optimizer.weight_decay,
-      max_grad_norm=c.rl.optimizer.max_grad_norm, gradient_checkpointing=c.rl.actor.remat, bf16=False, use_cpu=True, report_to="none", save_strategy="no",
+      max_grad_norm=c.rl.optimizer.max_grad_norm, gradient_checkpointing=c.rl.actor.remat, bf16=False,
+      use_cpu=True, report_to="none", save_strategy="no",
       logging_steps=1, shuffle_dataset=False, seed=c.seed, disable_dropout=True, dataloader_num_workers=0)
   dataset = hf_datasets.Dataset.from_dict({"prompt": [tok.decode(r.prompt_ids) for r in rows],
                                            "row": list(range(len(rows)))})
