@@ -37,6 +37,8 @@ BAD_CONFIGS = [
     (["--config.policy.weight_dtype=bfloat16"], "config.policy.weight_dtype='bfloat16': bfloat16 master weights "
      "need policy.dtype=bfloat16 (weights narrower than the compute)"),
     (["--config.rl.tis_cap=0.5"], "config.rl.tis_cap=0.5: must be 0 (off) or >= 1"),
+    (["--config.rl.old_logp=rollout", "--config.rollout.sampling.top_k=5"],
+     "config.rl.old_logp='rollout': the rollout's log-probs under top-k / top-p are of a truncated distribution"),
     (["--config.data.reward=my_reward.py:compute_score"], "config.data.reward='my_reward.py:compute_score': reward "
      "'my_reward.py:compute_score': cannot import my_reward.py: FileNotFoundError: no such file: my_reward.py"),
     (["--config.data.answer_regex=(#### "], "config.data.answer_regex='(#### ': answer_regex '(#### ': missing )"),

@@ -111,6 +111,10 @@ def check(config: ml_collections.ConfigDict) -> None:
   need(config.policy.weight_dtype != "bfloat16" or config.policy.dtype == "bfloat16", "policy.weight_dtype",
        "bfloat16 master weights need policy.dtype=bfloat16 (weights narrower than the compute)")
   need(config.rl.tis_cap == 0 or config.rl.tis_cap >= 1, "rl.tis_cap", "must be 0 (off) or >= 1")
+  s = config.rollout.sampling
+  need(config.rl.old_logp != "rollout" or not s.top_k and s.top_p >= 1, "rl.old_logp",
+       "the rollout's log-probs under top-k / top-p are of a truncated distribution, not the policy's: use "
+       "'recompute' or 'auto'")
   need(config.model.num_heads % config.model.num_kv_heads == 0, "model.num_heads",
        "must be a multiple of model.num_kv_heads")
   need(config.task.max_terms >= config.task.min_terms, "task.max_terms", "must be >= task.min_terms")
