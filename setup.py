@@ -42,11 +42,12 @@ setup(
         # triton: tests/kernels/test_triton_gpu.py runs the Triton kernel in Triton's interpreter (CPU);
         # 3.6's interpreter fails under NumPy >= 2.4 (it takes a 1-element array for an int), 3.7's does not.
         # trl: tests/rl/test_grpo.py runs TRL's own GRPOTrainer loss beside ours (pinned: it calls its
-        # private _compute_loss); datasets / wandb: the data and wandb extras' tests.
+        # private _compute_loss); datasets / wandb: the data and wandb extras' tests; peft: tests/models/test_lora.py
+        # reads and writes PEFT adapters with PEFT itself.
         "test": ["gguf>=0.10", "accelerate>=1.0", "pytest>=8", "pytest-xdist>=3.5,<4", "scipy>=1.11", "torch>=2.4,<3",
                  "hypothesis>=6.100,<7", "nbclient>=0.10,<0.11", "nbformat>=5.10,<6", "ipykernel>=6.29,<8",
                  "matplotlib>=3.8,<4", "ruff>=0.15,<1", "triton>=3.7,<3.10", "trl==1.16.0", "datasets>=2.18,<6",
-                 "wandb>=0.19,<1"],
+                 "wandb>=0.19,<1", "peft>=0.17,<1"],
         # Prompt files saved by Hugging Face datasets (`save_to_disk` directories) as data.path / eval sets.
         "data": ["datasets>=2.18,<6"],
         # config.logging.wandb=True: metrics to a Weights & Biases run too.

@@ -59,6 +59,15 @@ def base() -> ml_collections.ConfigDict:
   # Decoder layers stacked and run by one lax.scan: every executable compiles one layer body.
   # False: unrolled (docs/BENCHMARKS.md, "Scanned vs unrolled layers"). Checkpoints hold one form.
   c.policy.scan_layers = True
+  # LoRA (tlt_jax.models.lora): adapters trained on the frozen base model (in policy.dtype; the adapters and
+  # their AdamW moments in policy.weight_dtype); rollouts and exports read the merged weights W + alpha/r B A.
+  c.policy.lora = ml_collections.ConfigDict()
+  c.policy.lora.rank = 0  # 0: off (full fine-tuning)
+  c.policy.lora.alpha = 32.0  # scale alpha / rank (TRL's GRPO LoRA recipe: rank 1, alpha 32, lr 10x full)
+  # PEFT's target_modules: "all-linear" (q/k/v/o, gate/up/down), a tuple of module names, or a regex matched
+  # against the Hugging Face module names (model.layers.3.self_attn.q_proj).
+  c.policy.lora.target_modules = _any("all-linear")
+  c.policy.lora.path = ""  # a PEFT adapter directory to start from (its rank, alpha and targets)
 
   # Architecture of the tiny policy (Qwen3, tied embeddings); also the shape a dry run uses when
   # policy.path has no config.json (e.g. sizing a cluster run on a laptop).

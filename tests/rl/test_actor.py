@@ -7,10 +7,11 @@ import numpy as np
 import optax
 import pytest
 import torch
+from flax import nnx
 
 from tests.conftest import VOCAB, float_order_mismatches
 from tlt_jax import packing, sharding
-from tlt_jax.models import hf
+from tlt_jax.models import hf, lora
 from tlt_jax.rl import actor as actor_lib
 
 SEQS = [([3, 17, 9], [44, 2, 61, 8]), ([5, 6], [70, 71, 72, 73, 74, 75]), ([9, 9, 9, 4], [12, 1]),
@@ -124,7 +125,6 @@ def test_a_non_finite_gradient_leaves_params_and_optimizer_state_alone(hf_dirs):
 def test_grpo_updates_raise_the_reward_they_are_given():
   """Sample -> reward -> group advantages -> update, ten times: a random policy learns to emit a
   rewarded token (1/32 of its mass at the start). The sign and wiring of the whole update path."""
-  from flax import nnx
   from tlt_jax.models import CausalLM, ModelConfig
   from tlt_jax.rl import grpo
   from tlt_jax.rollout.engine import Engine
@@ -205,3 +205,34 @@ def test_the_rollouts_log_probs_land_on_their_response_slots_and_give_the_mismat
   assert gap["tokens"] == tokens and gap["abs_diff"] == pytest.approx(0.1 * tokens, rel=1e-5)
   assert gap["k3"] == pytest.approx((np.exp(0.1) - 1.1) * tokens, rel=1e-4)
   assert actor_lib.mismatch(plane, plane, rows)["k3"] == 0.0
+
+
+def test_lora_trains_the_adapters_alone_by_the_merged_weights_gradient(hf_dirs):
+  """With adapters the actor's parameters are theirs alone (the base frozen, no optimizer state for it),
+  and their gradient is the chain rule through the merged kernel W' = W + s A B: dA = s dW' B^T, dB = s A^T dW',
+  dW' from the full fine-tuning path on the merged model."""
+  model = hf.from_pretrained(hf_dirs["qwen3"][0])
+  lora.attach(model, lora.Spec(4, 8.0, "all-linear"))
+  for _, variable in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):  # B non-zero: A's gradient too
+    variable.set_value(variable.get_value() + 0.05 * jax.random.normal(jax.random.key(1), variable.get_value().shape))
+  full, adapted = _actor(lora.merged(model), 4), actor_lib.Actor(model, optax.adam(1e-2), micro_batch_rows=4,
+                                                                 clip_low=0.2, clip_high=0.28)
+  rows = packing.pack(SEQS, 8, index=True)
+  batch = actor_lib.training_batch(rows, np.array([1.0, -0.5, 0.25, -1.0], np.float32), np.ones(4, bool), "sequence",
+                                   full.logprobs(full.params, rows) - 0.5, None)
+  mb = adapted._micro_batches(batch)[0]
+  grads = lambda a: nnx.to_pure_dict(a._grads(a.params, a.frozen, mb, a._zeros(a.params))[0])
+  dw, ab, g = grads(full)["model"]["layers"], nnx.to_pure_dict(adapted.params)["model"]["layers"], \
+      grads(adapted)["model"]["layers"]
+  for block, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj",
+                                                                                         "down_proj"))):
+    for name in names:
+      (a, b), d = (ab[block][name]["lora"][k] for k in ("lora_a", "lora_b")), dw[block][name]["kernel"]
+      np.testing.assert_allclose(g[block][name]["lora"]["lora_a"], 2.0 * d @ np.swapaxes(b, -1, -2), atol=1e-6, rtol=1e-4)
+      np.testing.assert_allclose(g[block][name]["lora"]["lora_b"], 2.0 * np.swapaxes(a, -1, -2) @ d, atol=1e-6, rtol=1e-4)
+  frozen = jax.tree.map(np.array, adapted.frozen)
+  assert len(jax.tree.leaves(adapted.opt_state)) == 1 + 2 * len(jax.tree.leaves(adapted.params)) == 1 + 2 * 14
+  before = jax.tree.map(np.array, adapted.params)
+  assert adapted.update(batch)["grad_norm"] > 0
+  assert all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), frozen, adapted.frozen)))
+  assert all(jax.tree.leaves(jax.tree.map(lambda x, y: not np.array_equal(x, y), before, adapted.params)))

@@ -46,9 +46,20 @@ def _partitioned(init, names):
   return nnx.with_partitioning(init, names, eager_sharding=False)
 
 
+class Linear(nnx.Linear):
+  """`nnx.Linear`, plus a LoRA adapter where `tlt_jax.models.lora` attached one: x W + b + scale (x A) B."""
+
+  lora: nnx.LoRA | None = None  # set per instance by `lora.attach`; absent, the module is nnx.Linear's
+  lora_scale: float = 0.0
+
+  def __call__(self, x):
+    y = super().__call__(x)
+    return y if self.lora is None else y + self.lora(x) * jnp.asarray(self.lora_scale, y.dtype)
+
+
 def linear(n_in, n_out, names, bias, dtype, rngs, param_dtype=None):
   """A Linear layer with the package's initialisation and logical axis `names` (the drafter's too)."""
-  return nnx.Linear(
+  return Linear(
       n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=param_dtype or dtype, rngs=rngs,
       kernel_init=_partitioned(_init, names),
       bias_init=_partitioned(nnx.initializers.zeros, names[1:]))

@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tlt_jax import packing, sharding
+from tlt_jax.models import lora
 from tlt_jax.models.transformer import CausalLM
 from tlt_jax.rl import grpo
 
@@ -109,7 +110,10 @@ def rollout_copy(params, dtype):
 
 
 class Actor:
-  """Holds the policy's params and optimizer state; updates them from packed, weighted rows."""
+  """Holds the policy's params and optimizer state; updates them from packed, weighted rows.
+
+  A policy with LoRA adapters (`tlt_jax.models.lora`) trains its adapters alone: `params` and the
+  optimizer state are the adapters', the base weights (`frozen`) take no gradient."""
 
   def __init__(self, model: CausalLM, optimizer: optax.GradientTransformation, *, micro_batch_rows: int,
                clip_low: float, clip_high: float, kl_coef: float = 0.0, remat: bool = False, logits_chunk: int = 1024,
@@ -120,7 +124,8 @@ class Actor:
     (log-probs of logits / T); `seed`: a bfloat16 policy's stochastic rounding. Config: `rl.actor` gives
     the keyword arguments but `temperature`, `seed` and `mesh`, and `rl.optimizer` those of
     `make_optimizer`."""
-    self.graphdef, self.params = nnx.split(model)
+    self.lora = lora.spec_of(model)
+    self.graphdef, self.params, self.frozen = nnx.split(model, nnx.Param if self.lora is None else nnx.LoRAParam, ...)
     self.rounding = any(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(self.params))
     self.optimizer = optax.chain(optimizer, _counted()) if self.rounding else optimizer
     self.seed = seed
@@ -148,20 +153,21 @@ class Actor:
     self._logprobs = jax.jit(self._logprobs_fn, out_shardings=None if mesh is None else NamedSharding(mesh, P()))
     # Gradients come out sharded like the params they belong to (FSDP), not gathered.
     param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
-    self._grads = jax.jit(self._grads_fn, out_shardings=(param_shardings, None), donate_argnums=(2,))
+    self._grads = jax.jit(self._grads_fn, out_shardings=(param_shardings, None), donate_argnums=(3,))
     self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=param_shardings)
     self._apply = jax.jit(self._apply_fn, donate_argnums=(0, 1))
+    self._rollout_params = jax.jit(self._rollout_params_fn, static_argnums=(2,))
 
   # ---- pure functions ----
 
-  def _logprobs_fn(self, params, tokens, positions, segments):
-    return token_logprobs(nnx.merge(self.graphdef, params), tokens, positions, segments,
+  def _logprobs_fn(self, params, frozen, tokens, positions, segments):
+    return token_logprobs(nnx.merge(self.graphdef, params, frozen), tokens, positions, segments,
                           **{**self._forward, "remat": False})[0]
 
-  def _grads_fn(self, params, batch, sum_so_far):
+  def _grads_fn(self, params, frozen, batch, sum_so_far):
     """The micro-batch's loss gradient added to `sum_so_far` (donated: the sum is updated in place)."""
     def loss(p):
-      logp, entropy = token_logprobs(nnx.merge(self.graphdef, p), batch["tokens"], batch["positions"],
+      logp, entropy = token_logprobs(nnx.merge(self.graphdef, p, frozen), batch["tokens"], batch["positions"],
                                      batch["segments"], **self._forward)
       value, stats = grpo.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["weights"],
                                       ref_logp_BxT=batch["ref_logp"] if self.uses_ref else None,
@@ -185,6 +191,9 @@ class Actor:
       return keep(jax.tree.unflatten(tree, new), params), keep(new_state, opt_state), norm
     return keep(optax.apply_updates(params, updates), params), keep(new_state, opt_state), norm
 
+  def _rollout_params_fn(self, params, frozen, dtype):
+    return rollout_copy(nnx.state(lora.merged(nnx.merge(self.graphdef, params, frozen))), dtype)
+
   # ---- host side ----
 
   def _micro_batches(self, planes: dict[str, np.ndarray]):
@@ -202,7 +211,7 @@ class Actor:
   def logprobs(self, params, rows_5xRxT: np.ndarray) -> np.ndarray:
     """[R, T] log-probs of packed rows under `params` (the current policy's, or a reference's)."""
     planes = dict(zip(("tokens", "positions", "segments"), rows_5xRxT[:3]))
-    out = [np.asarray(self._logprobs(params, mb["tokens"], mb["positions"], mb["segments"]))
+    out = [np.asarray(self._logprobs(params, self.frozen, mb["tokens"], mb["positions"], mb["segments"]))
            for mb in self._micro_batches(planes)]
     return np.concatenate(out)[:rows_5xRxT.shape[1]]
 
@@ -211,7 +220,7 @@ class Actor:
     `skipped` (1.0 when the loss or the gradient was not finite and nothing changed)."""
     grads, sums = self._zeros(self.params), {}
     for mb in self._micro_batches(batch):
-      grads, stats = self._grads(self.params, mb, grads)
+      grads, stats = self._grads(self.params, self.frozen, mb, grads)
       for k, v in stats.items():
         sums[k] = sums.get(k, 0.0) + float(v)
     if not all(map(math.isfinite, sums.values())):
@@ -221,7 +230,14 @@ class Actor:
     return {**sums, "grad_norm": grad_norm, "skipped": float(not math.isfinite(grad_norm))}
 
   def model(self) -> CausalLM:
-    return nnx.merge(self.graphdef, self.params)
+    return nnx.merge(self.graphdef, self.params, self.frozen)
+
+  def rollout_params(self, dtype) -> nnx.State:
+    """The policy's params as the rollouts' plain model takes them: adapters folded into the kernels, cast
+    to the compute `dtype`."""
+    if self.lora is None:
+      return rollout_copy(self.params, dtype)
+    return self._rollout_params(self.params, self.frozen, jnp.dtype(dtype))
 
   def compile_update(self, row_len: int, batch_sharding=None) -> dict[str, jax.stages.Compiled]:
     """Ahead-of-time executables of a micro-batch gradient and of the optimizer update, for the
@@ -233,7 +249,8 @@ class Actor:
     batch.update({k: jax.ShapeDtypeStruct((self.micro_batch_rows, row_len), jnp.float32, sharding=batch_sharding)
                   for k in FLOAT_PLANES})
     grads_abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding), params)
-    return {"gradient": self._grads.lower(params, batch, grads_abstract).compile(),
+    frozen = jax.tree.map(shape, self.frozen)
+    return {"gradient": self._grads.lower(params, frozen, batch, grads_abstract).compile(),
             "update": self._apply.lower(params, opt_state, grads_abstract).compile()}
 
 

@@ -21,7 +21,7 @@ from tlt_jax.drafter import checkpoint as drafter_checkpoint
 from tlt_jax.drafter import train as drafter_train
 from tlt_jax.rl import warmup
 from tlt_jax.drafter.model import Drafter
-from tlt_jax.models import CausalLM, hf
+from tlt_jax.models import CausalLM, hf, lora
 from tlt_jax.rl import checks
 from tlt_jax.rl import datasets, rewards, rollouts, sft, tokenizer as tokenizer_lib
 
@@ -45,7 +45,7 @@ def load(config) -> Loaded:
   prompts = load_prompts(config, tok)
   eval_sets = load_eval_sets(config, tok) if config.eval.every else {}
   policy, tok = load_policy(config)
-  drafter = load_drafter(config, policy, tok, prompts) if rollouts.uses_drafter(config) else None
+  drafter = load_drafter(config, lora.merged(policy), tok, prompts) if rollouts.uses_drafter(config) else None
   return Loaded(policy, tok, drafter, prompts, eval_sets)
 
 
@@ -67,9 +67,15 @@ def load_tokenizer(config):
   return tokenizer_lib.build_tokenizer(config.model.max_position_embeddings)  # what SFT saves with the policy
 
 
+def uses_lora(config) -> bool:
+  """Whether the run trains LoRA adapters (`policy.lora`) rather than the whole policy."""
+  return config.policy.lora.rank > 0 or bool(config.policy.lora.path)
+
+
 def load_policy(config) -> tuple[CausalLM, object]:
-  """The policy (computing in `policy.dtype`, its weights in `policy.weight_dtype`) and its tokenizer:
-  `policy.path`, else the tiny world's (SFT into the workdir if absent)."""
+  """The policy (computing in `policy.dtype`, its weights in `policy.weight_dtype`; with LoRA, the frozen
+  base in `policy.dtype` and its adapters in `policy.weight_dtype`) and its tokenizer: `policy.path`, else
+  the tiny world's (SFT into the workdir if absent)."""
   p = config.policy
   policy_dir = p.path or os.path.join(config.workdir, "policy")
   if not p.path and _missing(os.path.join(policy_dir, "config.json")):
@@ -80,8 +86,27 @@ def load_policy(config) -> tuple[CausalLM, object]:
       logging.info("SFT loss %.3f -> %.3f", losses[0], losses[-1])
       hf.save_pretrained(model, policy_dir, tokenizer=tok)
     distributed.barrier("tiny policy")
-  return (hf.from_pretrained(policy_dir, dtype=p.dtype, param_dtype=p.weight_dtype, scan_layers=p.scan_layers),
-          hf.load_tokenizer(policy_dir))
+  model = hf.from_pretrained(policy_dir, dtype=p.dtype, param_dtype=p.dtype if uses_lora(config) else p.weight_dtype,
+                             scan_layers=p.scan_layers)
+  if uses_lora(config):
+    attach_lora(config, model)
+  return model, hf.load_tokenizer(policy_dir)
+
+
+def attach_lora(config, model: CausalLM) -> None:
+  """`policy.lora`'s adapters on `model` (in place): a PEFT adapter from `policy.lora.path`, or fresh ones;
+  ValueError naming the key for targets that select nothing or an adapter that does not fit."""
+  c, dtype = config.policy.lora, hf.DTYPES[config.policy.weight_dtype]
+  key = "policy.lora.path" if c.path else "policy.lora.target_modules"
+  try:
+    if c.path:
+      spec = lora.load_peft(model, c.path, param_dtype=dtype)
+      if c.rank and c.rank != spec.rank:
+        raise lora.AdapterError(f"its rank is {spec.rank}, policy.lora.rank says {c.rank} (0: the adapter's)")
+    else:
+      lora.attach(model, lora.Spec(c.rank, c.alpha, c.target_modules), param_dtype=dtype, seed=config.seed)
+  except lora.AdapterError as e:
+    raise ValueError(f"config.{key}={config_lib.config_value(config, key)!r}: {e}") from None
 
 
 def _missing(path: str) -> bool:

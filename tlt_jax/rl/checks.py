@@ -16,7 +16,7 @@ from tlt_jax.rl import builders, datasets, grpo, rewards, tasks
 # Smallest valid value of each numeric key of the sections no dataclass is built from ('>' where a key
 # must be strictly above it); the others are checked by their dataclasses. Every float must be finite.
 _AT_LEAST = {
-    "steps": 0, "mesh.cpu_devices": 0, "mesh.device_memory_gb": 0, "mesh.dry_run_devices": 1,
+    "steps": 0, "policy.lora.rank": 0, "mesh.cpu_devices": 0, "mesh.device_memory_gb": 0, "mesh.dry_run_devices": 1,
     "model.vocab_size": 0, "model.hidden_size": 1, "model.num_layers": 1, "model.num_heads": 1,
     "model.num_kv_heads": 1, "model.head_dim": 1, "model.intermediate_size": 1, "model.max_position_embeddings": 1,
     "task.min_terms": 1, "data.size": 1, "data.max_prompt_len": 1,
@@ -33,7 +33,7 @@ _AT_LEAST = {
     "rl.actor.clip_low": 0, "rl.actor.clip_high": 0, "rl.actor.kl_coef": 0,
     "eval.every": 0, "eval.size": 1, "eval.num_samples": 1, "checkpoint.every": 1, "checkpoint.keep": 1,
 }
-_ABOVE = {"model.rope_theta": 0, "task.tail_alpha": 0, "rl.optimizer.max_grad_norm": 0, "data.reward_timeout_s": 0,
+_ABOVE = {"policy.lora.alpha": 0, "model.rope_theta": 0, "task.tail_alpha": 0, "rl.optimizer.max_grad_norm": 0, "data.reward_timeout_s": 0,
           "drafter.draft_vocab_coverage": 0}
 _AT_MOST = {"sft.unanswered": 1, "drafter.draft_vocab_coverage": 1, "data.reward_max_failures": 1}
 _CHOICES = {
@@ -110,6 +110,10 @@ def check(config: ml_collections.ConfigDict) -> None:
       need(False, f"{prefix}.answer_regex", str(e))
   need(config.policy.weight_dtype != "bfloat16" or config.policy.dtype == "bfloat16", "policy.weight_dtype",
        "bfloat16 master weights need policy.dtype=bfloat16 (weights narrower than the compute)")
+  targets = config.policy.lora.target_modules
+  need(isinstance(targets, str) and targets or isinstance(targets, tuple) and targets
+       and all(isinstance(t, str) for t in targets), "policy.lora.target_modules",
+       "must be 'all-linear', a regex, or a tuple of module names, e.g. \"('q_proj','v_proj')\"")
   need(config.rl.tis_cap == 0 or config.rl.tis_cap >= 1, "rl.tis_cap", "must be 0 (off) or >= 1")
   s = config.rollout.sampling
   need(config.rl.old_logp != "rollout" or not s.top_k and s.top_p >= 1, "rl.old_logp",

@@ -30,6 +30,7 @@ checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Callable, Sequence
@@ -49,7 +50,7 @@ from tlt_jax import packing
 from tlt_jax import sharding
 from tlt_jax.drafter import export
 from tlt_jax.drafter.model import Drafter
-from tlt_jax.models import CausalLM, hf
+from tlt_jax.models import CausalLM, hf, lora
 from tlt_jax.rl import actor as actor_lib
 from tlt_jax.rl import datasets, evaluation, grpo, rewards, rollouts, scorer
 from tlt_jax.rl import checks
@@ -95,8 +96,9 @@ class Trainer:
                        f"config.eval.sets ({sorted(c.eval.sets)}); got {sorted(eval_sets)}")
     self.policy, self.tok, self.prompts = policy, tokenizer, prompts
     self.scorer = scorer.Scorer(c.data.reward_workers, c.data.reward_timeout_s, c.data.reward_max_failures)
-    # The rollouts hold the policy in its compute dtype (a bfloat16 copy of float32 masters).
-    graphdef, state = nnx.split(policy)
+    # The rollouts hold the policy in its compute dtype (a bfloat16 copy of float32 masters), LoRA adapters
+    # folded into the weights.
+    graphdef, state = nnx.split(lora.merged(policy))
     rollout_policy = nnx.merge(graphdef, actor_lib.rollout_copy(state, policy.dtype))
     self.rollout, held_out = rollouts.make(c, rollout_policy, drafter, tokenizer, devices or jax.devices())
     self.eval_sets = []
@@ -117,6 +119,12 @@ class Trainer:
                                  mesh=mesh if distributed.multiprocess() else None)
     self.ref_params = jax.tree.map(jnp.copy, self.actor.params) if self.actor.uses_ref else None
     self.recompute_old_logp = recomputes_old_logp(c)
+    # A LoRA run's checkpoints hold its adapters alone: the base model they were trained on is checked on resume.
+    self.lora = None
+    if self.actor.lora is not None:
+      base = c.policy.path or os.path.join(c.workdir, "policy")
+      self.lora = {**dataclasses.asdict(self.actor.lora), "base": os.path.abspath(base),
+                   "base_sha256": lora.fingerprint(base)}
     logging.info("old log-probs: %s (config.rl.old_logp=%s)", "recomputed by the trainer" if self.recompute_old_logp
                  else "the rollout's (float32: the trainer's own)", c.rl.old_logp)
     self._push_policy()
@@ -151,17 +159,26 @@ class Trainer:
     """What a checkpoint holds: (arrays, JSON-able metadata). Every process calls it at the same point."""
     arrays, meta = self.rollout.state_dict()
     return {**self._policy_arrays(), **arrays}, {"step": self.step, "skipped_in_a_row": self.skipped_in_a_row,
-                                                 "scan_layers": self.policy.config.scan_layers, **meta}
+                                                 "scan_layers": self.policy.config.scan_layers, "lora": self.lora,
+                                                 **meta}
 
   def _abstract(self, meta: dict) -> dict:
     """The arrays of a checkpoint with metadata `meta`, as shapes to restore them into (the
     drafter's data buffer is as large as the checkpoint's metadata says). The policy's layers are
     in the form they were saved in (stacked or one by one; checkpoints from before the scanned
-    form hold no `scan_layers`: unrolled); another form is refused, naming the key that reads it."""
+    form hold no `scan_layers`: unrolled); another form is refused, naming the key that reads it. So is a
+    LoRA run's checkpoint for a run without LoRA or another rank, and one trained on other base weights."""
     saved = meta.get("scan_layers", False)
     if saved != self.policy.config.scan_layers:
       raise ValueError(f"it holds the policy's layers {'scanned' if saved else 'unrolled'}; resume it with "
                        f"--config.policy.scan_layers={saved}")
+    saved, now = meta.get("lora"), self.lora
+    if (saved or {}).get("rank") != (now or {}).get("rank"):
+      raise ValueError(f"it holds {'a full policy' if not saved else 'LoRA adapters of rank %d' % saved['rank']}; "
+                       f"resume it with --config.policy.lora.rank={saved['rank'] if saved else 0}")
+    if saved and saved["base_sha256"] != now["base_sha256"]:
+      raise ValueError(f"its LoRA adapters were trained on the base model in {saved['base']} (weights sha256 "
+                       f"{saved['base_sha256'][:12]}), not on {now['base']}'s (sha256 {now['base_sha256'][:12]})")
     return {**self._policy_arrays(), **self.rollout.abstract_state(meta)}
 
   def _restore(self, step: int, arrays, meta: dict) -> None:
@@ -176,7 +193,7 @@ class Trainer:
   def _push_policy(self) -> None:
     """The actor's params into the rollouts, cast once to the compute dtype (gathered once to the host
     when several processes hold their shards)."""
-    params = actor_lib.rollout_copy(self.actor.params, self.policy.dtype)
+    params = self.actor.rollout_params(self.policy.dtype)
     if distributed.multiprocess():
       params = distributed.to_host(params)
     for rollout in self._rollouts:
@@ -338,14 +355,18 @@ class Trainer:
 
   def export(self) -> None:
     """The trained policy as a Hugging Face directory (<workdir>/export/policy, in `policy.export_dtype`:
-    by default the dtype of the checkpoint it started from) and the drafter as an EAGLE checkpoint for
-    serving engines (<workdir>/export/drafter)."""
+    by default the dtype of the checkpoint it started from; a LoRA run's merged, and its adapter in PEFT's
+    format in <workdir>/export/adapter) and the drafter as an EAGLE checkpoint for serving engines
+    (<workdir>/export/drafter)."""
     out = os.path.join(self.config.workdir, "export")
-    policy = nnx.merge(self.actor.graphdef, distributed.to_host(self.actor.params)) if distributed.multiprocess() \
-        else self.actor.model()
+    policy = nnx.merge(self.actor.graphdef, *distributed.to_host((self.actor.params, self.actor.frozen))) \
+        if distributed.multiprocess() else self.actor.model()
     if not distributed.primary():
       return
     p = self.config.policy
+    if self.lora is not None:
+      lora.save_peft(policy, os.path.join(out, "adapter"), base_model=self.lora["base"])
+      policy = lora.merged(policy)
     dtype = p.export_dtype or (hf.checkpoint_dtype(p.path) if p.path else p.dtype)
     hf.save_pretrained(policy, os.path.join(out, "policy"), tokenizer=self.tok, dtype=dtype)
     drafter = self.rollout.drafter_model()
