@@ -118,6 +118,10 @@ class Trainer:
                                  temperature=c.rollout.sampling.temperature, seed=c.seed,
                                  mesh=mesh if distributed.multiprocess() else None)
     self.ref_params = jax.tree.map(jnp.copy, self.actor.params) if self.actor.uses_ref else None
+    trained, frozen = (sum(x.size for x in jax.tree.leaves(t)) for t in (self.actor.params, self.actor.frozen))
+    logging.info("training %d parameters (%.2f%% of the policy's%s); optimizer state %.3f GB", trained,
+                 100 * trained / (trained + frozen), "; LoRA adapters" if self.actor.lora else "",
+                 sum(x.nbytes for x in jax.tree.leaves(self.actor.opt_state)) / 1e9)
     self.recompute_old_logp = recomputes_old_logp(c)
     # A LoRA run's checkpoints hold its adapters alone: the base model they were trained on is checked on resume.
     self.lora = None
