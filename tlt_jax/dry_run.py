@@ -8,7 +8,8 @@ executables (largest batch bucket, and the speculative tail's bucket with every 
 rollout group and the trainer's micro-batch gradient and optimizer update, and reports per-device
 memory (XLA's memory analysis of each executable) and FLOPs. The trainer holds the policy's master
 weights and AdamW moments in `policy.weight_dtype` (float32: 12 bytes a parameter, 16 with the
-gradient during an update, sharded over the trainer mesh) and each rollout group a copy in
+gradient during an update, sharded over the trainer mesh; with LoRA, the adapters' alone beside the base
+in `policy.dtype`) and each rollout group a copy in
 `policy.dtype` (2 bytes a parameter in bfloat16, split over the group): both stay resident on a device
 while the other side runs, so each executable's need counts what the other side keeps
 (`coresident_gb`). `rollout_batches` states the rows a
@@ -38,7 +39,7 @@ from flax import nnx
 from tlt_jax import sharding
 from tlt_jax.drafter.buffer import BufferConfig
 from tlt_jax.drafter.model import Drafter
-from tlt_jax.models import CausalLM, ModelConfig
+from tlt_jax.models import CausalLM, ModelConfig, lora
 from tlt_jax.rl import actor as actor_lib
 from tlt_jax.rl import bootstrap
 from tlt_jax.rl import builders, checks
@@ -102,14 +103,24 @@ def run(config) -> dict:
   dtype = jnp.dtype(config.policy.dtype)
   devices = jax.devices()
   report = {"model": source, "parameters_b": None, "devices": f"{len(devices)} x {devices[0].device_kind}"}
-  build_policy = lambda: CausalLM(cfg, dtype=dtype, param_dtype=config.policy.weight_dtype, rngs=nnx.Rngs(0))
+  spec = bootstrap.lora_spec(config)
+
+  def build_policy():  # with LoRA: the base in the compute dtype, the adapters in policy.weight_dtype
+    model = CausalLM(cfg, dtype=dtype, param_dtype=config.policy.weight_dtype if spec is None else dtype,
+                     rngs=nnx.Rngs(0))
+    if spec is not None:
+      lora.attach(model, spec, param_dtype=config.policy.weight_dtype)
+    return model
   build_copy = lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))  # a rollout group's
   executables = {}
 
   # Trainer: FSDP / tensor / data mesh over every device.
   mesh = sharding.make_mesh({k: config.mesh[k] for k in sharding.MESH_AXES})
   policy = _abstract(build_policy, mesh)
-  report["parameters_b"] = round(sum(x.size for x in jax.tree.leaves(nnx.state(policy))) / 1e9, 3)
+  report["parameters_b"] = round(sum(x.size for x in jax.tree.leaves(nnx.state(policy, nnx.Not(nnx.LoRAParam)))) / 1e9, 3)
+  if spec is not None:
+    report["lora"] = {"rank": spec.rank, "parameters_m": round(sum(
+        x.size for x in jax.tree.leaves(nnx.state(policy, nnx.LoRAParam))) / 1e6, 3)}
   report["trainer_mesh"] = dict(mesh.shape)
   r = config.rl
   with jax.set_mesh(mesh):
@@ -155,7 +166,7 @@ def run(config) -> dict:
 
   report["executables"] = executables
   report["policy_gb"] = round(_bytes(nnx.state(policy)) / GB, 6)
-  report["trainer_state_gb"] = round(_device_bytes((actor.params, actor.opt_state)) / GB, 6)
+  report["trainer_state_gb"] = round(_device_bytes((actor.params, actor.frozen, actor.opt_state)) / GB, 6)
   report["cache_rows"] = cache_rows(config, cfg, base, dtype.itemsize, eagle, len(group_mesh.devices.flat),
                                     executables[f"rollout/plain/{base.batch_buckets[-1]}"]["resident_gb"]
                                     + report["trainer_state_gb"])

@@ -10,7 +10,7 @@ from flax import nnx
 
 from tests.conftest import float_order_mismatches, tiny_rl_config
 from tlt_jax import metrics
-from tlt_jax.models import hf
+from tlt_jax.models import hf, lora
 from tlt_jax.rl import bootstrap, grpo
 from tlt_jax.rl.trainer import NonFiniteUpdates, Trainer
 
@@ -68,6 +68,37 @@ def test_resume_continues_exactly(tmp_path, tiny_policy_dir, xla_cache):
   c = tiny_rl_config(tmp_path / "straight", 4, cache)
   c.policy.path, c.policy.scan_layers = policy_dir, False
   with pytest.raises(ValueError, match=r"layers scanned; resume it with --config.policy.scan_layers=True"):
+    Trainer(c, *bootstrap.load(c), devices=jax.devices()[:2])
+
+
+def test_a_lora_run_trains_its_adapters_resumes_exactly_and_exports_them_for_peft(tmp_path, tiny_policy_dir,
+                                                                                   xla_cache):
+  lora_run = {"policy.lora.rank": 4, "rl.optimizer.learning_rate": 5e-2, "eval.every": 0}
+  straight = _run(tmp_path / "straight", 2, tiny_policy_dir, xla_cache, **lora_run)
+  _run(tmp_path / "resumed", 1, tiny_policy_dir, xla_cache, **lora_run)
+  resumed = _run(tmp_path / "resumed", 2, tiny_policy_dir, xla_cache, **lora_run)
+  assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), straight, resumed)))
+  strip = lambda run: [{k: v for k, v in r.items() if not _timing(k)} for r in metrics.read(str(tmp_path / run /
+                                                                                                  "metrics.jsonl"))]
+  assert strip("straight") == strip("resumed") and all(r["train/updates"] == 2 for r in strip("straight"))
+  # The adapters trained (B moved from 0); the export holds them in PEFT's format and the merged policy.
+  adapted = hf.from_pretrained(tiny_policy_dir)
+  lora.load_peft(adapted, str(tmp_path / "straight" / "export" / "adapter"))
+  exported = nnx.state(adapted, nnx.LoRAParam)
+  assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), exported, straight)))
+  assert max(float(np.abs(b).max()) for b in jax.tree.leaves(straight)) > 1e-3
+  merged = nnx.state(hf.from_pretrained(str(tmp_path / "straight" / "export" / "policy")))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), merged, nnx.state(lora.merged(adapted)))
+  # Resuming with another rank, or on other base weights, is refused by name.
+  c = tiny_rl_config(tmp_path / "straight", 2, xla_cache)
+  c.policy.path = tiny_policy_dir
+  with pytest.raises(ValueError, match=r"it holds LoRA adapters of rank 4; resume it with --config.policy.lora.rank=4"):
+    Trainer(c, *bootstrap.load(c), devices=jax.devices()[:2])
+  other = hf.from_pretrained(tiny_policy_dir)
+  nnx.update(other, jax.tree.map(lambda x: x * 1.01, nnx.state(other)))
+  hf.save_pretrained(other, str(tmp_path / "other"), tokenizer=hf.load_tokenizer(tiny_policy_dir))
+  c.policy.path, c.policy.lora.rank = str(tmp_path / "other"), 4
+  with pytest.raises(ValueError, match=r"its LoRA adapters were trained on the base model in .*\(weights sha256 "):
     Trainer(c, *bootstrap.load(c), devices=jax.devices()[:2])
 
 

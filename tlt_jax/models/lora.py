@@ -101,10 +101,10 @@ def attach(model: CausalLM, spec: Spec, *, param_dtype=jnp.float32, seed: int = 
   the modules `spec.target_modules` selects, in place; returns their Hugging Face names."""
   if spec.rank < 1:
     raise AdapterError(f"rank {spec.rank}: a LoRA rank is at least 1 (0 turns LoRA off)")
-  names = set(module_names(model, spec.target_modules))
+  chosen = set(module_names(model, spec.target_modules))
   key = jax.random.key(seed)
-  for i, (module_names_, module) in enumerate(_decoder_linears(model)):
-    if module_names_[0] not in names:
+  for i, (names, module) in enumerate(_decoder_linears(model)):
+    if names[0] not in chosen:
       continue
     lead = module.kernel.shape[:-2]  # a scanned decoder's layer axis
     n_in, n_out = module.kernel.shape[-2:]
@@ -120,7 +120,7 @@ def attach(model: CausalLM, spec: Spec, *, param_dtype=jnp.float32, seed: int = 
         b_metadata={"out_sharding": (*kernel_names[:-2], None, kernel_names[-1]), "eager_sharding": False})
     module.lora_scale = spec.scale
   model.lora_spec = spec
-  return sorted(names, key=_layer_order)
+  return sorted(chosen, key=_layer_order)
 
 
 def _layer_order(name: str):

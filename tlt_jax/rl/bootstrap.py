@@ -67,9 +67,20 @@ def load_tokenizer(config):
   return tokenizer_lib.build_tokenizer(config.model.max_position_embeddings)  # what SFT saves with the policy
 
 
-def uses_lora(config) -> bool:
-  """Whether the run trains LoRA adapters (`policy.lora`) rather than the whole policy."""
-  return config.policy.lora.rank > 0 or bool(config.policy.lora.path)
+def lora_spec(config) -> lora.Spec | None:
+  """The LoRA adapters `policy.lora` asks for (those of the PEFT adapter at `policy.lora.path`, else fresh ones);
+  None: full fine-tuning."""
+  c = config.policy.lora
+  if not c.path:
+    return lora.Spec(c.rank, c.alpha, c.target_modules) if c.rank else None
+  try:
+    spec = lora.read_spec(c.path)
+  except lora.AdapterError as e:
+    raise ValueError(f"config.policy.lora.path={c.path!r}: {e}") from None
+  if c.rank and c.rank != spec.rank:
+    raise ValueError(f"config.policy.lora.rank={c.rank}: the adapter at policy.lora.path has rank {spec.rank} (0: "
+                     f"the adapter's)")
+  return spec
 
 
 def load_policy(config) -> tuple[CausalLM, object]:
@@ -86,9 +97,10 @@ def load_policy(config) -> tuple[CausalLM, object]:
       logging.info("SFT loss %.3f -> %.3f", losses[0], losses[-1])
       hf.save_pretrained(model, policy_dir, tokenizer=tok)
     distributed.barrier("tiny policy")
-  model = hf.from_pretrained(policy_dir, dtype=p.dtype, param_dtype=p.dtype if uses_lora(config) else p.weight_dtype,
+  spec = lora_spec(config)
+  model = hf.from_pretrained(policy_dir, dtype=p.dtype, param_dtype=p.weight_dtype if spec is None else p.dtype,
                              scan_layers=p.scan_layers)
-  if uses_lora(config):
+  if spec is not None:
     attach_lora(config, model)
   return model, hf.load_tokenizer(policy_dir)
 
@@ -97,14 +109,13 @@ def attach_lora(config, model: CausalLM) -> None:
   """`policy.lora`'s adapters on `model` (in place): a PEFT adapter from `policy.lora.path`, or fresh ones;
   ValueError naming the key for targets that select nothing or an adapter that does not fit."""
   c, dtype = config.policy.lora, hf.DTYPES[config.policy.weight_dtype]
+  spec = lora_spec(config)
   key = "policy.lora.path" if c.path else "policy.lora.target_modules"
   try:
     if c.path:
-      spec = lora.load_peft(model, c.path, param_dtype=dtype)
-      if c.rank and c.rank != spec.rank:
-        raise lora.AdapterError(f"its rank is {spec.rank}, policy.lora.rank says {c.rank} (0: the adapter's)")
+      lora.load_peft(model, c.path, param_dtype=dtype)
     else:
-      lora.attach(model, lora.Spec(c.rank, c.alpha, c.target_modules), param_dtype=dtype, seed=config.seed)
+      lora.attach(model, spec, param_dtype=dtype, seed=config.seed)
   except lora.AdapterError as e:
     raise ValueError(f"config.{key}={config_lib.config_value(config, key)!r}: {e}") from None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import ml_collections
 
@@ -10,6 +11,7 @@ from tlt_jax import config as config_lib
 from tlt_jax import fields
 from tlt_jax.config import config_value, eval_set, leaves, renamed
 from tlt_jax.drafter.buffer import BufferConfig
+from tlt_jax.models import lora
 from tlt_jax.rl import builders, datasets, grpo, rewards, tasks
 
 
@@ -114,6 +116,9 @@ def check(config: ml_collections.ConfigDict) -> None:
   need(isinstance(targets, str) and targets or isinstance(targets, tuple) and targets
        and all(isinstance(t, str) for t in targets), "policy.lora.target_modules",
        "must be 'all-linear', a regex, or a tuple of module names, e.g. \"('q_proj','v_proj')\"")
+  path = config.policy.lora.path
+  need(not path or os.path.isfile(os.path.join(path, lora.CONFIG_FILE)), "policy.lora.path",
+       f"holds no {lora.CONFIG_FILE} (a PEFT adapter directory, as PeftModel.save_pretrained writes it)")
   need(config.rl.tis_cap == 0 or config.rl.tis_cap >= 1, "rl.tis_cap", "must be 0 (off) or >= 1")
   s = config.rollout.sampling
   need(config.rl.old_logp != "rollout" or not s.top_k and s.top_p >= 1, "rl.old_logp",
