@@ -97,12 +97,12 @@ def update_phases(actor, batch: dict) -> dict:
   mbs = actor._micro_batches(batch)  # pylint: disable=protected-access
 
   def forward():
-    return [actor._logprobs(actor.params, mb["tokens"], mb["positions"], mb["segments"]) for mb in mbs]  # pylint: disable=protected-access
+    return [actor._logprobs(actor.params, actor.frozen, mb["tokens"], mb["positions"], mb["segments"]) for mb in mbs]  # pylint: disable=protected-access
 
   def gradient():
     grads = actor._zeros(actor.params)  # pylint: disable=protected-access
     for mb in mbs:
-      grads, _ = actor._grads(actor.params, mb, grads)  # pylint: disable=protected-access
+      grads, _ = actor._grads(actor.params, actor.frozen, mb, grads)  # pylint: disable=protected-access
     return grads
   grads = gradient()
 
@@ -121,8 +121,8 @@ def update_phases(actor, batch: dict) -> dict:
          "forward_backward_s": float(np.median([timed(gradient) for _ in range(3)])),
          "optimizer_s": float(np.median([optimizer() for _ in range(3)]))}
   mb = mbs[0]
-  memory = {"forward": actor._logprobs.lower(actor.params, mb["tokens"], mb["positions"], mb["segments"]),  # pylint: disable=protected-access
-            "forward_backward": actor._grads.lower(actor.params, mb, grads),  # pylint: disable=protected-access
+  memory = {"forward": actor._logprobs.lower(actor.params, actor.frozen, mb["tokens"], mb["positions"], mb["segments"]),  # pylint: disable=protected-access
+            "forward_backward": actor._grads.lower(actor.params, actor.frozen, mb, grads),  # pylint: disable=protected-access
             "optimizer": actor._apply.lower(actor.params, actor.opt_state, grads)}  # pylint: disable=protected-access
   for name, lowered in memory.items():
     out[f"{name}_temp_gb"] = lowered.compile().memory_analysis().temp_size_in_bytes / 2**30

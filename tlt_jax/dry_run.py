@@ -117,10 +117,10 @@ def run(config) -> dict:
   # Trainer: FSDP / tensor / data mesh over every device.
   mesh = sharding.make_mesh({k: config.mesh[k] for k in sharding.MESH_AXES})
   policy = _abstract(build_policy, mesh)
-  report["parameters_b"] = round(sum(x.size for x in jax.tree.leaves(nnx.state(policy, nnx.Not(nnx.LoRAParam)))) / 1e9, 3)
+  count = lambda *filters: sum(x.size for x in jax.tree.leaves(nnx.state(policy, *filters)))
+  report["parameters_b"] = round(count(nnx.Not(nnx.LoRAParam)) / 1e9, 3)
   if spec is not None:
-    report["lora"] = {"rank": spec.rank, "parameters_m": round(sum(
-        x.size for x in jax.tree.leaves(nnx.state(policy, nnx.LoRAParam))) / 1e6, 3)}
+    report["lora"] = {"rank": spec.rank, "parameters_m": round(count(nnx.LoRAParam) / 1e6, 3)}
   report["trainer_mesh"] = dict(mesh.shape)
   r = config.rl
   with jax.set_mesh(mesh):

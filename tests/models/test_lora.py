@@ -3,7 +3,6 @@ adapter leaves the model as it was, merged weights compute what the adapters do,
 adapters are refused by name."""
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp

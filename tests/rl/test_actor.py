@@ -228,11 +228,42 @@ def test_lora_trains_the_adapters_alone_by_the_merged_weights_gradient(hf_dirs):
                                                                                          "down_proj"))):
     for name in names:
       (a, b), d = (ab[block][name]["lora"][k] for k in ("lora_a", "lora_b")), dw[block][name]["kernel"]
-      np.testing.assert_allclose(g[block][name]["lora"]["lora_a"], 2.0 * d @ np.swapaxes(b, -1, -2), atol=1e-6, rtol=1e-4)
-      np.testing.assert_allclose(g[block][name]["lora"]["lora_b"], 2.0 * np.swapaxes(a, -1, -2) @ d, atol=1e-6, rtol=1e-4)
+      close = lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6, rtol=1e-4)
+      close(g[block][name]["lora"]["lora_a"], 2.0 * d @ np.swapaxes(b, -1, -2))
+      close(g[block][name]["lora"]["lora_b"], 2.0 * np.swapaxes(a, -1, -2) @ d)
   frozen = jax.tree.map(np.array, adapted.frozen)
   assert len(jax.tree.leaves(adapted.opt_state)) == 1 + 2 * len(jax.tree.leaves(adapted.params)) == 1 + 2 * 14
   before = jax.tree.map(np.array, adapted.params)
   assert adapted.update(batch)["grad_norm"] > 0
   assert all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), frozen, adapted.frozen)))
   assert all(jax.tree.leaves(jax.tree.map(lambda x, y: not np.array_equal(x, y), before, adapted.params)))
+
+
+def test_lora_on_a_bfloat16_base_trains_float32_adapters(hf_dirs):
+  """The GPU configs' LoRA: the base frozen in bfloat16 (`policy.dtype`), the adapters and their moments in
+  float32 (`policy.weight_dtype`): no stochastic rounding, and the rollouts' copy merged in bfloat16."""
+  model = hf.from_pretrained(hf_dirs["qwen3"][0], dtype="bfloat16", param_dtype="bfloat16")
+  lora.attach(model, lora.Spec(4, 8.0, "all-linear"), param_dtype=jnp.float32)
+  actor = actor_lib.Actor(model, optax.adam(1e-2), micro_batch_rows=4, clip_low=0.2, clip_high=0.28)
+  dtypes = lambda tree: {x.dtype for x in jax.tree.leaves(tree)}
+  assert not actor.rounding and dtypes(actor.params) == dtypes(actor.opt_state[0].mu) == {jnp.dtype(jnp.float32)}
+  assert dtypes(actor.frozen) == {jnp.dtype(jnp.bfloat16)}
+  rows = packing.pack(SEQS, 8, index=True)
+  frozen = jax.tree.map(np.array, actor.frozen)
+  for _ in range(2):  # the second update moves A too (its gradient is 0 while B is)
+    batch = actor_lib.training_batch(rows, np.array([1.0, -0.5, 0.25, -1.0], np.float32), np.ones(4, bool), "sequence",
+                                     actor.logprobs(actor.params, rows), None)
+    assert np.isfinite(actor.update(batch)["grad_norm"])
+  assert all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), frozen, actor.frozen)))
+  rollout = actor.rollout_params(jnp.bfloat16)
+  assert dtypes(rollout) == {jnp.dtype(jnp.bfloat16)}
+  merged = nnx.state(lora.merged(actor.model()))
+  kernel = lambda s: np.asarray(nnx.to_pure_dict(s)["model"]["layers"]["mlp"]["up_proj"]["kernel"], np.float32)
+  assert np.abs(kernel(merged) - kernel(frozen)).max() > 0
+  np.testing.assert_allclose(kernel(rollout), kernel(merged), rtol=1e-2, atol=1e-3)
+  # The rollouts' merged bfloat16 policy gives the trainer's log-probs up to bfloat16 rounding.
+  plain = actor_lib.Actor(nnx.merge(nnx.graphdef(lora.merged(actor.model())), rollout), optax.sgd(0.0),
+                          micro_batch_rows=4, clip_low=0.2, clip_high=0.28)
+  mask = rows[3] > 0
+  np.testing.assert_allclose(plain.logprobs(plain.params, rows)[mask], actor.logprobs(actor.params, rows)[mask],
+                             atol=0.05)

@@ -98,7 +98,8 @@ def test_a_lora_run_trains_its_adapters_resumes_exactly_and_exports_them_for_pef
   nnx.update(other, jax.tree.map(lambda x: x * 1.01, nnx.state(other)))
   hf.save_pretrained(other, str(tmp_path / "other"), tokenizer=hf.load_tokenizer(tiny_policy_dir))
   c.policy.path, c.policy.lora.rank = str(tmp_path / "other"), 4
-  with pytest.raises(ValueError, match=r"its LoRA adapters were trained on the base model in .*\(weights sha256 "):
+  with pytest.raises(ValueError, match=r"its LoRA adapters were trained on other base weights: .* \(sha256 "
+                     r"[0-9a-f]{12}\), not config.policy.path's \(sha256 [0-9a-f]{12}\)"):
     Trainer(c, *bootstrap.load(c), devices=jax.devices()[:2])
 
 

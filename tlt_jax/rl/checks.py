@@ -35,7 +35,8 @@ _AT_LEAST = {
     "rl.actor.clip_low": 0, "rl.actor.clip_high": 0, "rl.actor.kl_coef": 0,
     "eval.every": 0, "eval.size": 1, "eval.num_samples": 1, "checkpoint.every": 1, "checkpoint.keep": 1,
 }
-_ABOVE = {"policy.lora.alpha": 0, "model.rope_theta": 0, "task.tail_alpha": 0, "rl.optimizer.max_grad_norm": 0, "data.reward_timeout_s": 0,
+_ABOVE = {"policy.lora.alpha": 0,
+          "model.rope_theta": 0, "task.tail_alpha": 0, "rl.optimizer.max_grad_norm": 0, "data.reward_timeout_s": 0,
           "drafter.draft_vocab_coverage": 0}
 _AT_MOST = {"sft.unanswered": 1, "drafter.draft_vocab_coverage": 1, "data.reward_max_failures": 1}
 _CHOICES = {

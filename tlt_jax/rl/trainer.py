@@ -181,8 +181,8 @@ class Trainer:
       raise ValueError(f"it holds {'a full policy' if not saved else 'LoRA adapters of rank %d' % saved['rank']}; "
                        f"resume it with --config.policy.lora.rank={saved['rank'] if saved else 0}")
     if saved and saved["base_sha256"] != now["base_sha256"]:
-      raise ValueError(f"its LoRA adapters were trained on the base model in {saved['base']} (weights sha256 "
-                       f"{saved['base_sha256'][:12]}), not on {now['base']}'s (sha256 {now['base_sha256'][:12]})")
+      raise ValueError(f"its LoRA adapters were trained on other base weights: {saved['base']} (sha256 "
+                       f"{saved['base_sha256'][:12]}), not config.policy.path's (sha256 {now['base_sha256'][:12]})")
     return {**self._policy_arrays(), **self.rollout.abstract_state(meta)}
 
   def _restore(self, step: int, arrays, meta: dict) -> None:
