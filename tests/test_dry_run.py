@@ -81,3 +81,19 @@ def test_dry_run_fails_naming_what_does_not_fit(report):
   assert dry_run.check_fit(fake, 3.0, on_cpu=True)["max_per_device_executable"] == "b"
   with pytest.raises(ValueError, match="^a needs 6.0 GB"):
     dry_run.check_fit(fake, 3.0, on_cpu=False)
+
+
+def test_a_lora_dry_run_sizes_the_frozen_base_and_the_adapters(report):
+  """With LoRA the trainer holds the base once (frozen, sharded) and masters and AdamW moments for the adapters
+  alone; the rollout copy is the merged policy's, as large as without."""
+  c = _config(limit_gb=1.0)
+  c.policy.lora.rank = 4
+  lora = dry_run.run(c)
+  adapters_gb = lora["lora"]["parameters_m"] * 1e6 * 4 / (1 << 30)
+  assert lora["lora"]["rank"] == 4 and lora["parameters_b"] == report["parameters_b"]
+  base_gb = lora["policy_gb"] - adapters_gb
+  assert base_gb == pytest.approx(report["policy_gb"], rel=1e-3)
+  # The base and the adapters' masters and moments, split over fsdp 4.
+  assert base_gb / 4 < lora["trainer_state_gb"] < (base_gb + 3 * adapters_gb) / 4 * 1.1 < report["trainer_state_gb"] / 2
+  assert lora["executables"]["train/update"]["resident_gb"] < report["executables"]["train/update"]["resident_gb"] / 10
+  assert lora["rollout_copy_gb"] == report["rollout_copy_gb"]

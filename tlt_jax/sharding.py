@@ -24,6 +24,7 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
+    ("lora_rank", "fsdp"),  # a LoRA adapter's rank axis: sharded where its other axis is not over fsdp
     ("q_heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),

@@ -116,8 +116,8 @@ def attach(model: CausalLM, spec: Spec, *, param_dtype=jnp.float32, seed: int = 
         n_in, spec.rank, n_out, dtype=module.dtype, param_dtype=param_dtype, rngs=nnx.Rngs(jax.random.fold_in(key, i)),
         a_initializer=lambda k, shape, dtype: a_init(k, (*lead, *shape), dtype),
         b_initializer=lambda k, shape, dtype: jnp.zeros((*lead, *shape), dtype),
-        a_metadata={"out_sharding": (*kernel_names[:-1], None), "eager_sharding": False},
-        b_metadata={"out_sharding": (*kernel_names[:-2], None, kernel_names[-1]), "eager_sharding": False})
+        a_metadata={"out_sharding": (*kernel_names[:-1], "lora_rank"), "eager_sharding": False},
+        b_metadata={"out_sharding": (*kernel_names[:-2], "lora_rank", kernel_names[-1]), "eager_sharding": False})
     module.lora_scale = spec.scale
   model.lora_spec = spec
   return sorted(chosen, key=_layer_order)
