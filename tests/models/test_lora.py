@@ -95,6 +95,8 @@ def test_bad_targets_and_adapters_are_refused_by_name(hf_dirs, tmp_path):
   unrolled = hf.from_pretrained(hf_dirs["llama3"][0], scan_layers=False)  # one layer alone, unrolled
   assert lora.attach(unrolled, lora.Spec(2, 4.0, r"model\.layers\.0\.self_attn\.q_proj")) == [
       "model.layers.0.self_attn.q_proj"]
+  with pytest.raises(lora.AdapterError, match=r"target_modules='\(q' is not a regular expression"):
+    lora.attach(model, lora.Spec(2, 4.0, "(q"))
   with pytest.raises(lora.AdapterError, match="rank 0: a LoRA rank is at least 1"):
     lora.attach(model, lora.Spec(0, 4.0, "all-linear"))
   _peft_adapter("qwen3", str(tmp_path), r=2, lora_alpha=4, target_modules=["q_proj"])  # q_proj 32 -> 64 there

@@ -76,7 +76,10 @@ def module_names(model: CausalLM, targets: str | Sequence[str]) -> list[str]:
   if targets == "all-linear":
     targets = ALL_LINEAR
   if isinstance(targets, str):
-    pattern = re.compile(targets)
+    try:
+      pattern = re.compile(targets)
+    except re.error as e:
+      raise AdapterError(f"target_modules={targets!r} is not a regular expression ({e})") from None
     chosen = lambda name: pattern.fullmatch(name) is not None
   else:
     chosen = lambda name: any(name == t or name.endswith("." + t) for t in targets)

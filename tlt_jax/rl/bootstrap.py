@@ -101,15 +101,15 @@ def load_policy(config) -> tuple[CausalLM, object]:
   model = hf.from_pretrained(policy_dir, dtype=p.dtype, param_dtype=p.weight_dtype if spec is None else p.dtype,
                              scan_layers=p.scan_layers)
   if spec is not None:
-    attach_lora(config, model)
+    attach_lora(config, model, spec)
   return model, hf.load_tokenizer(policy_dir)
 
 
-def attach_lora(config, model: CausalLM) -> None:
-  """`policy.lora`'s adapters on `model` (in place): a PEFT adapter from `policy.lora.path`, or fresh ones;
-  ValueError naming the key for targets that select nothing or an adapter that does not fit."""
+def attach_lora(config, model: CausalLM, spec: lora.Spec) -> None:
+  """`policy.lora`'s adapters (`spec`, from `lora_spec`) on `model` (in place): a PEFT adapter from
+  `policy.lora.path`, or fresh ones; ValueError naming the key for targets that select nothing or an adapter
+  that does not fit."""
   c, dtype = config.policy.lora, hf.DTYPES[config.policy.weight_dtype]
-  spec = lora_spec(config)
   key = "policy.lora.path" if c.path else "policy.lora.target_modules"
   try:
     if c.path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import ml_collections
 
@@ -117,6 +118,11 @@ def check(config: ml_collections.ConfigDict) -> None:
   need(isinstance(targets, str) and targets or isinstance(targets, tuple) and targets
        and all(isinstance(t, str) for t in targets), "policy.lora.target_modules",
        "must be 'all-linear', a regex, or a tuple of module names, e.g. \"('q_proj','v_proj')\"")
+  if isinstance(targets, str):
+    try:
+      re.compile(targets)
+    except re.error as e:
+      need(False, "policy.lora.target_modules", f"not a regular expression ({e})")
   path = config.policy.lora.path
   need(not path or os.path.isfile(os.path.join(path, lora.CONFIG_FILE)), "policy.lora.path",
        f"holds no {lora.CONFIG_FILE} (a PEFT adapter directory, as PeftModel.save_pretrained writes it)")
