@@ -21,6 +21,13 @@ Paged (`EngineConfig.page_size`): the caches are a pool of pages shared by the r
 page tables the host keeps (`tlt_jax.rollout.pages`) and hands to every play; rows enter when the
 pool has their pages and are preempted when it runs short (`tlt_jax.rollout.schedule`).
 
+Tool turns (`Engine(turns=...)`, `tlt_jax.rollout.tools`): a row that ends an assistant turn hands
+it to `Turns.submit`; a turn with tool calls keeps the row in its slot, its cache kept, while the
+other rows decode on (the play's stop count leaves the waiting rows out), and once the calls are
+back their tokens are appended (`Steps.append`, in chunks of `EngineConfig.turn_chunk` tokens:
+one executable per bucket) and the row decodes its next turn. When every row in the batch waits
+for its tools (and none can enter), the host waits for the first to come back.
+
 Guard: once a row's drafter outputs are not finite (`RowState.drafter_finite`, read with each
 play's sync), the drafter's strategies are off for the rest of the rollout (suffix strategies,
 which need no drafter, stay on), with a warning and `RolloutMetrics.drafter_nonfinite`; outputs
@@ -30,6 +37,7 @@ are the target's either way (the owner of the drafter restores a good one: `Draf
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -55,6 +63,7 @@ from tlt_jax.rollout.schedule import Schedule, bucket_for
 from tlt_jax.rollout.speculative import Strategy
 from tlt_jax.rollout.state import (FINISH_REASONS, EngineConfig, Rollout, RolloutMetrics, RowState, Sample,
                                    SegmentRecord, SlotRows)
+from tlt_jax.rollout.tools import Turns
 
 
 @flax.struct.dataclass
@@ -64,11 +73,12 @@ class _Counters:
   done: np.ndarray  # bool [B]
   generated: np.ndarray  # int32 [B]
   passes: np.ndarray  # int32 [B]
+  finish: np.ndarray  # int32 [B], into FINISH_REASONS
 
   @classmethod
   def read(cls, st: RowState) -> _Counters:
     """Waits for `st` and copies its counters to the host."""
-    return jax.device_get(cls(st.done, st.num_generated, st.passes))
+    return jax.device_get(cls(st.done, st.num_generated, st.passes, st.finish))
 
 
 @dataclasses.dataclass
@@ -87,6 +97,16 @@ class _Job:
   out: list[Sample] = dataclasses.field(default_factory=list)
   prompt_lens: list[int] = dataclasses.field(init=False)  # per row
   harvested: np.ndarray = dataclasses.field(init=False)  # bool per row
+  # Tool turns, per row: where its current turn began, its turns so far, the generated count of its last
+  # turn end seen, its calls in flight and the stop token that ended that turn, the (start, count) of
+  # each tool turn appended, its calls' records, and the rows whose tool turn did not fit their budget.
+  turn_start: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
+  turns: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: 1))
+  seen: dict[int, int] = dataclasses.field(default_factory=dict)
+  pending: dict[int, tuple[concurrent.futures.Future, int]] = dataclasses.field(default_factory=dict)
+  spans: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(list))
+  calls: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(list))
+  cut: set[int] = dataclasses.field(default_factory=set)
 
   def __post_init__(self):
     self.prompt_lens = [len(self.prompts[i]) for i, _ in self.rows]
@@ -108,7 +128,8 @@ class Engine:
   """
 
   def __init__(self, model: transformer.CausalLM, config: EngineConfig, params: SamplingParams,
-               mesh: jax.sharding.Mesh | None = None, drafter: Drafter | None = None, bandit: Bandit | None = None):
+               mesh: jax.sharding.Mesh | None = None, drafter: Drafter | None = None, bandit: Bandit | None = None,
+               turns: Turns | None = None):
     """Splits the models into graph and weights; compiles nothing yet (`prepare`, `generate` do).
 
     Args:
@@ -119,6 +140,7 @@ class Engine:
       drafter: the EAGLE drafter, needed by non-suffix strategies.
       bandit: chooses the arm of each tail play; needed with several strategies, its arms SD off +
         `config.strategies`.
+      turns: runs the tool calls of the rows' turns (module docstring); None: a row ends at its stop token.
 
     Raises:
       ValueError: naming what does not fit together.
@@ -134,7 +156,7 @@ class Engine:
       raise ValueError(f"several strategies {names} need a bandit to choose between them")
     if bandit is not None and bandit.arms != (None, *config.strategies):
       raise ValueError(f"the bandit's arms must be SD off + the engine's strategies {names}")
-    self.config, self.sampling, self.mesh, self.bandit = config, params, mesh, bandit
+    self.config, self.sampling, self.mesh, self.bandit, self.turns = config, params, mesh, bandit, turns
     self.page_shards = self._page_shards(config, mesh)
     graphdef, self.params = nnx.split(model)
     drafter_graphdef, self.drafter_params = nnx.split(drafter) if drafter is not None else (None, None)
@@ -237,10 +259,11 @@ class Engine:
       for t in cfg.tail_buckets:
         self._compile(("tail", b0, t), self.steps.prefill_tail,
                       [*params, state(b0), i32(), i32(t), i32(), i32(), i32(), table(b0)], state(b0), donate=(2,))
-      for r in cfg.resume_buckets:
-        self._compile(("resume", b0, r), self.steps.resume,
-                      [*params, state(b0), i32(), i32(r + 1), jax.ShapeDtypeStruct((r,), jnp.float32), i32(),
-                       table(b0)], state(b0), donate=(2,))
+    append = lambda b, r: self._compile(("append", b, r), self.steps.append,
+                                        [*params, state(b), i32(), i32(r + 1), jax.ShapeDtypeStruct((r,), jnp.float32),
+                                         i32(), i32(), table(b)], state(b), donate=(2,))
+    for r in cfg.resume_buckets:
+      append(b0, r)
     for p in self._prefill_sizes(b0, self._refills(rows)):
       for t in sorted({cfg.prompt_bucket(n) for n in prompt_lens} or set(cfg.prompt_buckets)):
         self._compile(("prefill", b0, p, t), self.steps.prefill,
@@ -254,6 +277,8 @@ class Engine:
                       [*params, state(b), i32(), table(b), i32()], state(b), donate=(2,))
       if b // 2 >= self.page_shards and cfg.compact:
         self._compile(("halve", b // 2, b), steps.halve, [state(b), i32(b // 2)], state(b // 2))
+      if self.turns is not None:
+        append(b, cfg.turn_chunk)
 
   @property
   def _history_len(self) -> int:
@@ -414,11 +439,15 @@ class Engine:
     st, host = self._enter(job, sched, st, new, write_from, t0)
     while not sched.finished:
       sched.release_finished()
+      if job.pending:
+        st, host = self._return_turns(job, sched, st, host, wait=host.done.all() and not sched.refill_ready())
       if sched.refill_ready():
         st, host = self._refill(job, sched, st)
         continue
       if sched.compactable():
         st, host = self._compact(job, sched, st)
+      if job.pending and host.done.all():  # every row in the batch waits for its tools
+        continue
       active = sched.active
       arms = [s for s in cfg.strategies if s.suffix or not job.metrics.drafter_nonfinite]
       speculating = self._uses_sd(sched.bucket) and bool(arms)
@@ -458,10 +487,10 @@ class Engine:
       tokens = np.concatenate([[job.prompts[job.rows[new[slot]][0]][-1]], tokens,
                                np.zeros((size - n,), np.int32)]).astype(np.int32)
       logprobs = np.concatenate([logprobs, np.zeros((size - n,), np.float32)]).astype(np.float32)
-      st = self.pool[("resume", b, size)](self.params, self.drafter_params, st, np.int32(slot), tokens, logprobs,
-                                          np.int32(n), sched.table())
+      st = self.pool[("append", b, size)](self.params, self.drafter_params, st, np.int32(slot), tokens, logprobs,
+                                          np.int32(n), np.int32(1), sched.table())
       metrics.resumed_tokens += n
-    host = self._observe(sched, st, metrics)
+    host = self._observe(job, sched, st)
     metrics.prefill_s += time.perf_counter() - t0
     entering = int((new >= 0).sum()) - len(back)  # a preempted row's tokens were counted before
     metrics.tokens += entering
@@ -486,7 +515,7 @@ class Engine:
     for keep in sched.compact():
       st = self.pool[("halve", b // 2, b)](st, keep)
       b //= 2
-    host = self._observe(sched, st)
+    host = self._observe(job, sched, st, check=False)
     job.metrics.compact_s += time.perf_counter() - t0
     return st, host
 
@@ -515,9 +544,10 @@ class Engine:
     first_run = key not in self._ran
     self._ran.add(key)
     t0 = time.perf_counter()
-    st = self.pool[key](self.params, self.drafter_params, st, np.int32(sched.stop_at(before_tail)), sched.table(),
+    stop_at = max(sched.stop_at(before_tail) - len(sched.held), 0)  # rows waiting for tools are done on the device
+    st = self.pool[key](self.params, self.drafter_params, st, np.int32(stop_at), sched.table(),
                         np.int32(cfg.probe_steps if probe else cfg.segment_steps))
-    host = self._observe(sched, st, metrics)  # waits for the play
+    host = self._observe(job, sched, st)  # waits for the play
     seconds = time.perf_counter() - t0
     produced = int(host.generated.sum() - before.generated.sum())
     passes = host.passes - before.passes
@@ -531,13 +561,89 @@ class Engine:
     job.on_progress(active - sched.active, produced)
     return st, host
 
-  def _observe(self, sched: Schedule, st: RowState, metrics: RolloutMetrics | None = None) -> _Counters:
-    """Waits for `st`, hands its counters to the schedule (and checks the drafter's outputs)."""
+  def _observe(self, job: _Job, sched: Schedule, st: RowState, check: bool = True) -> _Counters:
+    """Waits for `st`, hands its counters to the schedule (rows waiting for tools as active) and, with
+    `check`, starts the tool calls of the turns that ended and checks the drafter's outputs."""
     host = _Counters.read(st)
-    sched.observe(host.done, host.generated)
-    if metrics is not None:
-      self._check_drafter(st, metrics)
+    if check and self.turns is not None:
+      self._end_turns(job, sched, st, host)
+    held = np.isin(sched.slot_row, list(sched.held))
+    sched.observe(host.done & ~held, host.generated)
+    if check:
+      self._check_drafter(st, job.metrics)
     return host
+
+  # ---- tool turns ----
+
+  def _end_turns(self, job: _Job, sched: Schedule, st: RowState, host: _Counters) -> None:
+    """Hands every turn that ended with the row's stop token since the last look to `Turns.submit`;
+    a row whose turn calls tools waits for them (`sched.held`), the others are finished."""
+    tokens = None
+    for slot in np.flatnonzero(host.done & (host.finish == FINISH_REASONS.index("stop"))):
+      r, k = int(sched.slot_row[slot]), int(host.generated[slot])
+      if r < 0 or r in sched.held or job.seen.get(r) == k:
+        continue
+      job.seen[r] = k
+      if job.turns[r] >= self.turns.max_turns:
+        continue
+      if tokens is None:
+        tokens = np.asarray(jax.device_get(st.tokens))  # whole: a slice would compile
+      future = self.turns.submit(tokens[slot, job.turn_start[r]:k].copy())
+      if future is not None:
+        job.pending[r] = future, int(tokens[slot, k - 1])
+        sched.held.add(r)
+
+  def _return_turns(self, job: _Job, sched: Schedule, st: RowState, host: _Counters,
+                    wait: bool) -> tuple[RowState, _Counters]:
+    """Appends the tool turns that are back to their rows, which decode on; `wait`: first waits for one.
+    A turn that leaves its row no token of its budget ends the row ("length") without it."""
+    metrics, t0 = job.metrics, time.perf_counter()
+    if wait:
+      concurrent.futures.wait([f for f, _ in job.pending.values()], return_when=concurrent.futures.FIRST_COMPLETED)
+      metrics.tool_wait_s += time.perf_counter() - t0
+    t1, changed = time.perf_counter(), False
+    for r, (future, last) in sorted(job.pending.items()):
+      if not future.done():
+        continue
+      turn = future.result()
+      slot, n = int(np.flatnonzero(sched.slot_row == r)[0]), len(turn.tokens)
+      k = int(host.generated[slot])
+      fits = k + n < job.budgets[job.rows[r][0]]
+      if fits and not sched.take_turn(slot, n):
+        continue  # its pages free up as other rows finish
+      del job.pending[r]
+      sched.held.discard(r)
+      job.calls[r] += turn.calls
+      metrics.tool_calls += len(turn.calls)
+      changed = True
+      if not fits:
+        job.cut.add(r)
+        continue
+      st = self._append(sched, st, slot, last, np.asarray(turn.tokens, np.int32))
+      job.spans[r].append((k, n))
+      job.turn_start[r], job.turns[r] = k + n, job.turns[r] + 1
+      metrics.tool_turns += 1
+      metrics.tool_tokens += n
+    if wait and not changed and all(f.done() for f, _ in job.pending.values()):
+      raise RuntimeError(f"the page pool ({self.config.pool_pages} pages) cannot hold the tool turns of the rows "
+                         "waiting for them: raise rollout.engine.num_pages")
+    if changed:
+      host = self._observe(job, sched, st)
+    metrics.prefill_s += time.perf_counter() - t1
+    return st, host
+
+  def _append(self, sched: Schedule, st: RowState, slot: int, last: int, tokens: np.ndarray) -> RowState:
+    """Appends `tokens` to the row of `slot`, whose last token is `last`, in chunks of `turn_chunk`."""
+    c = self.config.turn_chunk
+    for i in range(0, len(tokens), c):
+      part = tokens[i:i + c]
+      chain = np.zeros((c + 1,), np.int32)
+      chain[0], chain[1:len(part) + 1] = last, part
+      st = self.pool[("append", sched.bucket, c)](self.params, self.drafter_params, st, np.int32(slot), chain,
+                                                 np.zeros((c,), np.float32), np.int32(len(part)), np.int32(0),
+                                                 sched.table())
+      last = int(part[-1])
+    return st
 
   def _check_drafter(self, st: RowState, metrics: RolloutMetrics) -> None:
     """Turns the drafter's strategies off for the rest of the rollout once its outputs are not finite."""
@@ -555,13 +661,19 @@ class Engine:
     out = []
     for r in np.flatnonzero(host.done & (host.row_id >= 0)):
       rid = host.row_id[r]
-      if job.harvested[rid]:
+      if job.harvested[rid] or rid in job.pending:
         continue
       job.harvested[rid] = True
       k = host.num_generated[r]
+      mask = None
+      if self.turns is not None:
+        mask = np.zeros((k,), bool)
+        for start, n in job.spans[rid]:
+          mask[start:start + n] = True
       out.append(Sample(prompt_index=int(host.prompt_index[r]), sample_index=int(host.sample_index[r]),
                         tokens=host.tokens[r, :k].copy(), logprobs=host.logprobs[r, :k].copy(),
-                        finish_reason=FINISH_REASONS[host.finish[r]],
+                        finish_reason="length" if rid in job.cut else FINISH_REASONS[host.finish[r]],
+                        tool_mask=mask, tool_calls=list(job.calls[rid]),
                         hidden=None if host.hidden is None else np.asarray(host.hidden[r, :k]),
                         prompt_hidden=None if host.prompt_hidden is None else
                         np.asarray(host.prompt_hidden[r, :job.prompt_lens[rid]])))

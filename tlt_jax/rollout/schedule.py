@@ -17,8 +17,10 @@ first of its samples in flight), finished rows give theirs back at once, and bef
 every active row takes the pages the play may write; a row enters only if the rows in flight
 keep a play's growth each. When the pool runs short, the rows with the fewest tokens are
 preempted: their pages freed, their tokens kept on the host, back to the front of the queue;
-when a row comes back, its prompt and its tokens are prefilled again (`Steps.resume`) and it
-goes on where it stopped. The tail compacts only once the pool holds every active row to its
+when a row comes back, its prompt and its tokens are prefilled again (`Steps.append`) and it
+goes on where it stopped. A row waiting for its tools (`held`, `tlt_jax.rollout.tools`) keeps its
+slot and pages: it counts as active, is never preempted, and takes the pages of the tokens its
+tool turn appends before they are written (`take_turn`). The tail compacts only once the pool holds every active row to its
 budget, so a smaller bucket never preempts. With the pool split over devices (`shards`), a
 slot's row takes pages on the slot's device: admission, preemption and that check count pages
 per device, and compaction keeps every row on its device.
@@ -56,6 +58,7 @@ class Schedule:
     pages: the paged cache's bookkeeping (None: contiguous caches).
     blocked: rows wait for pages (to enter, or for the tail to compact), not for slots; set by
       `refill_ready` and `compactable`, read by `stop_at`.
+    held: rows waiting for their tools: active here, done on the device (the engine keeps it).
   """
 
   def __init__(self, config: EngineConfig, rows: Sequence[tuple[int, int]], prompt_lens: Sequence[int],
@@ -72,6 +75,7 @@ class Schedule:
     self.done = np.ones((self.bucket,), bool)
     self.generated = np.zeros((self.bucket,), np.int32)
     self.blocked = False
+    self.held: set[int] = set()
     self._clock = itertools.count()
     self._window = max([s.window for s in config.strategies] + [1])
 
@@ -229,8 +233,9 @@ class Schedule:
     """
     if self.pages is None or not (lacking := self._short(lambda i: self._play_need(i, strategy))):
       return None
-    slots = np.asarray([i for i in np.flatnonzero(~self.done) if self.pages.shard(self.slot_row[i]) == lacking[0]])
-    if len(slots) == 1 or self.bucket != self.entry_bucket:
+    active = [i for i in np.flatnonzero(~self.done) if self.pages.shard(self.slot_row[i]) == lacking[0]]
+    slots = np.asarray([i for i in active if self.slot_row[i] not in self.held], np.int64)
+    if len(active) == 1 or not len(slots) or self.bucket != self.entry_bucket:
       raise RuntimeError(f"the page pool ({self.pages.num_pages} pages) cannot hold the rows of bucket {self.bucket}")
     return int(slots[np.lexsort((-self.entered[slots], self.generated[slots]))[0]])
 
@@ -241,6 +246,18 @@ class Schedule:
     self.waiting.appendleft(r)
     self.kept[r] = tokens, logprobs
     self.slot_row[slot], self.done[slot] = -1, True
+
+  def take_turn(self, slot: int, n: int) -> bool:
+    """The row of `slot`, back from its tools, takes the pages that the `n` tokens its tool turn appends
+    fill (paged); False while its device lacks them (rows finishing give theirs back)."""
+    if self.pages is None:
+      return True
+    r = self.slot_row[slot]
+    need = self._slots_for(r, self.prompt_lens[r] + int(self.generated[slot]) - 1 + n)
+    if self.pages.missing(r, self.prompt_lens[r], need) > self.pages.free_on(self.pages.shard(r)):
+      return False
+    self.pages.grow(r, self.prompt_lens[r], need)
+    return True
 
   def reserve(self, strategy: Strategy | None) -> None:
     """Every active row takes the pages a play of `strategy` may write (after `victim` found none short)."""

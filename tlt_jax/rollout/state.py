@@ -154,9 +154,15 @@ class EngineConfig:
 
   @property
   def resume_buckets(self) -> tuple[int, ...]:
-    """Padded lengths of a preempted row's tokens prefilled again (`Steps.resume`; a paged cache):
+    """Padded lengths of a preempted row's tokens prefilled again (`Steps.append`; a paged cache):
     powers of two from 16 up to one that holds max_new_tokens."""
     return tuple(1 << i for i in range(4, max(4, (self.max_new_tokens - 1).bit_length()) + 1)) if self.paged else ()
+
+  @property
+  def turn_chunk(self) -> int:
+    """Tokens of a tool turn appended per `Steps.append` call (`tlt_jax.rollout.tools`; longer turns take
+    several): one executable per batch bucket."""
+    return min(32, 1 << max(4, (self.max_new_tokens - 1).bit_length()))
 
   def resume_bucket(self, n: int) -> int:
     return next(t for t in self.resume_buckets if t >= n)
@@ -259,6 +265,15 @@ class Sample:
   finish_reason: str  # "stop" or "length"
   hidden: np.ndarray | None = None  # [n, H] when the engine captures hidden states
   prompt_hidden: np.ndarray | None = None  # [P, H] the prompt's features (its last one is hidden[0])
+  # With tool turns (`tlt_jax.rollout.tools`): bool [n], True on the tokens tool turns appended (not the
+  # model's: no loss, no drafter data, log-prob 0), and a record per tool call, in order. None/[] without.
+  tool_mask: np.ndarray | None = None
+  tool_calls: list[dict] = dataclasses.field(default_factory=list)
+
+  @property
+  def turns(self) -> int:
+    """The trajectory's assistant turns (1 without tool turns)."""
+    return 1 + (0 if self.tool_mask is None else int((np.diff(self.tool_mask.astype(np.int8)) == 1).sum()))
 
 
 @dataclasses.dataclass
@@ -293,11 +308,15 @@ class RolloutMetrics:
   resumed_tokens: int = 0  # tokens preempted rows held, prefilled again when they came back (not decoded again)
   peak_rows: int = 0  # most rows in flight at once
   peak_pages: int = 0  # most pages held at once (paged caches)
+  tool_calls: int = 0  # tool calls the rows made (`tlt_jax.rollout.tools`)
+  tool_turns: int = 0  # tool turns appended to rows (a turn holds one or more calls)
+  tool_tokens: int = 0  # tokens those turns appended (not decoded, not counted in `tokens`)
+  tool_wait_s: float = 0.0  # time the host waited for tools with no row left to decode
   started: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (prompt, sample) in batch-entry order
 
   @property
   def wall_s(self) -> float:
-    return self.prefill_s + self.decode_s + self.compact_s
+    return self.prefill_s + self.decode_s + self.compact_s + self.tool_wait_s
 
   @property
   def tokens_per_s(self) -> float:
@@ -351,7 +370,9 @@ class RolloutMetrics:
            "rollout/verify_passes": self.verify_passes, "rollout/drafter_nonfinite": int(self.drafter_nonfinite),
            "rollout/refills": self.refills, "rollout/preemptions": self.preemptions,
            "rollout/resumed_tokens": self.resumed_tokens, "rollout/peak_rows": self.peak_rows,
-           "rollout/peak_pages": self.peak_pages,
+           "rollout/peak_pages": self.peak_pages, "rollout/tool_calls": self.tool_calls,
+           "rollout/tool_turns": self.tool_turns, "rollout/tool_tokens": self.tool_tokens,
+           "rollout/tool_wait_s": self.tool_wait_s,
            "rollout/tail_share": self.tail_share, "rollout/idle_slot_fraction": self.idle_slot_fraction}
     for s in self.segments:
       key = f"rollout/steps/b{s.bucket}"

@@ -315,20 +315,24 @@ class Steps:
                            sel.astype(jnp.int32))
     return self.feed_drafter(model, drafter, st, first, None)
 
-  def resume(self, params, drafter_params, st: RowState, slot, tokens_R1, logprobs_R, count, pages_BxM) -> RowState:
-    """Brings a preempted row back where it stopped (a paged cache): slot `slot` (int32 scalar) was
-    just prefilled with the row's prompt; its `count` tokens generated before preemption
-    (`tokens_R1[1:count + 1]`, with their `logprobs_R`; `tokens_R1[0]` is the prompt's last token)
-    are prefilled after the prompt instead of being decoded again, and they replace the prefill's
-    sample.
+  def append(self, params, drafter_params, st: RowState, slot, tokens_R1, logprobs_R, count, back,
+             pages_BxM) -> RowState:
+    """Appends `count` tokens to the row of slot `slot` (int32 scalar) as if it had decoded them:
+    `tokens_R1[1:count + 1]`, with their `logprobs_R`, are prefilled after the row's cache and
+    recorded as its next tokens; `tokens_R1[0]` is the input the row's cache ends before.
 
-    The prefill starts one slot back, at the prompt's last token, so its outputs are the features
-    of every generated token: captured hidden states are written as decoding writes them, and the
-    drafter is fed the row's pairs (f_p, x_{p+1}) from there. It runs in chunks of at most
-    `kv_block` tokens with blockwise attention (`xla`, for target and drafter: one row's view of a
-    pool split over devices is not split like it), so a long row's prefill never holds more
-    than a chunk's scores. The row's cache then holds its prompt and all but its last generated
-    token, its next input, as if it had never left.
+    Two uses. A preempted row coming back (a paged cache; `back` 1): the slot was just prefilled
+    with the row's prompt, the prefill starts one slot back, at the prompt's last token, and its
+    tokens generated before preemption replace the prefill's sample. A tool turn (`back` 0):
+    `tokens_R1[0]` is the row's last token (its turn's stop token) and the tool messages' tokens
+    follow it (`tlt_jax.rollout.tools`).
+
+    The prefill's outputs are the features of every appended token: captured hidden states are
+    written as decoding writes them, and the drafter is fed the row's pairs (f_p, x_{p+1}) from
+    there. It runs in chunks of at most `kv_block` tokens with blockwise attention (`xla`, for
+    target and drafter: one row's view of a pool split over devices is not split like it), so a
+    long row's prefill never holds more than a chunk's scores. The row's cache then holds all but
+    its last token, its next input, as if it had decoded them.
     """
     model, drafter = self.models(params, drafter_params)
     st = with_pages(st, pages_BxM)
@@ -338,13 +342,21 @@ class Steps:
     chunks = lambda x: x.reshape(r // c, 1, c)  # [chunks, 1, c]
     layers = drafter.feature_layers if drafter is not None else ()
 
-    def row(cache: KVCache | None) -> KVCache | None:  # the slot's view of the pool, at the prompt's last token
+    def row(cache: KVCache | None) -> KVCache | None:  # the slot's view, `back` slots before its length
       if cache is None:
         return None
-      return dataclasses.replace(cache, pages=cache.pages[slot][None], lengths=cache.lengths[slot][None] - 1)
+      length = cache.lengths[slot][None] - back
+      if cache.pages is not None:
+        return dataclasses.replace(cache, pages=cache.pages[slot][None], lengths=length)
+      take = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=1)
+      return KVCache(take(cache.k), take(cache.v), length)
 
-    def put(cache: KVCache, view: KVCache) -> KVCache:  # the pool the view wrote, the slot's new length
-      return dataclasses.replace(view, pages=cache.pages, lengths=cache.lengths.at[slot].set(view.lengths[0]))
+    def put(cache: KVCache, view: KVCache) -> KVCache:  # the cache the view wrote, the slot's new length
+      lengths = cache.lengths.at[slot].set(view.lengths[0])
+      if cache.pages is not None:
+        return dataclasses.replace(view, pages=cache.pages, lengths=lengths)
+      put_row = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, slot, axis=1)
+      return KVCache(put_row(cache.k, view.k), put_row(cache.v, view.v), lengths)
 
     def chunk(carry, xs):
       i, cache, dcache, last = carry
@@ -363,7 +375,7 @@ class Steps:
     (_, cache, dcache, last), hidden = jax.lax.scan(
         chunk, (jnp.int32(0), row(st.cache), row(st.drafter_cache), feat0),
         (chunks(tokens_R1[:-1]), chunks(tokens_R1[1:])))
-    st = dataclasses.replace(st, cache=put(st.cache, cache), num_generated=jnp.where(sel, 0, st.num_generated),
+    st = dataclasses.replace(st, cache=put(st.cache, cache), num_generated=st.num_generated - sel * back,
                              done=st.done & ~sel, finish=jnp.where(sel, 0, st.finish))
     zeros = jnp.zeros((b,), bool)
     acc = speculative.Accepted(tokens=jnp.broadcast_to(tokens_R1[1:], (b, r)),
