@@ -150,6 +150,20 @@ def test_prompt_slots_are_weightless_context_and_the_pairing_crosses_into_the_re
 
 
 
+def test_slots_that_predict_tool_tokens_are_weightless_and_survive_a_checkpoint():
+  """A tool turn's tokens (`Sample.tool_mask`) are context: the slots whose prediction is of one weigh 0."""
+  buf = DataBuffer(BufferConfig(eval_every=0))
+  s = sample(6, seed=3, prompt_len=3)
+  s.tokens = np.asarray([20, 21, 22, 23, 24, 25], np.int32)
+  s.tool_mask = np.asarray([False, False, True, True, False, False])
+  buf.add(0, [s], [[10, 11, 12]])
+  weights = [0, 0, 1, 0, 0, 1, 1, 0]  # slot t predicts x_{t+2}: prompt, 20, 21, [22, 23], 24, 25; padding
+  np.testing.assert_array_equal(buf.batch(np.random.default_rng(0), rows=1, row_len=8).weights[0], weights)
+  again = DataBuffer(BufferConfig(eval_every=0))
+  again.load_state_dict(*buf.state_dict())
+  np.testing.assert_array_equal(again.batch(np.random.default_rng(0), rows=1, row_len=8).weights[0], weights)
+
+
 def _same_batches(a: DataBuffer, b: DataBuffer):
   same = lambda x, y: jax.tree.map(np.testing.assert_array_equal, x, y)
   for seed in range(3):
@@ -218,4 +232,4 @@ def test_state_bytes_bound_what_a_step_stores():
   unbounded = DataBuffer(BufferConfig(eval_every=0))
   for k in range(2):
     unbounded.add(k, longest, prompts)
-  assert nbytes(unbounded) == 10 * 11 * (H * 4 + 4) + 10 * 4 * 4 == BufferConfig().state_bytes(n, 12, H, 4)
+  assert nbytes(unbounded) == 10 * 11 * (H * 4 + 4 + 1) + 10 * 4 * 4 == BufferConfig().state_bytes(n, 12, H, 4)

@@ -17,6 +17,9 @@ Bounded: at most `max_pairs` pairs are held; beyond that the oldest entries go f
 before step s, earlier before later). Every `eval_every`-th sample added is held out of training
 for the held-out top-1 metric.
 
+Tool turns (`Sample.tool_mask`): a slot whose prediction is of a tool token (a tool result, the
+template around it) is context with weight 0 too: the drafter drafts the model's tokens only.
+
 Batches are packed with `packing.pack` over pair indices, into fixed-shape `train.Pairs` whose
 segment ids keep packed samples from attending to each other.
 
@@ -63,7 +66,7 @@ class BufferConfig:
     entries = samples_per_step + int(round(samples_per_step * self.long_fraction))
     pairs = min(self.max_pairs, entries * max(max_len - 2, 1))  # an entry of L tokens: L - 1 slots, L - 2 pairs
     entries = min(entries, pairs)  # each entry holds a pair at least
-    return (pairs + entries) * (hidden_size * itemsize + 4) + entries * _TABLE.itemsize * len(_TABLE_FIELDS)
+    return (pairs + entries) * (hidden_size * itemsize + 5) + entries * _TABLE.itemsize * len(_TABLE_FIELDS)  # + token, tool flag
 
 
 @dataclasses.dataclass
@@ -73,6 +76,11 @@ class Entry:
   hidden: np.ndarray  # [L-1, H]: f_0..f_{L-2}; hidden[i] produced tokens[i]
   first: int  # slots before this one are prompt context (weight 0): P - 1
   held_out: bool
+  tool: np.ndarray | None = None  # bool [L-1]: tokens[i] came from a tool turn (None: none did)
+
+  def context(self) -> np.ndarray:
+    """bool per slot: its prediction, f_{t+1} (which produces x_{t+2}), is of a tool token: weight 0."""
+    return np.zeros((self.pairs,), bool) if self.tool is None else self.tool[1:].copy()
 
   @property
   def pairs(self) -> int:
@@ -119,7 +127,10 @@ class DataBuffer:
       held_out = self.config.eval_every > 0 and self.added % self.config.eval_every == 0
       tokens = np.concatenate([np.asarray(prompt[1:], np.int32), np.asarray(s.tokens, np.int32)])
       hidden = np.concatenate([np.asarray(s.prompt_hidden[:-1]), np.asarray(s.hidden)])  # f_{P-1} is hidden[0]
-      self.entries.append(Entry(step, tokens, hidden, len(prompt) - 1, held_out))
+      tool = None
+      if getattr(s, "tool_mask", None) is not None and s.tool_mask.any():
+        tool = np.concatenate([np.zeros((len(prompt) - 1,), bool), s.tool_mask])
+      self.entries.append(Entry(step, tokens, hidden, len(prompt) - 1, held_out, tool))
     self._evict()
 
   def _evict(self) -> None:
@@ -173,6 +184,7 @@ class DataBuffer:
     tokens = np.concatenate([e.tokens[:-1] for e in entries])
     hidden = np.concatenate([e.hidden[:-1] for e in entries])
     next_hidden = np.concatenate([e.hidden[1:] for e in entries])
+    context = np.concatenate([e.context() for e in entries])
     starts = np.cumsum([0] + [e.pairs for e in entries])
     # Pack slot indices into the arrays above: a window is a (context, trained) pair of index lists.
     windows = []
@@ -190,7 +202,7 @@ class DataBuffer:
     real = segments > 0
     zero_pad = lambda x: np.where(real[..., None], x, 0).astype(hidden.dtype)
     return Pairs(tokens=np.where(real, tokens[index], 0).astype(np.int32), positions=positions, segments=segments,
-                 weights=(real & (trained > 0)).astype(np.float32), hidden=zero_pad(hidden[index]), aux=(),
+                 weights=(real & (trained > 0) & ~context[index]).astype(np.float32), hidden=zero_pad(hidden[index]), aux=(),
                  next_hidden=zero_pad(next_hidden[index]))
 
   def metadata(self) -> dict:
@@ -200,12 +212,14 @@ class DataBuffer:
   def state_dict(self) -> tuple[dict[str, np.ndarray], dict]:
     """(arrays, JSON-able metadata): everything the next batches depend on (module docstring).
 
-    arrays: "tokens" [N] int32 and "hidden" [N, H] (every entry's, concatenated; [0, 0] float32
-    when empty), "entries" [E, 4] int32 (per entry: `_TABLE_FIELDS`)."""
+    arrays: "tokens" [N] int32, "tool" [N] bool and "hidden" [N, H] (every entry's, concatenated;
+    [0, 0] float32 when empty), "entries" [E, 4] int32 (per entry: `_TABLE_FIELDS`)."""
     e = self.entries
     table = np.asarray([[x.step, len(x.tokens), x.first, x.held_out] for x in e], _TABLE)
     table = table.reshape(-1, len(_TABLE_FIELDS))
     arrays = {"tokens": np.concatenate([x.tokens for x in e]) if e else np.zeros(0, np.int32),
+              "tool": np.concatenate([np.zeros(len(x.tokens), bool) if x.tool is None else x.tool for x in e]) if e
+              else np.zeros(0, bool),
               "hidden": np.concatenate([x.hidden for x in e]) if e else np.zeros((0, 0), np.float32),
               "entries": table}
     return arrays, {"step": self.step, "added": self.added}
@@ -219,7 +233,9 @@ class DataBuffer:
     if len(tokens) != total or len(hidden) != total:
       raise ValueError(f"drafter buffer state: its entries hold {total} tokens but it has {len(tokens)} tokens and "
                        f"{len(hidden)} feature rows")
-    self.entries = [Entry(int(step), tokens[end - n:end].copy(), hidden[end - n:end].copy(), int(first), bool(held))
+    tool = np.asarray(arrays["tool"], bool) if "tool" in arrays else np.zeros(total, bool)  # older checkpoints
+    self.entries = [Entry(int(step), tokens[end - n:end].copy(), hidden[end - n:end].copy(), int(first), bool(held),
+                          tool[end - n:end].copy() if tool[end - n:end].any() else None)
                     for (step, n, first, held), end in zip(table, ends)]
     self.step, self.added = int(metadata["step"]), int(metadata["added"])
     self._evict()
