@@ -57,3 +57,19 @@ def test_save_and_reload_with_auto_tokenizer(tokenizer, tmp_path):
   messages = [{"role": "user", "content": "7 - 9 ="}]
   assert loaded.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == (
       tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+
+
+def test_chat_template_with_tools(tokenizer):
+  """A system line names each tool and its parameters; a tool message is "<|tool|>" (characters) and its content;
+  without tools the prompt is as before."""
+  tools = [{"type": "function", "function": {"name": "calculator", "parameters": {
+      "type": "object", "properties": {"expression": {"type": "string"}}}}},
+           {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+  messages = [{"role": "user", "content": "1 + 2 ="}, {"role": "assistant", "content": "<tool_call>..."},
+              {"role": "tool", "name": "calculator", "content": "3"}]
+  assert tokenizer_lib.chat_prompt(tokenizer, messages, tools) == (
+      "<bos><|system|>tools: calculator(expression), now()<|user|>1 + 2 =<|assistant|><tool_call>...<eos><|tool|>3"
+      "<|assistant|>")
+  assert tokenizer_lib.chat_prompt(tokenizer, messages[:1], []) == "<bos><|user|>1 + 2 =<|assistant|>"
+  ids = tokenizer("<|tool|>", add_special_tokens=False).input_ids
+  assert len(ids) == len("<|tool|>") and len(tokenizer) == 103  # no token added

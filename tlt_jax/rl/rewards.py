@@ -205,30 +205,37 @@ class TrainerState:
 
 # ---- loading and conventions ----
 
-@functools.cache
-def load(spec: str) -> RewardFn:
-  """The function `spec` names (module docstring); a RewardError says why it cannot be loaded."""
-  if spec in REWARDS:
-    return REWARDS[spec]
+def import_function(spec: str, what: str, builtins: Mapping[str, Callable[..., Any]],
+                    error: type[Exception]) -> Callable[..., Any]:
+  """The function `spec` names: a key of `builtins`, "path/to/file.py:function" or "package.module:function"; an
+  `error` names `what` (e.g. "reward"), the spec and why it cannot be loaded."""
+  if spec in builtins:
+    return builtins[spec]
   where, _, name = spec.rpartition(":")
   if not where or not name:
-    raise RewardError(f"unknown reward {spec!r}: one of {sorted(REWARDS)}, 'path/to/file.py:function' or "
-                      "'package.module:function'")
+    raise error(f"unknown {what} {spec!r}: one of {sorted(builtins)}, 'path/to/file.py:function' or "
+                "'package.module:function'")
   try:
     if where.endswith(".py"):
       if not os.path.isfile(where):
         raise FileNotFoundError(f"no such file: {where}")
-      module_spec = importlib.util.spec_from_file_location(f"_reward_{abs(hash(where))}", where)
+      module_spec = importlib.util.spec_from_file_location(f"_{what}_{abs(hash(where))}", where)
       module = importlib.util.module_from_spec(module_spec)
       module_spec.loader.exec_module(module)
     else:
       module = importlib.import_module(where)
   except Exception as e:  # pylint: disable=broad-exception-caught  (whatever the user's module raises)
-    raise RewardError(f"reward {spec!r}: cannot import {where}: {type(e).__name__}: {e}") from None
+    raise error(f"{what} {spec!r}: cannot import {where}: {type(e).__name__}: {e}") from None
   fn = getattr(module, name, None)
   if not callable(fn):
-    raise RewardError(f"reward {spec!r}: {where} has no function {name!r}")
+    raise error(f"{what} {spec!r}: {where} has no function {name!r}")
   return fn
+
+
+@functools.cache
+def load(spec: str) -> RewardFn:
+  """The function `spec` names (module docstring); a RewardError says why it cannot be loaded."""
+  return import_function(spec, "reward", REWARDS, RewardError)
 
 
 TRL_NAMES = ("prompts", "completions", "completion_ids")

@@ -15,6 +15,7 @@ apply") left out; each function's mean is logged as `reward/<name>`.
 The workers ignore SIGINT and SIGTERM: a Ctrl-C or a scheduler's SIGTERM to the whole process group
 reaches the trainer, which finishes its step and stops them (SIGKILL, which nothing can block or leave
 half-done). On Linux a worker also dies with the trainer. `workers=0` scores in this process, no timeout.
+`Worker` (a process that runs `(function, *args)` tasks) runs tlt_jax.rl.tools's tool calls too.
 """
 
 from __future__ import annotations
@@ -42,38 +43,49 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _serve(conn: multiprocessing.connection.Connection) -> None:
-  """A worker: (spec, items, state) in, `rewards.call`'s result out; a bare spec loads it."""
+  """A worker: `(function, *args)` in, `function(*args)` out, until the parent closes the pipe."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
-  if sys.platform == "linux":  # die with the trainer, however it ends
+  if sys.platform == "linux":  # die with the parent, however it ends
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
   while True:
     try:
-      task = conn.recv()
-    except EOFError:  # the trainer is gone
+      function, *args = conn.recv()
+    except EOFError:  # the parent is gone
       return
-    if isinstance(task, str):
-      try:
-        rewards.signature(task)
-        conn.send(("ok", None, {}))
-      except rewards.RewardError as e:
-        conn.send(("error", str(e), {}))
-    else:
-      conn.send(rewards.call(*task))
+    conn.send(function(*args))
 
 
-class _Worker:
+class Worker:
+  """A spawned process that runs `(function, *args)` tasks, one at a time: `function` is a module-level function
+  (pickled by name), that returns what can be pickled and never raises. It ignores SIGINT and SIGTERM (module
+  docstring); `kill` stops it."""
+
   def __init__(self):
     self.conn, child = multiprocessing.Pipe()
     self.process = multiprocessing.get_context("spawn").Process(target=_serve, args=(child,), daemon=True)
     self.process.start()
     child.close()
-    self.loaded: set[str] = set()
-    self.job: tuple[Any, float] | None = None  # (task index, or the spec it loads; its deadline)
+    self.loaded: set[str] = set()  # the specs it has imported
+    self.job: tuple[Any, float] | None = None  # (what the task is to its caller, its deadline)
 
-  def send(self, task, job, timeout_s: float) -> None:
+  def send(self, task: tuple, job: Any, timeout_s: float) -> None:
+    """Starts `task`; its answer is read from `conn`, due within `timeout_s`."""
     self.conn.send(task)
     self.job = (job, time.monotonic() + timeout_s)
+
+  def call(self, task: tuple, timeout_s: float) -> Any:
+    """`task`'s answer; a TimeoutError when there is none in `timeout_s` (then kill the worker), an EOFError or
+    OSError when the process died."""
+    self.conn.send(task)
+    if not self.conn.poll(timeout_s):
+      raise TimeoutError(f"no answer in {timeout_s:g} s")
+    return self.conn.recv()
+
+  def died(self) -> str:
+    """Why an answer is missing once the pipe has closed, with the exit code."""
+    self.process.join(timeout=5)
+    return f"worker process died (exit code {self.process.exitcode})"
 
   def kill(self) -> None:
     self.process.kill()
@@ -81,10 +93,20 @@ class _Worker:
     self.conn.close()
 
 
-def _kill_all(workers: list[_Worker]) -> None:
+def kill_all(workers: list[Worker]) -> None:
+  """Kills `workers` and empties the list."""
   for w in workers:
     w.kill()
   workers.clear()
+
+
+def _load(spec: str) -> tuple[str, Any, dict]:
+  """In a worker: imports the reward `spec` names, as `rewards.call` answers."""
+  try:
+    rewards.signature(spec)
+    return "ok", None, {}
+  except rewards.RewardError as e:
+    return "error", str(e), {}
 
 
 def _number(value: Any) -> float | None:
@@ -99,10 +121,10 @@ class Scorer:
 
   def __init__(self, workers: int = 4, timeout_s: float = 60.0, max_failures: float = 0.1):
     self.workers, self.timeout_s, self.max_failures = workers, timeout_s, max_failures
-    self._workers: list[_Worker] = []
+    self._workers: list[Worker] = []
     # Killed when the scorer is collected or the interpreter exits, before multiprocessing's own clean-up
     # (which would SIGTERM them, ignored, and wait): the finalizers of positive priority run first.
-    multiprocessing.util.Finalize(self, _kill_all, args=(self._workers,), exitpriority=100)
+    multiprocessing.util.Finalize(self, kill_all, args=(self._workers,), exitpriority=100)
 
   # ---- running calls ----
 
@@ -111,7 +133,7 @@ class Scorer:
     if not self.workers:
       return [rewards.call(*task) for task in tasks]
     while len(self._workers) < self.workers:
-      self._workers.append(_Worker())
+      self._workers.append(Worker())
     # A worker's start and its imports take seconds: not a call's time.
     load_s = max(120.0, 10 * self.timeout_s)
     results: list[tuple | None] = [None] * len(tasks)
@@ -132,9 +154,9 @@ class Scorer:
         if w.job is None and pending:
           spec = tasks[pending[0]][0]
           if spec in w.loaded:
-            w.send(tasks[pending[0]], pending.popleft(), self.timeout_s)
+            w.send((rewards.call, *tasks[pending[0]]), pending.popleft(), self.timeout_s)
           else:
-            w.send(spec, spec, load_s)
+            w.send((_load, spec), spec, load_s)
       busy = {w.conn: w for w in self._workers if w.job}
       deadline = min(w.job[1] for w in busy.values())
       for conn in multiprocessing.connection.wait(list(busy), timeout=max(0.0, deadline - time.monotonic())):
@@ -144,8 +166,7 @@ class Scorer:
         try:
           result = conn.recv()
         except (EOFError, OSError):  # it died: a reward that crashed the interpreter, or a kill from outside
-          w.process.join(timeout=5)
-          result = ("error", f"the reward's worker process died (exit code {w.process.exitcode})", {})
+          result = ("error", f"the reward's {w.died()}", {})
           self._replace(w)
         if isinstance(job, str):  # loaded a spec
           if result[0] != "ok":
@@ -161,9 +182,9 @@ class Scorer:
             raise rewards.RewardError(f"reward {job!r}: its worker process did not start in {load_s:g} s")
           results[job] = ("timeout", f"no result in {self.timeout_s:g} s", {})
 
-  def _replace(self, worker: _Worker) -> None:
+  def _replace(self, worker: Worker) -> None:
     worker.kill()
-    self._workers[self._workers.index(worker)] = _Worker()
+    self._workers[self._workers.index(worker)] = Worker()
 
   # ---- scoring ----
 
@@ -248,4 +269,4 @@ class Scorer:
 
   def close(self) -> None:
     """Stops the workers (at once: they hold nothing that a kill could leave half-done)."""
-    _kill_all(self._workers)
+    kill_all(self._workers)
