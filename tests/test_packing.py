@@ -34,6 +34,13 @@ def test_index_plane_names_each_slots_sequence():
   np.testing.assert_array_equal(dropped[4, 0], [2, 2, 2, 0, 0, 0, 0, 0])  # numbers survive a drop
 
 
+def test_a_trained_mask_leaves_tokens_out_of_the_loss():
+  """Tool turns' tokens (False in a sequence's mask) are in the row but out of the loss mask."""
+  rows = packing.pack([([1, 2], [3, 4, 5, 6], [True, False, False, True]), ([7], [8, 9])], 9)
+  np.testing.assert_array_equal(rows[0, 0], [1, 2, 3, 4, 5, 6, 7, 8, 9])
+  np.testing.assert_array_equal(rows[3, 0], [0, 0, 1, 0, 0, 1, 0, 1, 1])
+
+
 def test_overlong_sequences_can_be_dropped():
   rows = packing.pack([([1, 2], [3]), ([4] * 6, [5] * 6)], 8, truncate=False)
   assert rows.shape == (4, 1, 8)

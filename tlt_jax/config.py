@@ -90,6 +90,8 @@ def base() -> ml_collections.ConfigDict:
   c.task.min_terms = 2
   c.task.max_terms = 24
   c.task.tail_alpha = 1.0
+  c.task.min_digits = 1  # digits per operand (reasoning-gym draws the count per problem)
+  c.task.max_digits = 1
   c.data = ml_collections.ConfigDict()
   c.data.path = ""  # "" = procedural tasks (task.*); a .jsonl / .parquet file or a datasets.save_to_disk directory
   c.data.size = 4096  # procedural prompts
@@ -123,6 +125,9 @@ def base() -> ml_collections.ConfigDict:
   c.sft.eval_size = 256
   c.sft.eval_max_new_tokens = 384
   c.sft.unanswered = 0.0  # fraction of SFT solutions without their `Answer:` line (a sloppy teacher)
+  # With rollout.tools: the fraction of SFT solutions that call the calculator for the answer (the others
+  # work it out line by line, as without tools).
+  c.sft.tool_share = 1.0
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.speculative = True  # False: the plain-rollout baseline, everything else equal
@@ -137,6 +142,12 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.drafter = "eagle"
   c.rollout.mean_response_len = 0  # what the dry run sizes a paged KV cache for (0: max_new_tokens / 4)
   c.rollout.compilation_cache_dir = ""  # persistent XLA cache, set at start-up: later runs skip compiling
+  # Multi-turn rollouts with tools (tlt_jax.rl.tools): functions the model may call in Hermes <tool_call>
+  # blocks, "calculator" (built in), "path/to/file.py:function" or "package.module:function"; () = one turn.
+  c.rollout.tools = ()
+  c.rollout.max_turns = 4  # assistant turns per trajectory at most (the response budget bounds its tokens)
+  c.rollout.tool_timeout_s = 10.0  # a call that takes longer is an error message to the model
+  c.rollout.tool_workers = 4  # worker processes running the calls (0: in the trainer's process, no timeout)
   c.rollout.sampling = ml_collections.ConfigDict()  # SamplingParams (stop tokens: the tokenizer's EOS)
   c.rollout.sampling.temperature = 1.0
   c.rollout.sampling.top_p = 1.0

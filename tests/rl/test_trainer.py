@@ -1,6 +1,8 @@
 """The RL loop: a step trains, 2 steps + stop + resume to 4 equals 4 steps straight, a TLT step
 trains the drafter, suffix drafts need none, and non-finite updates are skipped until too many in a row stop the run."""
 
+import concurrent.futures
+import inspect
 import os
 
 import jax
@@ -11,8 +13,10 @@ from flax import nnx
 from tests.conftest import float_order_mismatches, tiny_rl_config
 from tlt_jax import metrics
 from tlt_jax.models import hf, lora
-from tlt_jax.rl import bootstrap, grpo
+from tlt_jax.rl import bootstrap, builders, grpo
+from tlt_jax.rl import tokenizer as tokenizer_lib
 from tlt_jax.rl.trainer import NonFiniteUpdates, Trainer
+from tlt_jax.rollout.tools import Turn, Turns
 
 
 def _timing(key: str) -> bool:
@@ -292,3 +296,57 @@ def test_a_task_of_your_own_in_verls_shape_with_verl_and_trl_rewards(tmp_path, t
   summary = report.summary(metrics.read(str(tmp_path / "run" / "metrics.jsonl")), c.workdir)
   assert set(summary["eval_sets"]) == {"greedy", "pass8"} and "pass@2" in summary["eval_sets"]["pass8"]["last"]
   assert summary["training"]["reward_failures"] == 0 and "  pass8: reward " in report.text(summary)
+
+
+class ToolEveryTurn(Turns):
+  """A tool turn after every turn the EOS ends ("<|tool|>42<|assistant|>", at once): a random policy writes
+  no tool call."""
+
+  max_turns = 3
+
+  def __init__(self, tok):
+    self.stop_token_id = tok.eos_token_id
+    self.tokens = np.asarray(tok("<|tool|>42", add_special_tokens=False).input_ids + [tok.convert_tokens_to_ids(
+        "<|assistant|>")], np.int32)
+
+  def submit(self, turn):
+    done = concurrent.futures.Future()
+    done.set_result(Turn(self.tokens, [{"name": "calculator", "arguments": {"expression": "6*7"}, "result": "42",
+                                        "error": None, "seconds": 0.0}]))
+    return done
+
+  def close(self):
+    pass
+
+
+def calls(data_source, solution_str, ground_truth, extra_info):
+  return len(extra_info["tool_calls"]) / 2
+
+
+def test_tool_turns_train_the_models_tokens_only_and_resume_exactly(tmp_path, tiny_policy_dir, xla_cache,
+                                                                    monkeypatch):
+  """Multi-turn rollouts through the RL loop: the reward reads the trajectory's tool calls in `extra_info`,
+  the trainer's log-probs of the model's tokens are the rollout's (a tool token in the loss, whose rollout
+  log-prob is 0, would show as a mismatch of ~4 nats), and 1 step + resume equals 2 steps straight."""
+  tok = tokenizer_lib.build_tokenizer()
+  model = hf.from_pretrained(tiny_policy_dir)
+  embedding = model.model.embed_tokens.embedding
+  embedding.value = embedding.value.at[tok.eos_token_id].multiply(6.0)  # turns end often (tied head)
+  policy = str(tmp_path / "policy")
+  hf.save_pretrained(model, policy, tokenizer=tok)
+  (tmp_path / "reward.py").write_text(inspect.getsource(calls))
+  monkeypatch.setattr(builders, "tool_turns", lambda config, tok, workers=None: ToolEveryTurn(tok))
+  overrides = {"rollout.tools": ("calculator",), "rl.old_logp": "recompute", "eval.every": 0,
+               "data.reward": f"{tmp_path / 'reward.py'}:calls"}
+  straight = _run(tmp_path / "straight", 2, policy, xla_cache, **overrides)
+  _run(tmp_path / "resumed", 1, policy, xla_cache, **overrides)
+  resumed = _run(tmp_path / "resumed", 2, policy, xla_cache, **overrides)
+  assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), straight, resumed)))
+  a = metrics.read(str(tmp_path / "straight" / "metrics.jsonl"))
+  b = metrics.read(str(tmp_path / "resumed" / "metrics.jsonl"))
+  strip = lambda r: {k: v for k, v in r.items() if not _timing(k)}
+  assert [strip(r) for r in a] == [strip(r) for r in b]
+  for r in a:
+    assert 0 < r["tools/calls_per_response"] < 2 and r["rollout/tool_turns"] > 0, r
+    assert r["reward/mean"] == pytest.approx(r["tools/calls_per_response"] / 2, abs=1e-6)
+    assert r["mismatch/logp_abs_diff"] < 1e-4 and r["train/updates"] > 0, r

@@ -66,7 +66,8 @@ class BufferConfig:
     entries = samples_per_step + int(round(samples_per_step * self.long_fraction))
     pairs = min(self.max_pairs, entries * max(max_len - 2, 1))  # an entry of L tokens: L - 1 slots, L - 2 pairs
     entries = min(entries, pairs)  # each entry holds a pair at least
-    return (pairs + entries) * (hidden_size * itemsize + 5) + entries * _TABLE.itemsize * len(_TABLE_FIELDS)  # + token, tool flag
+    per_token = hidden_size * itemsize + 5  # its features, its token and its tool flag
+    return (pairs + entries) * per_token + entries * _TABLE.itemsize * len(_TABLE_FIELDS)
 
 
 @dataclasses.dataclass
@@ -202,7 +203,8 @@ class DataBuffer:
     real = segments > 0
     zero_pad = lambda x: np.where(real[..., None], x, 0).astype(hidden.dtype)
     return Pairs(tokens=np.where(real, tokens[index], 0).astype(np.int32), positions=positions, segments=segments,
-                 weights=(real & (trained > 0) & ~context[index]).astype(np.float32), hidden=zero_pad(hidden[index]), aux=(),
+                 weights=(real & (trained > 0) & ~context[index]).astype(np.float32), hidden=zero_pad(hidden[index]),
+                 aux=(),
                  next_hidden=zero_pad(next_hidden[index]))
 
   def metadata(self) -> dict:

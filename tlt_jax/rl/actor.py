@@ -270,8 +270,9 @@ def training_batch(rows_5xRxT: np.ndarray, advantages: np.ndarray, keep: np.ndar
 
 
 def response_plane(rows_5xRxT: np.ndarray, values: Sequence[np.ndarray]) -> np.ndarray:
-  """[R, T] float32: each packed sample's per-response-token `values` (e.g. the rollout's log-probs of
-  its tokens) at its response slots, in order (a sample truncated by packing: its first ones); 0 elsewhere."""
+  """[R, T] float32: each packed sample's per-trained-token `values` (e.g. the rollout's log-probs of its
+  tokens, a tool turn's left out) at its trained slots, in order (a sample truncated by packing: its first
+  ones); 0 elsewhere."""
   _, _, _, loss_mask, index = rows_5xRxT
   out = np.zeros(index.shape, np.float32)
   for number, v in enumerate(values, 1):

@@ -23,7 +23,7 @@ from tlt_jax.rl import warmup
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, hf, lora
 from tlt_jax.rl import checks
-from tlt_jax.rl import datasets, rewards, rollouts, sft, tokenizer as tokenizer_lib
+from tlt_jax.rl import builders, datasets, rewards, rollouts, sft, tokenizer as tokenizer_lib
 
 
 class Loaded(NamedTuple):
@@ -195,7 +195,7 @@ def _prompt_file(config, prefix: str, tok) -> datasets.Dataset:
   keys_from = "data" if prefix == "eval" else prefix  # the held-out file has the training data's keys
   try:
     return datasets.from_file(path, tok, keys=_keys(config, keys_from), max_prompt_len=config.data.max_prompt_len,
-                              reward=reward(config, keys_from))
+                              reward=reward(config, keys_from), tools=builders.tool_schemas(config))
   except rewards.Unscorable as e:
     spec = config_lib.config_value(config, f"{keys_from}.reward")
     raise ValueError(f"config.{keys_from}.reward={spec!r} cannot score the rows of config.{key}={path!r}: {e}; set "
@@ -218,7 +218,7 @@ def load_prompts(config, tok) -> datasets.Dataset:
   else:
     prompts = datasets.from_tasks(config.task.family, tok, size=config.data.size, seed=config.seed + 2,
                                   difficulty=sft.difficulty(config), max_prompt_len=config.data.max_prompt_len,
-                                  reward=reward(config))
+                                  reward=reward(config), tools=builders.tool_schemas(config))
   if len(prompts) < config.rollout.prompts_per_step:
     raise ValueError(f"{len(prompts)} prompts, fewer than config.rollout.prompts_per_step="
                      f"{config.rollout.prompts_per_step}")
@@ -236,7 +236,7 @@ def load_eval_sets(config, tok) -> dict[str, datasets.Dataset]:
   else:
     held_out = datasets.from_tasks(config.task.family, tok, size=e.size, seed=config.seed + 1_000_003,
                                    difficulty=sft.difficulty(config), max_prompt_len=config.data.max_prompt_len,
-                                   reward=reward(config))
+                                   reward=reward(config), tools=builders.tool_schemas(config))
   sets = {"": held_out}
   for name, s in e.sets.items():
     data = _prompt_file(config, f"eval.sets.{name}", tok)

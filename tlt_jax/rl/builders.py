@@ -12,6 +12,7 @@ from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
 from tlt_jax.rollout.state import EngineConfig
 from tlt_jax.rollout.tlt import TLTConfig
+from tlt_jax.rl import tools
 
 
 def strategies(config) -> tuple[Strategy, ...]:
@@ -69,3 +70,17 @@ def tlt_config(config) -> TLTConfig:
 def drafter_trainer_config(config) -> DrafterTrainerConfig:
   return DrafterTrainerConfig(**config.drafter.trainer, temperature=config.rollout.sampling.temperature,
                               seed=config.seed)
+
+
+def tool_schemas(config) -> list[dict] | None:
+  """The JSON schemas of `rollout.tools`, which every prompt shows; None without tools."""
+  return [tools.schema(spec) for spec in config.rollout.tools] or None
+
+
+def tool_turns(config, tok, workers: int | None = None) -> tools.ToolTurns | None:
+  """The runner of `rollout.tools`' calls (`workers`: `rollout.tool_workers` unless given); None without tools."""
+  if not config.rollout.tools:
+    return None
+  r = config.rollout
+  return tools.ToolTurns(r.tools, tok, max_turns=r.max_turns, timeout_s=r.tool_timeout_s,
+                         workers=r.tool_workers if workers is None else workers)

@@ -13,7 +13,7 @@ from tlt_jax import fields
 from tlt_jax.config import config_value, eval_set, leaves, renamed
 from tlt_jax.drafter.buffer import BufferConfig
 from tlt_jax.models import lora
-from tlt_jax.rl import builders, datasets, grpo, rewards, tasks
+from tlt_jax.rl import builders, datasets, grpo, rewards, tasks, tools
 
 
 # Smallest valid value of each numeric key of the sections no dataclass is built from ('>' where a key
@@ -22,10 +22,11 @@ _AT_LEAST = {
     "steps": 0, "policy.lora.rank": 0, "mesh.cpu_devices": 0, "mesh.device_memory_gb": 0, "mesh.dry_run_devices": 1,
     "model.vocab_size": 0, "model.hidden_size": 1, "model.num_layers": 1, "model.num_heads": 1,
     "model.num_kv_heads": 1, "model.head_dim": 1, "model.intermediate_size": 1, "model.max_position_embeddings": 1,
-    "task.min_terms": 1, "data.size": 1, "data.max_prompt_len": 1,
+    "task.min_terms": 1, "task.min_digits": 1, "sft.tool_share": 0, "data.size": 1, "data.max_prompt_len": 1,
     "sft.num_problems": 1, "sft.steps": 0, "sft.batch_rows": 1, "sft.row_len": 2, "sft.learning_rate": 0,
     "sft.warmup_steps": 0, "sft.weight_decay": 0, "sft.unanswered": 0, "sft.eval_size": 0, "sft.eval_max_new_tokens": 1,
     "rollout.prompts_per_step": 1, "rollout.num_samples": 1, "rollout.groups": 1, "rollout.mean_response_len": 0,
+    "rollout.max_turns": 1, "rollout.tool_workers": 0,
     "drafter.draft_vocab_size": -1, "drafter.distill.steps": 0, "drafter.distill.learning_rate": 0,
     "drafter.distill.batch_rows": 1, "drafter.distill.row_len": 2, "drafter.distill.draft_steps": 0,
     "drafter.distill.prompts": 1,
@@ -36,10 +37,10 @@ _AT_LEAST = {
     "rl.actor.clip_low": 0, "rl.actor.clip_high": 0, "rl.actor.kl_coef": 0,
     "eval.every": 0, "eval.size": 1, "eval.num_samples": 1, "checkpoint.every": 1, "checkpoint.keep": 1,
 }
-_ABOVE = {"policy.lora.alpha": 0,
+_ABOVE = {"policy.lora.alpha": 0, "rollout.tool_timeout_s": 0,
           "model.rope_theta": 0, "task.tail_alpha": 0, "rl.optimizer.max_grad_norm": 0, "data.reward_timeout_s": 0,
           "drafter.draft_vocab_coverage": 0}
-_AT_MOST = {"sft.unanswered": 1, "drafter.draft_vocab_coverage": 1, "data.reward_max_failures": 1}
+_AT_MOST = {"sft.unanswered": 1, "sft.tool_share": 1, "drafter.draft_vocab_coverage": 1, "data.reward_max_failures": 1}
 _CHOICES = {
     "policy.dtype": ("float32", "bfloat16"),
     "policy.weight_dtype": ("float32", "bfloat16"),
@@ -51,7 +52,8 @@ _CHOICES = {
     "rollout.drafter": ("eagle", "suffix"),
 }
 # Tuple keys and what they hold (a --config override writes a tuple as a Python literal).
-_TUPLES = {"rollout.strategies": ("strategy names", str), "rollout.engine.batch_buckets": ("integers", int),
+_TUPLES = {"rollout.strategies": ("strategy names", str), "rollout.tools": ("tool names", str),
+           "rollout.engine.batch_buckets": ("integers", int),
            "rollout.bandit.thresholds": ("integers", int), "drafter.feature_layers": ("integers", int)}
 
 
@@ -126,6 +128,11 @@ def check(config: ml_collections.ConfigDict) -> None:
   path = config.policy.lora.path
   need(not path or os.path.isfile(os.path.join(path, lora.CONFIG_FILE)), "policy.lora.path",
        f"holds no {lora.CONFIG_FILE} (a PEFT adapter directory, as PeftModel.save_pretrained writes it)")
+  for spec in config.rollout.tools:
+    try:
+      tools.schema(spec)
+    except tools.ToolError as e:
+      need(False, "rollout.tools", str(e))
   need(config.rl.tis_cap == 0 or config.rl.tis_cap >= 1, "rl.tis_cap", "must be 0 (off) or >= 1")
   s = config.rollout.sampling
   need(config.rl.old_logp != "rollout" or not s.top_k and s.top_p >= 1, "rl.old_logp",
@@ -134,6 +141,7 @@ def check(config: ml_collections.ConfigDict) -> None:
   need(config.model.num_heads % config.model.num_kv_heads == 0, "model.num_heads",
        "must be a multiple of model.num_kv_heads")
   need(config.task.max_terms >= config.task.min_terms, "task.max_terms", "must be >= task.min_terms")
+  need(config.task.max_digits >= config.task.min_digits, "task.max_digits", "must be >= task.min_digits")
   try:
     named = builders.strategies(config)
   except ValueError as e:

@@ -81,11 +81,12 @@ class Example:
   chat: bool = True  # the row's prompt was chat messages (TRL's conversational format), not a string
   columns: dict[str, Any] = dataclasses.field(default_factory=dict)  # the row as read (TRL rewards get them)
 
-  def item(self, response: str | None, response_ids: Sequence[int] = ()) -> rewards.Item:
-    """`response` (its tokens: `response_ids`) to this prompt, as the reward scores it."""
+  def item(self, response: str | None, response_ids: Sequence[int] = (), extra: dict | None = None) -> rewards.Item:
+    """`response` (its tokens: `response_ids`) to this prompt, as the reward scores it; `extra` joins
+    `extra_info` (a trajectory's turns and tool calls)."""
     prompt = self.messages if self.chat else self.messages[-1]["content"]  # a string prompt: its user turn
-    return rewards.Item(self.data_source, response, self.ground_truth, self.extra_info, self.where, prompt,
-                        tuple(response_ids), self.columns)
+    return rewards.Item(self.data_source, response, self.ground_truth, {**self.extra_info, **(extra or {})},
+                        self.where, prompt, tuple(response_ids), self.columns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,13 +121,15 @@ def load(
     size: int,
     seed: int,
     max_prompt_len: int | None = None,
+    tools: Sequence[dict] | None = None,
     reward: str | Sequence[str] | rewards.Reward = "auto",
     keys: Keys = Keys(),
 ) -> Dataset:
   """A task family name (procedural; size and seed apply) or a file (`from_file`)."""
   if source in tasks.FAMILIES:
-    return from_tasks(source, tokenizer, size=size, seed=seed, max_prompt_len=max_prompt_len, reward=reward)
-  return from_file(source, tokenizer, keys=keys, max_prompt_len=max_prompt_len, reward=reward)
+    return from_tasks(source, tokenizer, size=size, seed=seed, max_prompt_len=max_prompt_len, reward=reward,
+                      tools=tools)
+  return from_file(source, tokenizer, keys=keys, max_prompt_len=max_prompt_len, reward=reward, tools=tools)
 
 
 def from_tasks(
@@ -137,10 +140,12 @@ def from_tasks(
     seed: int,
     difficulty: tasks.Difficulty = tasks.Difficulty(),
     max_prompt_len: int | None = None,
+    tools: Sequence[dict] | None = None,
     reward: str | Sequence[str] | rewards.Reward = "auto",
 ) -> Dataset:
   """Procedural problems (tasks.generate); too-long prompts are skipped and counted. A TRL reward gets
-  their columns `prompt`, `ground_truth`, `data_source` and `extra_info` (`entry`: reasoning-gym's item)."""
+  their columns `prompt`, `ground_truth`, `data_source` and `extra_info` (`entry`: reasoning-gym's item).
+  `tools`: JSON schemas the chat template shows in every prompt (multi-turn rollouts, tlt_jax.rl.tools)."""
   reward = rewards.check(reward, _TASK_COLUMNS)
   _check_chat_template(tokenizer)
   examples = []
@@ -148,7 +153,7 @@ def from_tasks(
   for number, problem in enumerate(tasks.generate(family, size, seed, difficulty)):
     messages = [{"role": "user", "content": problem.prompt}]
     try:
-      prompt, prompt_ids = _encode_prompt(tokenizer, messages, max_prompt_len)
+      prompt, prompt_ids = _encode_prompt(tokenizer, messages, max_prompt_len, tools)
     except _Skip as skip:
       skipped[skip.reason] += 1
       continue
@@ -169,10 +174,12 @@ def from_file(
     *,
     keys: Keys = Keys(),
     max_prompt_len: int | None = None,
+    tools: Sequence[dict] | None = None,
     reward: str | Sequence[str] | rewards.Reward = "auto",
 ) -> Dataset:
   """Rows of a .jsonl or .parquet file or a `datasets` directory (module docstring); malformed ones are
-  skipped and counted by reason. A row `reward` cannot score is an error (`rewards.Unscorable`)."""
+  skipped and counted by reason. A row `reward` cannot score is an error (`rewards.Unscorable`). `tools`:
+  as `from_tasks`'."""
   reward = rewards.check(reward)
   _check_chat_template(tokenizer)
   if not os.path.exists(path):
@@ -197,7 +204,7 @@ def from_file(
       messages = _messages(row, keys)
       ground_truth = _ground_truth(row, keys, regex)
       try:
-        prompt, prompt_ids = _encode_prompt(tokenizer, messages, max_prompt_len)
+        prompt, prompt_ids = _encode_prompt(tokenizer, messages, max_prompt_len, tools)
       except tokenizer_lib.ChatTemplateError as e:
         import jinja2  # pylint: disable=import-outside-toplevel  (there: the template ran)
         if not isinstance(e.__cause__, jinja2.TemplateError):
@@ -342,9 +349,10 @@ def _ground_truth(row: dict[str, Any], keys: Keys, regex: re.Pattern | None) -> 
 
 
 def _encode_prompt(
-    tokenizer: transformers.PreTrainedTokenizerBase, messages: Messages, max_prompt_len: int | None
+    tokenizer: transformers.PreTrainedTokenizerBase, messages: Messages, max_prompt_len: int | None,
+    tools: Sequence[dict] | None = None
 ) -> tuple[str, list[int]]:
-  text = tokenizer_lib.chat_prompt(tokenizer, messages)
+  text = tokenizer_lib.chat_prompt(tokenizer, messages, tools)
   # The template already wrote the special tokens (BOS, role markers) as text.
   prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
   if max_prompt_len is not None and len(prompt_ids) > max_prompt_len:

@@ -25,7 +25,7 @@ import numpy as np
 
 from tlt_jax import distributed
 from tlt_jax import metrics as metrics_lib
-from tlt_jax.rl import datasets, rewards, tasks
+from tlt_jax.rl import datasets, rewards, tasks, tools
 from tlt_jax.rl import scorer as scorer_lib
 from tlt_jax.rollout.base import BaseRollout
 
@@ -71,7 +71,8 @@ def evaluate(s: EvalSet, scorer: scorer_lib.Scorer, tok, state: rewards.TrainerS
     texts = [tok.decode(x.tokens, skip_special_tokens=True) for x in samples]
     try:
       scores, stats = scorer.score(
-          examples[0].reward, [examples[x.prompt_index].item(t, x.tokens.tolist()) for x, t in zip(samples, texts)],
+          examples[0].reward, [examples[x.prompt_index].item(t, x.tokens.tolist(), tools.trajectory(x))
+                              for x, t in zip(samples, texts)],
           what=f"in evaluation {s.name or 'held-out'!r}", state=state)
     except rewards.RewardError as e:  # raised on every process below (the others would wait for this one)
       error = e

@@ -29,6 +29,7 @@ from tlt_jax.rl import builders
 from tlt_jax.rollout.base import BaseRollout
 from tlt_jax.rollout.plain import PlainRollout
 from tlt_jax.rollout.tlt import TLTRollout
+from tlt_jax.rollout.tools import Turns
 
 
 def uses_drafter(config) -> bool:
@@ -44,21 +45,27 @@ def check(config) -> None:
                      "(config.rollout.speculative=True, rollout.drafter='eagle')")
 
 
+def _stop_ids(tok, turns: Turns | None) -> tuple[int, ...]:
+  """The tokens that end a row's turn: the tokenizer's EOS, and with tools the template's end of a turn."""
+  return tuple(dict.fromkeys((tok.eos_token_id,) + (() if turns is None else (turns.stop_token_id,))))
+
+
 def make_eval(config: ml_collections.ConfigDict, policy: CausalLM, tok, rows: int,
-              temperature: float = -1.0) -> PlainRollout:
+              temperature: float = -1.0, turns: Turns | None = None) -> PlainRollout:
   """A rollout for evaluations of `rows` rows at once (a set's prompts x samples) on this process's
-  devices, sampling at `temperature` (-1: the rollout's), without compaction: one bucket to compile."""
-  sampling = builders.sampling_params(config, (tok.eos_token_id,))
+  devices, sampling at `temperature` (-1: the rollout's), without compaction: one bucket to compile;
+  `turns`: the tool calls' runner (multi-turn)."""
+  sampling = builders.sampling_params(config, _stop_ids(tok, turns))
   if temperature >= 0:
     sampling = dataclasses.replace(sampling, temperature=temperature)
   devices = jax.local_devices()
   mesh = sharding.make_mesh({"data": len(devices)}, devices) if len(devices) > 1 else None
   return PlainRollout(policy, builders.engine_config(config, largest_bucket=1 << max(rows - 1, 0).bit_length(),
-                                                       compact=False), sampling, mesh)
+                                                       compact=False), sampling, mesh, turns=turns)
 
 
 def make(config: ml_collections.ConfigDict, policy: CausalLM, drafter: Drafter | None, tok,
-         devices: Sequence[jax.Device]) -> tuple[BaseRollout, BaseRollout | None]:
+         devices: Sequence[jax.Device], turns: Turns | None = None) -> tuple[BaseRollout, BaseRollout | None]:
   """(the RL steps' rollout, the held-out evaluations' or None without `eval.every`) (module docstring).
 
   Args:
@@ -67,23 +74,24 @@ def make(config: ml_collections.ConfigDict, policy: CausalLM, drafter: Drafter |
     drafter: the EAGLE drafter (None: `uses_drafter(config)` must be False).
     tok: the tokenizer (its EOS stops the responses).
     devices: what the rollouts run on (every process's).
+    turns: runs the rows' tool calls (`builders.tool_turns`); None: one turn per response.
   """
   check(config)
   c = config
   strategies = builders.strategies(c) if c.rollout.speculative else ()
-  sampling = builders.sampling_params(c, (tok.eos_token_id,))
+  sampling = builders.sampling_params(c, _stop_ids(tok, turns))
   make_bandit = lambda: builders.bandit(c, strategies)
   devices = list(devices)
   mesh = sharding.make_mesh({"data": len(devices)}, devices) if len(devices) > 1 else None
   if not uses_drafter(c):
     largest = c.rollout.engine.batch_buckets[-1] * c.rollout.groups
     rollout = PlainRollout(policy, builders.engine_config(c, strategies, largest_bucket=largest), sampling, mesh,
-                           bandit=make_bandit() if strategies else None)
+                           bandit=make_bandit() if strategies else None, turns=turns)
     return rollout, rollout if c.eval.every else None
   if drafter is None:
     raise ValueError("config.rollout.speculative=True with EAGLE strategies needs a drafter")
   rollout = TLTRollout(
       policy, drafter, builders.engine_config(c, strategies, capture_hidden=True), sampling, devices,
       c.rollout.groups, DataBuffer(BufferConfig(**c.drafter.buffer)), builders.tlt_config(c),
-      builders.drafter_trainer_config(c), make_bandit)
-  return rollout, make_eval(c, policy, tok, c.eval.size * c.eval.num_samples) if c.eval.every else None
+      builders.drafter_trainer_config(c), make_bandit, turns)
+  return rollout, make_eval(c, policy, tok, c.eval.size * c.eval.num_samples, turns=turns) if c.eval.every else None

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from tlt_jax import packing
 from tlt_jax.models import CausalLM, hf
 from tlt_jax.rl import builders
-from tlt_jax.rl import datasets, scorer, tasks, tokenizer as tokenizer_lib
+from tlt_jax.rl import datasets, scorer, tasks, tokenizer as tokenizer_lib, tools
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.state import EngineConfig
 from tlt_jax.rollout.sampling import SamplingParams
@@ -34,7 +34,8 @@ BINS = (("2-3", 2, 3), ("4-7", 4, 7), ("8-15", 8, 15), ("16+", 16, 1 << 30))
 
 def difficulty(config) -> tasks.Difficulty:
   return tasks.Difficulty(min_terms=config.task.min_terms, max_terms=config.task.max_terms,
-                          tail_alpha=config.task.tail_alpha)
+                          tail_alpha=config.task.tail_alpha, min_digits=config.task.min_digits,
+                          max_digits=config.task.max_digits)
 
 
 def build_policy(config, tok) -> CausalLM:
@@ -43,17 +44,33 @@ def build_policy(config, tok) -> CausalLM:
   return CausalLM(builders.model_config(config, tok), rngs=nnx.Rngs(config.seed))
 
 
-def sequences(examples, tok, unanswered: float = 0.0, seed: int = 0):
-  """(prompt ids, worked solution + EOS) of each example: the SFT targets.
+def sequences(examples, tok, unanswered: float = 0.0, seed: int = 0, turns: tools.ToolTurns | None = None,
+              tool_share: float = 1.0):
+  """(prompt ids, worked solution + EOS, trained mask) of each example: the SFT targets.
 
   `unanswered`: the fraction of solutions (a seeded choice) that stop after their last step,
   without the `Answer:` line the reward reads: a sloppy teacher's habit that SFT copies and RL
-  can unlearn (see configs/tiny.py).
+  can unlearn (see configs/tiny.py). With tool `turns` (a calculator among them), `tool_share` of
+  the solutions (another seeded choice) are two turns instead: a calculator call on the problem's
+  expression, then `Answer:` with its result; the tool turn's tokens are masked, as in RL.
   """
-  drop = np.random.default_rng([seed, 0xA45]).random(len(examples)) < unanswered
-  return [(ex.prompt_ids, tok(ex.solution.rpartition("\n")[0] if cut else ex.solution,
-                              add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
-          for ex, cut in zip(examples, drop)]
+  rng = np.random.default_rng([seed, 0xA45])
+  drop = rng.random(len(examples)) < unanswered
+  call = rng.random(len(examples)) < (tool_share if turns is not None else 0.0)
+  encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+  out = []
+  for ex, cut, tool in zip(examples, drop, call):
+    if tool:
+      expression = ex.extra_info["entry"]["metadata"]["expression"]
+      first = encode(tools.call_text("calculator", {"expression": expression})) + [tok.eos_token_id]
+      appended = turns.turn([{"name": "calculator", "result": tools.calculator(expression)}]).tokens.tolist()
+      last = encode(f"{tasks.ANSWER_PREFIX} {ex.ground_truth}") + [tok.eos_token_id]
+      out.append((ex.prompt_ids, first + appended + last, [True] * len(first) + [False] * len(appended)
+                  + [True] * len(last)))
+    else:
+      response = encode(ex.solution.rpartition("\n")[0] if cut else ex.solution) + [tok.eos_token_id]
+      out.append((ex.prompt_ids, response, [True] * len(response)))
+  return out
 
 
 def lm_loss(model: CausalLM, tokens, positions, segments, loss_mask):
@@ -101,8 +118,9 @@ def length_stats(lengths) -> dict[str, float]:
           "max": int(x.max()), "p99_over_median": float(np.percentile(x, 99) / max(np.median(x), 1))}
 
 
-def evaluate(config, model: CausalLM, tok, held_out: datasets.Dataset) -> dict:
-  """Greedy accuracy by difficulty and response lengths (greedy and temperature 1) on held-out problems."""
+def evaluate(config, model: CausalLM, tok, held_out: datasets.Dataset, turns: tools.ToolTurns | None = None) -> dict:
+  """Greedy accuracy by difficulty and response lengths (greedy and temperature 1) on held-out problems;
+  with tool `turns`, multi-turn, and the tool calls per response."""
   prompts = [ex.prompt_ids for ex in held_out]
   # Compaction off: for a policy this small, compiling every bucket costs more than decoding
   # the tail at full batch.
@@ -112,7 +130,7 @@ def evaluate(config, model: CausalLM, tok, held_out: datasets.Dataset) -> dict:
   for name, temperature in (("greedy", 0.0), ("temperature_1", 1.0)):
     engine = Engine(model, engine_config, SamplingParams(
         temperature=temperature, max_new_tokens=config.sft.eval_max_new_tokens, stop_token_ids=(tok.eos_token_id,),
-        seed=config.seed))
+        seed=config.seed), turns=turns)
     rollout = engine.generate(prompts)
     responses = [tok.decode(s.tokens, skip_special_tokens=True) for s in rollout.samples]
     scores, stats = scorer.Scorer(workers=0).score("reasoning_gym", [ex.item(r) for ex, r in zip(held_out, responses)])
@@ -128,16 +146,20 @@ def evaluate(config, model: CausalLM, tok, held_out: datasets.Dataset) -> dict:
                     "response_length": length_stats([len(s.tokens) for s in rollout.samples]),
                     "truncated": sum(s.finish_reason == "length" for s in rollout.samples),
                     "tokens_per_s": rollout.metrics.tokens_per_s}
+    if turns is not None:
+      report[name]["tool_calls_per_response"] = float(np.mean([len(s.tool_calls) for s in rollout.samples]))
   return report
 
 
 def warm_start(config, tok) -> tuple[CausalLM, list[float]]:
-  """A fresh tiny policy trained on worked solutions; returns it and its loss curve."""
+  """A fresh tiny policy trained on worked solutions (with `rollout.tools`, calculator calls too: the
+  prompts show the tools); returns it and its loss curve."""
   train_set = datasets.from_tasks(config.task.family, tok, size=config.sft.num_problems, seed=config.seed,
-                                  difficulty=difficulty(config))
+                                  difficulty=difficulty(config), tools=builders.tool_schemas(config))
+  turns = builders.tool_turns(config, tok, workers=0)
   try:
-    rows = packing.pack(sequences(train_set, tok, config.sft.unanswered, config.seed), config.sft.row_len,
-                        truncate=False)
+    rows = packing.pack(sequences(train_set, tok, config.sft.unanswered, config.seed, turns, config.sft.tool_share),
+                        config.sft.row_len, truncate=False)
   except ValueError as e:  # no solution fits a row
     raise ValueError(f"config.sft.row_len={config.sft.row_len}: {e}") from None
   model = build_policy(config, tok)
@@ -155,12 +177,13 @@ def run(config: ml_collections.ConfigDict) -> dict:
   model, losses = warm_start(config, tok)
   train_s = time.perf_counter() - start
   held_out = datasets.from_tasks(config.task.family, tok, size=config.sft.eval_size, seed=config.seed + 1,
-                                 difficulty=difficulty(config))
+                                 difficulty=difficulty(config), tools=builders.tool_schemas(config))
   policy_dir = os.path.join(config.workdir, "policy")
   hf.save_pretrained(model, policy_dir, tokenizer=tok)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   report = {"parameters": int(n_params), "steps": config.sft.steps, "loss_first": losses[0], "loss_last": losses[-1],
-            "train_s": round(train_s, 1), "policy": policy_dir, **evaluate(config, model, tok, held_out)}
+            "train_s": round(train_s, 1), "policy": policy_dir,
+            **evaluate(config, model, tok, held_out, builders.tool_turns(config, tok, workers=0))}
   report["wall_s"] = round(time.perf_counter() - start, 1)
   with open(os.path.join(config.workdir, "sft_report.json"), "w", encoding="utf-8") as f:
     json.dump(report, f, indent=2)

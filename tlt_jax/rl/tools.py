@@ -126,6 +126,30 @@ def schema(spec: str) -> dict[str, Any]:
                     "with type hints and a Google-style docstring with an Args section") from None
 
 
+def trajectory(sample) -> dict[str, Any]:
+  """What a reward gets in `extra_info` of a multi-turn response (a rollout `Sample`): its "turns" and
+  "tool_calls" (their records); {} for a response of a rollout without tools."""
+  return {} if sample.tool_mask is None else {"turns": sample.turns, "tool_calls": sample.tool_calls}
+
+
+def stats(samples) -> dict[str, float]:
+  """A step's tool metrics: calls and turns per response, the share of calls that failed, the share of
+  the response tokens tools appended; {} without tools."""
+  if not samples or samples[0].tool_mask is None:
+    return {}
+  calls = [c for s in samples for c in s.tool_calls]
+  return {"tools/calls_per_response": len(calls) / len(samples),
+         "tools/turns_per_response": float(np.mean([s.turns for s in samples])),
+         "tools/token_share": sum(int(s.tool_mask.sum()) for s in samples) / max(sum(len(s.tokens) for s in samples),
+                                                                                   1),
+         "tools/errors": sum(c["error"] is not None for c in calls) / max(len(calls), 1)}
+
+
+def call_text(name: str, arguments: dict[str, Any]) -> str:
+  """A call as a model writes it in the Hermes format (what `submit` parses; SFT targets)."""
+  return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
 def prompt_text(tokenizer: transformers.PreTrainedTokenizerBase, messages: list[dict[str, str]],
                 tools: Sequence[dict[str, Any]]) -> str:
   """`messages` rendered with the tools' schemas (`ToolTurns.schemas`), ending with the assistant turn's opening;
@@ -237,10 +261,8 @@ class ToolTurns(turns_lib.Turns):
   def submit(self, turn: np.ndarray) -> concurrent.futures.Future | None:
     """Starts the tool calls of an assistant turn (its tokens, the stop token last); None when it calls none."""
     turn = np.asarray(turn).reshape(-1)
-    if not turn.size or int(turn[-1]) != self.stop_token_id:
-      raise ValueError(f"an assistant turn ends with the token that ends it in the chat template, "
-                       f"{self.tokenizer.convert_ids_to_tokens(self.stop_token_id)!r} ({self.stop_token_id}); this one "
-                       f"ends with {turn[-1:].tolist()}")
+    if not turn.size or int(turn[-1]) != self.stop_token_id:  # another stop token (e.g. end of text) ends the row
+      return None
     with self._tokenizer_lock:
       text = self.tokenizer.decode(turn[:-1].tolist(), skip_special_tokens=False)
     records = [self._parse(m.group(1) if m.group(1) is not None else m.group(2)) for m in _CALL.finditer(text)]
@@ -336,7 +358,7 @@ class ToolTurns(turns_lib.Turns):
         if left[0]:
           return
       try:
-        turn.set_result(self._turn([c.result() for c in calls]))
+        turn.set_result(self.turn([c.result() for c in calls]))
       except BaseException as e:  # pylint: disable=broad-exception-caught  (close() cancelled them; or a bug)
         turn.set_exception(e)  # for the engine to see, rather than wait forever
 
@@ -344,7 +366,8 @@ class ToolTurns(turns_lib.Turns):
       c.add_done_callback(one_done)
     return turn
 
-  def _turn(self, records: list[dict[str, Any]]) -> turns_lib.Turn:
+  def turn(self, records: list[dict[str, Any]]) -> turns_lib.Turn:
+    """What the calls `records` (each with its "name" and "result") append to the turn that made them."""
     tokens = self._tail([(r["name"] or "", r["result"]) for r in records])
     if tokens[:1] != [self.stop_token_id]:
       raise ToolError(f"{tokenizer_lib.describe(self.tokenizer)}: its chat template ends an assistant turn followed "

@@ -52,7 +52,7 @@ from tlt_jax.drafter import export
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.models import CausalLM, hf, lora
 from tlt_jax.rl import actor as actor_lib
-from tlt_jax.rl import datasets, evaluation, grpo, rewards, rollouts, scorer
+from tlt_jax.rl import builders, datasets, evaluation, grpo, rewards, rollouts, scorer, tools
 from tlt_jax.rl import checks
 from tlt_jax.rollout import profile
 
@@ -100,13 +100,14 @@ class Trainer:
     # folded into the weights.
     graphdef, state = nnx.split(lora.merged(policy))
     rollout_policy = nnx.merge(graphdef, actor_lib.rollout_copy(state, policy.dtype))
-    self.rollout, held_out = rollouts.make(c, rollout_policy, drafter, tokenizer, devices or jax.devices())
+    self.turns = builders.tool_turns(c, tokenizer)  # None without rollout.tools
+    self.rollout, held_out = rollouts.make(c, rollout_policy, drafter, tokenizer, devices or jax.devices(), self.turns)
     self.eval_sets = []
     for name, data in eval_sets.items():
       s = c.eval.sets[name] if name else ml_collections.ConfigDict(dict(num_samples=c.eval.num_samples, k=0,
                                                                         temperature=-1.0))
       rollout = held_out if not name else rollouts.make_eval(c, rollout_policy, tokenizer,
-                                                             len(data) * s.num_samples, s.temperature)
+                                                             len(data) * s.num_samples, s.temperature, self.turns)
       self.eval_sets.append(evaluation.EvalSet(name, list(data), s.num_samples, s.k, rollout))
     # Each takes the policy's params after an update (once: the rollout may be the evaluations' too).
     self._rollouts = list({id(r): r for r in [self.rollout, *(s.rollout for s in self.eval_sets)]}.values())
@@ -242,7 +243,8 @@ class Trainer:
 
     texts = [self.tok.decode(s.tokens, skip_special_tokens=True) for s in samples]
     scores, reward_stats = self.scorer.score(
-        examples[0].reward, [examples[s.prompt_index].item(t, s.tokens.tolist()) for s, t in zip(samples, texts)],
+        examples[0].reward, [examples[s.prompt_index].item(t, s.tokens.tolist(), tools.trajectory(s))
+                             for s, t in zip(samples, texts)],
         what=f"in step {self.step + 1}", state=rewards.TrainerState(self.step, c.steps))
     lengths = np.asarray([len(s.tokens) for s in samples])
     shaped = scores + grpo.overlong_penalty(lengths, c.rollout.sampling.max_new_tokens, c.rl.overlong_buffer)
@@ -263,7 +265,7 @@ class Trainer:
               "response_length/p90": float(np.percentile(lengths, 90)), "response_length/max": int(lengths.max()),
               "response_length/truncated": int(sum(s.finish_reason == "length" for s in samples)),
               "groups_kept": int(keep.reshape(-1, g).any(axis=1).sum()), "samples_trained": int(keep.sum()),
-              **train_stats, **rollout_metrics, "rollout/compilations": len(compiled),
+              **tools.stats(samples), **train_stats, **rollout_metrics, "rollout/compilations": len(compiled),
               "time/rollout_s": rollout_s, "time/reward_s": reward_s, "time/train_s": train_s,
               "time/step_s": time.perf_counter() - start}
     if self._eval_due():
@@ -283,11 +285,12 @@ class Trainer:
       return {"train/updates": 0, "train/skipped_updates": 0, "time/old_logp_s": 0.0, "time/update_s": 0.0}
     start = time.perf_counter()
     order = np.random.default_rng([c.seed, self.step]).permutation(kept)
-    sequences = [(examples[s.prompt_index].prompt_ids, s.tokens.tolist()) for s in samples]
+    sequences = [(examples[s.prompt_index].prompt_ids, s.tokens.tolist(),
+                  *(() if s.tool_mask is None else (~s.tool_mask,))) for s in samples]  # tool tokens: no loss
     batches, gap = [], {"abs_diff": 0.0, "k3": 0.0, "tokens": 0}
     for part in np.array_split(order, min(c.rl.mini_batches, len(order))):
       rows = packing.pack([sequences[i] for i in part], c.rl.row_len, index=True)
-      rollout_logp = actor_lib.response_plane(rows, [samples[i].logprobs for i in part])
+      rollout_logp = actor_lib.response_plane(rows, [samples[i].own(samples[i].logprobs) for i in part])
       old = self.actor.logprobs(self.actor.params, rows) if self.recompute_old_logp else rollout_logp
       ref = self.actor.logprobs(self.ref_params, rows) if self.ref_params is not None else None
       for k, v in actor_lib.mismatch(old, rollout_logp, rows).items():
@@ -382,6 +385,8 @@ class Trainer:
     closed even when one fails (a full disk fails every write); the first failure is raised after, unless
     `quiet` (after a failure already reported)."""
     parts = [rollout.close for rollout in self._rollouts] + [self.scorer.close, self.checkpoints.close]
+    if self.turns is not None:
+      parts.append(self.turns.close)
     if self.metrics is not None:
       parts.append(self.metrics.close)
     first = None

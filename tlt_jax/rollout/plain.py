@@ -15,6 +15,7 @@ from tlt_jax.rollout.bandit import Bandit
 from tlt_jax.rollout.base import BaseRollout
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.state import EngineConfig, Sample
+from tlt_jax.rollout.tools import Turns
 from tlt_jax.rollout.sampling import SamplingParams
 
 
@@ -22,7 +23,7 @@ class PlainRollout(BaseRollout):
   """One `Engine` over `mesh` (module docstring)."""
 
   def __init__(self, policy: CausalLM, engine_config: EngineConfig, sampling: SamplingParams,
-               mesh: jax.sharding.Mesh | None = None, bandit: Bandit | None = None):
+               mesh: jax.sharding.Mesh | None = None, bandit: Bandit | None = None, turns: Turns | None = None):
     """One engine over `mesh` with the policy's current params.
 
     Args:
@@ -31,8 +32,9 @@ class PlainRollout(BaseRollout):
       sampling: temperature, top-k/p, the response budget, stop tokens and seed.
       mesh: a "data" mesh the rows are split over; None: one device.
       bandit: picks the engine's strategy per batch (with strategies).
+      turns: runs the rows' tool calls (multi-turn rollouts, `tlt_jax.rollout.tools`); None: single turns.
     """
-    self.engine = Engine(policy, engine_config, sampling, mesh=mesh, bandit=bandit)
+    self.engine = Engine(policy, engine_config, sampling, mesh=mesh, bandit=bandit, turns=turns)
     self.engines, self.groups = [self.engine], [0]
     self._shardings = None if mesh is None else sharding.param_shardings(nnx.state(policy), mesh)
     self.set_policy_params(nnx.state(policy))  # laid out over the mesh

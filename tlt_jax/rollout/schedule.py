@@ -20,8 +20,8 @@ preempted: their pages freed, their tokens kept on the host, back to the front o
 when a row comes back, its prompt and its tokens are prefilled again (`Steps.append`) and it
 goes on where it stopped. A row waiting for its tools (`held`, `tlt_jax.rollout.tools`) keeps its
 slot and pages: it counts as active, is never preempted, and takes the pages of the tokens its
-tool turn appends before they are written (`take_turn`). The tail compacts only once the pool holds every active row to its
-budget, so a smaller bucket never preempts. With the pool split over devices (`shards`), a
+tool turn appends before they are written (`take_turn`). The tail compacts only once the pool
+holds every active row to its budget, so a smaller bucket never preempts. With the pool split over devices (`shards`), a
 slot's row takes pages on the slot's device: admission, preemption and that check count pages
 per device, and compaction keeps every row on its device.
 """

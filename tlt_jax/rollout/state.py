@@ -270,6 +270,10 @@ class Sample:
   tool_mask: np.ndarray | None = None
   tool_calls: list[dict] = dataclasses.field(default_factory=list)
 
+  def own(self, values: np.ndarray) -> np.ndarray:
+    """`values` (one per token) of the model's own tokens: a tool turn's left out."""
+    return values if self.tool_mask is None else values[~self.tool_mask]
+
   @property
   def turns(self) -> int:
     """The trajectory's assistant turns (1 without tool turns)."""

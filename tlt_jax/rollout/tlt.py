@@ -58,6 +58,7 @@ from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.groups import GroupRun
 from tlt_jax.rollout.state import EngineConfig, Sample
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.tools import Turns
 
 @dataclasses.dataclass(frozen=True)
 class TLTConfig:
@@ -78,7 +79,7 @@ class TLTRollout(BaseRollout):
   def __init__(self, policy: CausalLM, drafter: Drafter, engine_config: EngineConfig, sampling: SamplingParams,
                devices: Sequence[jax.Device], groups: int, buffer: DataBuffer, config: TLTConfig = TLTConfig(),
                drafter_config: DrafterTrainerConfig = DrafterTrainerConfig(),
-               make_bandit: Callable[[], Bandit] | None = None):
+               make_bandit: Callable[[], Bandit] | None = None, turns: Turns | None = None):
     """One engine per device group, each with the policy's params and the drafter, and the drafter trainer.
 
     Args:
@@ -112,7 +113,7 @@ class TLTRollout(BaseRollout):
       raise ValueError(f"process {jax.process_index()} holds no rollout group: groups={groups} must be at least "
                        f"the process count {jax.process_count()}")
     self.engines = [Engine(policy, engine_config, sampling, mesh=self.meshes[g], drafter=drafter,
-                           bandit=make_bandit() if make_bandit else None) for g in self.groups]
+                           bandit=make_bandit() if make_bandit else None, turns=turns) for g in self.groups]
     self._engine = dict(zip(self.groups, self.engines))
     self.drafter_trainer = DrafterTrainer(policy, drafter, self.meshes, self.groups, buffer, drafter_config,
                                           publish=self._push)
