@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tlt_jax import packing
-from tlt_jax.rl import datasets, scorer, sft, tokenizer as tokenizer_lib
+from tlt_jax.rl import datasets, scorer, sft, tokenizer as tokenizer_lib, tools
 
 import configs.tiny
 
@@ -64,7 +64,8 @@ def test_unanswered_solutions_lose_their_answer_line_and_with_it_the_reward(tok)
   assert cut == sft.sequences(examples, tok, unanswered=0.3, seed=5) != sft.sequences(examples, tok, 0.3, seed=6)
   assert sft.sequences(examples, tok, unanswered=0.0, seed=5) == full
   dropped = 0
-  for ex, (prompt, answered), (same_prompt, response) in zip(examples, full, cut):
+  for ex, (prompt, answered, _), (same_prompt, response, trained) in zip(examples, full, cut):
+    assert all(trained)
     assert same_prompt == prompt and response[-1] == answered[-1] == tok.eos_token_id
     text, answered_text = (tok.decode(r, skip_special_tokens=True) for r in (response, answered))
     assert answered_text == ex.solution
@@ -74,3 +75,27 @@ def test_unanswered_solutions_lose_their_answer_line_and_with_it_the_reward(tok)
       scores, _ = scorer.Scorer(workers=0).score(ex.reward, [ex.item(text), ex.item(answered_text)])
       assert scores.tolist() == [0.0, 1.0]
   assert 0.25 < dropped / len(examples) < 0.35
+
+
+def test_tool_solutions_are_the_conversation_transformers_renders_with_the_tool_turn_masked(tok):
+  """With tools, `tool_share` of the solutions call the calculator on the problem's expression and answer with
+  its result: prompt + solution is the whole conversation as transformers renders it, token for token, and
+  only the tool turn (its message and the next turn's opening) is out of the loss."""
+  turns = tools.ToolTurns(["calculator"], tok, max_turns=2, timeout_s=5, workers=0)
+  examples = datasets.from_tasks("basic_arithmetic", tok, size=200, seed=0, tools=turns.schemas,
+                                 difficulty=sft.difficulty(tiny_config())).examples
+  called = 0
+  for ex, (prompt, response, trained) in zip(examples, sft.sequences(examples, tok, turns=turns, tool_share=0.5)):
+    if all(trained):
+      continue
+    called += 1
+    expression = ex.extra_info["entry"]["metadata"]["expression"]
+    messages = ex.messages + [
+        {"role": "assistant", "content": tools.call_text("calculator", {"expression": expression})},
+        {"role": "tool", "name": "calculator", "content": ex.ground_truth},
+        {"role": "assistant", "content": f"Answer: {ex.ground_truth}"}]
+    whole = tok.apply_chat_template(messages, tools=turns.schemas, tokenize=False)
+    assert prompt + response == tok(whole, add_special_tokens=False).input_ids
+    masked = [t for t, keep in zip(response, trained) if not keep]
+    assert tok.decode(masked) == f"<|tool|>{ex.ground_truth}<|assistant|>"
+  assert 0.4 < called / len(examples) < 0.6

@@ -169,7 +169,7 @@ def frequent_tokens(sequences: Sequences, vocab_size: int, n: int) -> tuple[int,
   if not 1 <= n <= vocab_size:
     raise ValueError(f"a draft vocabulary of {n} tokens does not fit the target's vocabulary of {vocab_size}")
   counts = np.zeros((vocab_size,), np.int64)
-  for _, response in sequences:
+  for _, response, *_ in sequences:
     np.add.at(counts, np.asarray(response, np.int64), 1)
   order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then id
   return tuple(int(i) for i in np.sort(order[:n]))
@@ -189,7 +189,7 @@ def head_for_coverage(sequences: Sequences, vocab_size: int,
   if not 0 < share <= 1:
     raise ValueError(f"a head's coverage must lie in (0, 1], got {share}")
   counts = np.zeros((vocab_size,), np.int64)
-  for _, response in sequences:
+  for _, response, *_ in sequences:
     np.add.at(counts, np.asarray(response, np.int64), 1)
   total = counts.sum()
   if not total:
@@ -217,7 +217,7 @@ def draft_head(sequences: Sequences, vocab_size: int, size: int = -1,
 
 def coverage(sequences: Sequences, draft_vocab: Sequence[int]) -> float:
   """Fraction of the response tokens of `sequences` inside `draft_vocab`."""
-  tokens = np.concatenate([np.asarray(r, np.int64) for _, r in sequences] or [np.zeros((0,), np.int64)])
+  tokens = np.concatenate([np.asarray(r, np.int64) for _, r, *_ in sequences] or [np.zeros((0,), np.int64)])
   return float(np.isin(tokens, np.asarray(draft_vocab)).mean()) if len(tokens) else 0.0
 
 

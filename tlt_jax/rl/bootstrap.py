@@ -156,8 +156,9 @@ def load_drafter(config, policy: CausalLM, tok, prompts: datasets.Dataset | None
     sequences = [(p, s.tokens) for p, s in zip(own.prompts, own.samples)]
   else:
     examples = datasets.from_tasks(config.task.family, tok, size=2048, seed=config.seed + 3,
-                                   difficulty=sft.difficulty(config))
-    sequences = sft.sequences(examples, tok)
+                                   difficulty=sft.difficulty(config), tools=builders.tool_schemas(config))
+    sequences = sft.sequences(examples, tok, turns=builders.tool_turns(config, tok, workers=0),
+                              tool_share=config.sft.tool_share)  # tool turns' tokens weigh 0
   try:
     vocab, covered = drafter_train.draft_head(sequences, policy.config.vocab_size, config.drafter.draft_vocab_size,
                                               config.drafter.draft_vocab_coverage)
