@@ -1,6 +1,9 @@
 """Per-step metrics: one JSON line per step in <workdir>/metrics.jsonl, TensorBoard scalars, and with
 `logging.wandb` a Weights & Biases run (the `wandb` extra; `WANDB_MODE=offline` keeps it on disk).
 
+With tool turns, every tool call of a step's rollout (its name, arguments, result, error and time, with the
+step, prompt and sample) is a line of <workdir>/tool_calls.jsonl.
+
 On resume, records after the restored step (written by the interrupted run for steps it never
 checkpointed) are dropped, so the file always describes one run's history; a resumed run logs to the
 same W&B run (its id is kept in <workdir>/wandb_run_id).
@@ -68,26 +71,42 @@ def wandb_run(workdir: str, project: str, entity: str = "", name: str = "", conf
                     id=run_id, resume="allow", dir=workdir, config=config)
 
 
+def _keep(path: str, resume_step: int) -> None:
+  """Drops the records of `path` after `resume_step` (creates it empty)."""
+  kept = [r for r in read(path) if r["step"] <= resume_step] if os.path.exists(path) else []
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(r) + "\n" for r in kept)
+  os.replace(tmp, path)
+
+
+def _append(path: str, records: Sequence[dict]) -> None:
+  try:
+    with open(path, "a", encoding="utf-8") as f:
+      f.writelines(json.dumps(r) + "\n" for r in records)
+  except OSError as e:  # a full disk: name the file
+    raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from None
+
+
 class Writer:
 
-  def __init__(self, workdir: str, resume_step: int = 0, wandb=None):
-    """`wandb`: a W&B run (`wandb_run`) the records go to as well."""
+  def __init__(self, workdir: str, resume_step: int = 0, wandb=None, tools: bool = False):
+    """`wandb`: a W&B run (`wandb_run`) the records go to as well; `tools`: keep tool_calls.jsonl."""
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, "metrics.jsonl")
-    kept = [r for r in read(self.path) if r["step"] <= resume_step] if os.path.exists(self.path) else []
-    tmp = self.path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      f.writelines(json.dumps(r) + "\n" for r in kept)
-    os.replace(tmp, self.path)
+    self.calls_path = os.path.join(workdir, "tool_calls.jsonl") if tools else None
+    for path in filter(None, (self.path, self.calls_path)):
+      _keep(path, resume_step)
     self.tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1)
     self.wandb = wandb
 
+  def write_calls(self, step: int, samples) -> None:
+    """The tool calls of a step's rollout `samples` (their prompt index within the step)."""
+    _append(self.calls_path, [{"step": step, "prompt": s.prompt_index, "sample": s.sample_index, **call}
+                              for s in samples for call in s.tool_calls])
+
   def write(self, step: int, record: dict[str, float]) -> None:
-    try:
-      with open(self.path, "a", encoding="utf-8") as f:
-        f.write(json.dumps({"step": step, **record}) + "\n")
-    except OSError as e:  # a full disk: name the file
-      raise OSError(e.errno, f"cannot write {self.path}: {e.strerror}") from None
+    _append(self.path, [{"step": step, **record}])
     scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}
     for key, value in scalars.items():  # TensorBoard's names take no '@' (pass@k): it would log each rename
       self.tensorboard.add_scalar(key.replace("@", "_"), value, step)

@@ -319,13 +319,14 @@ class ToolEveryTurn(Turns):
     pass
 
 
-def calls(data_source, solution_str, ground_truth, extra_info):
+def tool_calls(data_source, solution_str, ground_truth, extra_info):
   return len(extra_info["tool_calls"]) / 2
 
 
 def test_tool_turns_train_the_models_tokens_only_and_resume_exactly(tmp_path, tiny_policy_dir, xla_cache,
                                                                     monkeypatch):
   """Multi-turn rollouts through the RL loop: the reward reads the trajectory's tool calls in `extra_info`,
+  every call is a line of tool_calls.jsonl,
   the trainer's log-probs of the model's tokens are the rollout's (a tool token in the loss, whose rollout
   log-prob is 0, would show as a mismatch of ~4 nats), and 1 step + resume equals 2 steps straight."""
   tok = tokenizer_lib.build_tokenizer()
@@ -334,10 +335,10 @@ def test_tool_turns_train_the_models_tokens_only_and_resume_exactly(tmp_path, ti
   embedding.value = embedding.value.at[tok.eos_token_id].multiply(6.0)  # turns end often (tied head)
   policy = str(tmp_path / "policy")
   hf.save_pretrained(model, policy, tokenizer=tok)
-  (tmp_path / "reward.py").write_text(inspect.getsource(calls))
+  (tmp_path / "reward.py").write_text(inspect.getsource(tool_calls))
   monkeypatch.setattr(builders, "tool_turns", lambda config, tok, workers=None: ToolEveryTurn(tok))
   overrides = {"rollout.tools": ("calculator",), "rl.old_logp": "recompute", "eval.every": 0,
-               "data.reward": f"{tmp_path / 'reward.py'}:calls"}
+               "data.reward": f"{tmp_path / 'reward.py'}:tool_calls"}
   straight = _run(tmp_path / "straight", 2, policy, xla_cache, **overrides)
   _run(tmp_path / "resumed", 1, policy, xla_cache, **overrides)
   resumed = _run(tmp_path / "resumed", 2, policy, xla_cache, **overrides)
@@ -346,7 +347,12 @@ def test_tool_turns_train_the_models_tokens_only_and_resume_exactly(tmp_path, ti
   b = metrics.read(str(tmp_path / "resumed" / "metrics.jsonl"))
   strip = lambda r: {k: v for k, v in r.items() if not _timing(k)}
   assert [strip(r) for r in a] == [strip(r) for r in b]
+  calls = metrics.read(str(tmp_path / "straight" / "tool_calls.jsonl"))  # every call, resumed or not
+  strip_time = lambda rs: [{k: v for k, v in r.items() if k != "seconds"} for r in rs]
+  assert strip_time(calls) == strip_time(metrics.read(str(tmp_path / "resumed" / "tool_calls.jsonl")))
+  assert {c["step"] for c in calls} == {1, 2} and all(c["result"] == "42" for c in calls)
   for r in a:
+    assert sum(c["step"] == r["step"] for c in calls) == r["rollout/tool_calls"] > 0
     assert 0 < r["tools/calls_per_response"] < 2 and r["rollout/tool_turns"] > 0, r
     assert r["reward/mean"] == pytest.approx(r["tools/calls_per_response"] / 2, abs=1e-6)
     assert r["mismatch/logp_abs_diff"] < 1e-4 and r["train/updates"] > 0, r

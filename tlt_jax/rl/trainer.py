@@ -150,7 +150,8 @@ class Trainer:
       w = c.logging
       run = metrics_lib.wandb_run(c.workdir, w.wandb_project, w.wandb_entity, w.wandb_run, c.to_dict()) \
           if w.wandb else None
-      self.metrics = metrics_lib.Writer(c.workdir, resume_step=self.step if restored is not None else -1, wandb=run)
+      self.metrics = metrics_lib.Writer(c.workdir, resume_step=self.step if restored is not None else -1, wandb=run,
+                                        tools=self.turns is not None)
 
   # ---- checkpoints ----
 
@@ -274,6 +275,8 @@ class Trainer:
       self.saved_step = self.step
     if self.metrics is not None:
       self.metrics.write(self.step, record)
+      if self.turns is not None:
+        self.metrics.write_calls(self.step, samples)
     return record
 
   def _update(self, examples, samples, adv, keep) -> dict[str, float]:
