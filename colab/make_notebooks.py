@@ -117,6 +117,15 @@ def tiny_notebook():
       v4.new_code_cell(ARMS),
       v4.new_code_cell(PLOT),
       v4.new_code_cell(SUMMARY),
+      v4.new_markdown_cell(
+          "## With a calculator: multi-turn rollouts\n\n"
+          "`configs/tools.py` is this world with 2- and 3-digit operands and a calculator the policy may call "
+          "(`rollout.tools`): a response writes `<tool_call>{\"name\": \"calculator\", \"arguments\": {...}}"
+          "</tool_call>`, ends its turn, and decodes on after the tool's result, which the rollout appends with "
+          "the row's KV cache kept (no loss, no drafter training on it). Every call is a line of "
+          "`tool_calls.jsonl`. Speculation stays lossless across turns.\n\n"
+          "```\n!python -m tlt_jax.main --config=configs/tools.py                  # ~20 minutes on 2 cores\n"
+          "!python -m tlt_jax.main --config=configs/tools.py:smoke            # seconds\n```"),
   ]
 
 

@@ -5,12 +5,12 @@
   python -m tlt_jax.main --config=configs/tools.py --config.rollout.tools="()" --config.workdir=runs/no_tools
   python -m tlt_jax.main --config=configs/tools.py:smoke                 # seconds-sized shapes, one RL step
 
-The task: reasoning-gym's basic_arithmetic with 3- and 4-digit operands ("Calculate 663 - 4242 - 8376."),
+The task: reasoning-gym's basic_arithmetic with 2- and 3-digit operands ("Calculate 261 - 120 - 507."),
 too large for a 0.8M-parameter policy to add in its head. The prompt shows the tool (`rollout.tools`,
 rendered by the chat template); a response may call it in a Hermes block,
-`<tool_call>{"name": "calculator", "arguments": {"expression": "663 - 4242 - 8376"}}</tool_call>`,
+`<tool_call>{"name": "calculator", "arguments": {"expression": "261 - 120 - 507"}}</tool_call>`,
 end its turn, and read the result in the tool message the rollout appends (`tlt_jax.rl.tools`),
-then answer (`Answer: -11955`). The tool turn's tokens take no loss and no drafter training.
+then answer (`Answer: -366`). The reward scores that last turn. The tool turn's tokens take no loss and no drafter training.
 
 What RL has to learn: half the SFT solutions call the calculator, the other half work the sum out
 line by line (`sft.tool_share`), so the SFT policy calls the tool about half the time and is often
@@ -29,7 +29,8 @@ def get_config(variant: str = ""):
   c.rollout.tools = ("calculator",)
   c.rollout.max_turns = 3
   c.rollout.tool_workers = 2
-  c.task.min_digits, c.task.max_digits = 3, 4
+  c.task.min_digits, c.task.max_digits = 2, 3
+  c.sft.steps = 800  # copying the expression and the result takes longer to learn than the tiny world's sums
   c.task.max_terms = 6
   c.sft.unanswered = 0.0
   c.sft.tool_share = 0.5

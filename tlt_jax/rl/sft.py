@@ -132,7 +132,7 @@ def evaluate(config, model: CausalLM, tok, held_out: datasets.Dataset, turns: to
         temperature=temperature, max_new_tokens=config.sft.eval_max_new_tokens, stop_token_ids=(tok.eos_token_id,),
         seed=config.seed), turns=turns)
     rollout = engine.generate(prompts)
-    responses = [tok.decode(s.tokens, skip_special_tokens=True) for s in rollout.samples]
+    responses = [tok.decode(s.answer, skip_special_tokens=True) for s in rollout.samples]
     scores, stats = scorer.Scorer(workers=0).score("reasoning_gym", [ex.item(r) for ex, r in zip(held_out, responses)])
     correct = scores >= 1.0
     terms = np.asarray([ex.extra_info["num_terms"] for ex in held_out])

@@ -127,8 +127,9 @@ def schema(spec: str) -> dict[str, Any]:
 
 
 def trajectory(sample) -> dict[str, Any]:
-  """What a reward gets in `extra_info` of a multi-turn response (a rollout `Sample`): its "turns" and
-  "tool_calls" (their records); {} for a response of a rollout without tools."""
+  """What a reward gets in `extra_info` of a multi-turn response (a rollout `Sample`), whose last turn is
+  the `solution_str` it scores: its "turns" and "tool_calls" (their records); {} for a response of a
+  rollout without tools."""
   return {} if sample.tool_mask is None else {"turns": sample.turns, "tool_calls": sample.tool_calls}
 
 

@@ -242,9 +242,9 @@ class Trainer:
                       sorted(set(compiled)))
     self._rolled_out = True
 
-    texts = [self.tok.decode(s.tokens, skip_special_tokens=True) for s in samples]
+    texts = [self.tok.decode(s.answer, skip_special_tokens=True) for s in samples]  # the last turn, with tools
     scores, reward_stats = self.scorer.score(
-        examples[0].reward, [examples[s.prompt_index].item(t, s.tokens.tolist(), tools.trajectory(s))
+        examples[0].reward, [examples[s.prompt_index].item(t, s.answer.tolist(), tools.trajectory(s))
                              for s, t in zip(samples, texts)],
         what=f"in step {self.step + 1}", state=rewards.TrainerState(self.step, c.steps))
     lengths = np.asarray([len(s.tokens) for s in samples])

@@ -275,6 +275,14 @@ class Sample:
     return values if self.tool_mask is None else values[~self.tool_mask]
 
   @property
+  def answer(self) -> np.ndarray:
+    """The tokens of the last assistant turn, after the last tool turn (all of them without one): what a
+    reward scores."""
+    if self.tool_mask is None or not self.tool_mask.any():
+      return self.tokens
+    return self.tokens[len(self.tool_mask) - int(np.argmax(self.tool_mask[::-1])):]
+
+  @property
   def turns(self) -> int:
     """The trajectory's assistant turns (1 without tool turns)."""
     return 1 + (0 if self.tool_mask is None else int((np.diff(self.tool_mask.astype(np.int8)) == 1).sum()))
