@@ -2,7 +2,8 @@
 
   python -m tlt_jax.main --config=configs/tools.py                       # TLT rollouts with tool turns
   python -m tlt_jax.main --config=configs/tools.py --config.rollout.speculative=False   # plain rollouts
-  python -m tlt_jax.main --config=configs/tools.py --config.rollout.tools="()" --config.workdir=runs/no_tools
+  python -m tlt_jax.main --config=configs/tools.py --config.rollout.tools="()" \\
+      --config.workdir=runs/no_tools                                     # the same task without the tool
   python -m tlt_jax.main --config=configs/tools.py:smoke                 # seconds-sized shapes, one RL step
 
 The task: reasoning-gym's basic_arithmetic with 2- and 3-digit operands ("Calculate 261 - 120 - 507."),
@@ -10,7 +11,8 @@ too large for a 0.8M-parameter policy to add in its head. The prompt shows the t
 rendered by the chat template); a response may call it in a Hermes block,
 `<tool_call>{"name": "calculator", "arguments": {"expression": "261 - 120 - 507"}}</tool_call>`,
 end its turn, and read the result in the tool message the rollout appends (`tlt_jax.rl.tools`),
-then answer (`Answer: -366`). The reward scores that last turn. The tool turn's tokens take no loss and no drafter training.
+then answer (`Answer: -366`). The reward scores that last turn. The tool turn's tokens take no loss
+and no drafter training.
 
 What RL has to learn: half the SFT solutions call the calculator, the other half work the sum out
 line by line (`sft.tool_share`), so the SFT policy calls the tool about half the time and is often

@@ -115,8 +115,8 @@ def assign(config, key: str, value) -> None:
   config[name] = value
 
 
-@pytest.mark.parametrize("name", ["base", "tiny", "tools", "r1_7b", "qwen2_5_0_5b", "qwen2_5_7b", "qwen2_5_32b", "accelerator",
-                                  "gsm8k_style", "smollm2"])
+@pytest.mark.parametrize("name", ["base", "tiny", "tools", "r1_7b", "qwen2_5_0_5b", "qwen2_5_7b", "qwen2_5_32b",
+                                  "accelerator", "gsm8k_style", "smollm2"])
 def test_shipped_configs_pass(name):
   checks.check(config_lib.base() if name == "base" else __import__(f"configs.{name}", fromlist=["_"]).get_config())
 
