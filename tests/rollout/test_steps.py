@@ -186,8 +186,8 @@ def test_resume_brings_a_preempted_row_back_as_it_was(models):
   kept[0], kept[1:k + 1] = ps[0][-1], a.tokens[0, :k]
   logprobs = np.zeros((r,), np.float32)
   logprobs[:k] = a.logprobs[0, :k]
-  b = jax.device_get(jax.jit(steps.append)(weights, drafter_weights, st, np.int32(0), kept, logprobs, np.int32(k),
-                                           np.int32(1), after))
+  b = jax.device_get(jax.jit(steps.resume)(weights, drafter_weights, st, np.int32(0), kept, logprobs, np.int32(k),
+                                           after))
 
   for name in ("tokens", "logprobs", "num_generated", "last_token", "done", "finish", "row_id"):
     np.testing.assert_array_equal(getattr(b, name), getattr(a, name), err_msg=name)

@@ -24,8 +24,8 @@ pool has their pages and are preempted when it runs short (`tlt_jax.rollout.sche
 Tool turns (`Engine(turns=...)`, `tlt_jax.rollout.tools`): a row that ends an assistant turn hands
 it to `Turns.submit`; a turn with tool calls keeps the row in its slot, its cache kept, while the
 other rows decode on (the play's stop count leaves the waiting rows out), and once the calls are
-back their tokens are appended (`Steps.append`, in chunks of `EngineConfig.turn_chunk` tokens:
-one executable per bucket) and the row decodes its next turn. When every row in the batch waits
+back their tokens are appended (`Steps.extend`: every returned row at once, in chunks of
+`EngineConfig.turn_chunk` tokens, one executable per bucket) and the row decodes its next turn. When every row in the batch waits
 for its tools (and none can enter), the host waits for the first to come back.
 
 Guard: once a row's drafter outputs are not finite (`RowState.drafter_finite`, read with each
@@ -98,12 +98,12 @@ class _Job:
   prompt_lens: list[int] = dataclasses.field(init=False)  # per row
   harvested: np.ndarray = dataclasses.field(init=False)  # bool per row
   # Tool turns, per row: where its current turn began, its turns so far, the generated count of its last
-  # turn end seen, its calls in flight and the stop token that ended that turn, the (start, count) of
-  # each tool turn appended, its calls' records, and the rows whose tool turn did not fit their budget.
+  # turn end seen, its calls in flight, the (start, count) of each tool turn appended, its calls'
+  # records, and the rows whose tool turn did not fit their budget.
   turn_start: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
   turns: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: 1))
   seen: dict[int, int] = dataclasses.field(default_factory=dict)
-  pending: dict[int, tuple[concurrent.futures.Future, int]] = dataclasses.field(default_factory=dict)
+  pending: dict[int, concurrent.futures.Future] = dataclasses.field(default_factory=dict)
   spans: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(list))
   calls: collections.defaultdict = dataclasses.field(default_factory=lambda: collections.defaultdict(list))
   cut: set[int] = dataclasses.field(default_factory=set)
@@ -259,11 +259,10 @@ class Engine:
       for t in cfg.tail_buckets:
         self._compile(("tail", b0, t), self.steps.prefill_tail,
                       [*params, state(b0), i32(), i32(t), i32(), i32(), i32(), table(b0)], state(b0), donate=(2,))
-    append = lambda b, r: self._compile(("append", b, r), self.steps.append,
-                                        [*params, state(b), i32(), i32(r + 1), jax.ShapeDtypeStruct((r,), jnp.float32),
-                                         i32(), i32(), table(b)], state(b), donate=(2,))
-    for r in cfg.resume_buckets:
-      append(b0, r)
+      for r in cfg.resume_buckets:
+        self._compile(("resume", b0, r), self.steps.resume,
+                      [*params, state(b0), i32(), i32(r + 1), jax.ShapeDtypeStruct((r,), jnp.float32), i32(),
+                       table(b0)], state(b0), donate=(2,))
     for p in self._prefill_sizes(b0, self._refills(rows)):
       for t in sorted({cfg.prompt_bucket(n) for n in prompt_lens} or set(cfg.prompt_buckets)):
         self._compile(("prefill", b0, p, t), self.steps.prefill,
@@ -278,7 +277,8 @@ class Engine:
       if b // 2 >= self.page_shards and cfg.compact:
         self._compile(("halve", b // 2, b), steps.halve, [state(b), i32(b // 2)], state(b // 2))
       if self.turns is not None:
-        append(b, cfg.turn_chunk)
+        self._compile(("extend", b), self.steps.extend, [*params, state(b), i32(b, cfg.turn_chunk), i32(b), table(b)],
+                      state(b), donate=(2,))
 
   @property
   def _history_len(self) -> int:
@@ -487,8 +487,8 @@ class Engine:
       tokens = np.concatenate([[job.prompts[job.rows[new[slot]][0]][-1]], tokens,
                                np.zeros((size - n,), np.int32)]).astype(np.int32)
       logprobs = np.concatenate([logprobs, np.zeros((size - n,), np.float32)]).astype(np.float32)
-      st = self.pool[("append", b, size)](self.params, self.drafter_params, st, np.int32(slot), tokens, logprobs,
-                                          np.int32(n), np.int32(1), sched.table())
+      st = self.pool[("resume", b, size)](self.params, self.drafter_params, st, np.int32(slot), tokens, logprobs,
+                                          np.int32(n), sched.table())
       metrics.resumed_tokens += n
     host = self._observe(job, sched, st)
     metrics.prefill_s += time.perf_counter() - t0
@@ -590,7 +590,7 @@ class Engine:
         tokens = np.asarray(jax.device_get(st.tokens))  # whole: a slice would compile
       future = self.turns.submit(tokens[slot, job.turn_start[r]:k].copy())
       if future is not None:
-        job.pending[r] = future, int(tokens[slot, k - 1])
+        job.pending[r] = future
         sched.held.add(r)
 
   def _return_turns(self, job: _Job, sched: Schedule, st: RowState, host: _Counters,
@@ -599,10 +599,10 @@ class Engine:
     A turn that leaves its row no token of its budget ends the row ("length") without it."""
     metrics, t0 = job.metrics, time.perf_counter()
     if wait:
-      concurrent.futures.wait([f for f, _ in job.pending.values()], return_when=concurrent.futures.FIRST_COMPLETED)
+      concurrent.futures.wait(job.pending.values(), return_when=concurrent.futures.FIRST_COMPLETED)
       metrics.tool_wait_s += time.perf_counter() - t0
-    t1, changed = time.perf_counter(), False
-    for r, (future, last) in sorted(job.pending.items()):
+    t1, changed, appended = time.perf_counter(), False, {}
+    for r, future in sorted(job.pending.items()):
       if not future.done():
         continue
       turn = future.result()
@@ -619,30 +619,30 @@ class Engine:
       if not fits:
         job.cut.add(r)
         continue
-      st = self._append(sched, st, slot, last, np.asarray(turn.tokens, np.int32))
+      appended[slot] = np.asarray(turn.tokens, np.int32)
       job.spans[r].append((k, n))
       job.turn_start[r], job.turns[r] = k + n, job.turns[r] + 1
       metrics.tool_turns += 1
       metrics.tool_tokens += n
-    if wait and not changed and all(f.done() for f, _ in job.pending.values()):
+    if wait and not changed and all(f.done() for f in job.pending.values()):
       raise RuntimeError(f"the page pool ({self.config.pool_pages} pages) cannot hold the tool turns of the rows "
                          "waiting for them: raise rollout.engine.num_pages")
+    if appended:
+      st = self._extend(sched, st, appended)
     if changed:
       host = self._observe(job, sched, st)
     metrics.prefill_s += time.perf_counter() - t1
     return st, host
 
-  def _append(self, sched: Schedule, st: RowState, slot: int, last: int, tokens: np.ndarray) -> RowState:
-    """Appends `tokens` to the row of `slot`, whose last token is `last`, in chunks of `turn_chunk`."""
-    c = self.config.turn_chunk
-    for i in range(0, len(tokens), c):
-      part = tokens[i:i + c]
-      chain = np.zeros((c + 1,), np.int32)
-      chain[0], chain[1:len(part) + 1] = last, part
-      st = self.pool[("append", sched.bucket, c)](self.params, self.drafter_params, st, np.int32(slot), chain,
-                                                 np.zeros((c,), np.float32), np.int32(len(part)), np.int32(0),
-                                                 sched.table())
-      last = int(part[-1])
+  def _extend(self, sched: Schedule, st: RowState, appended: dict[int, np.ndarray]) -> RowState:
+    """Appends each slot's tool-turn tokens to its row: all rows at once, `turn_chunk` tokens a call."""
+    b, c = sched.bucket, self.config.turn_chunk
+    for i in range(0, max(map(len, appended.values())), c):
+      tokens, count = np.zeros((b, c), np.int32), np.zeros((b,), np.int32)
+      for slot, turn in appended.items():
+        part = turn[i:i + c]
+        tokens[slot, :len(part)], count[slot] = part, len(part)
+      st = self.pool[("extend", b)](self.params, self.drafter_params, st, tokens, count, sched.table())
     return st
 
   def _check_drafter(self, st: RowState, metrics: RolloutMetrics) -> None:

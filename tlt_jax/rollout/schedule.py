@@ -17,7 +17,7 @@ first of its samples in flight), finished rows give theirs back at once, and bef
 every active row takes the pages the play may write; a row enters only if the rows in flight
 keep a play's growth each. When the pool runs short, the rows with the fewest tokens are
 preempted: their pages freed, their tokens kept on the host, back to the front of the queue;
-when a row comes back, its prompt and its tokens are prefilled again (`Steps.append`) and it
+when a row comes back, its prompt and its tokens are prefilled again (`Steps.resume`) and it
 goes on where it stopped. A row waiting for its tools (`held`, `tlt_jax.rollout.tools`) keeps its
 slot and pages: it counts as active, is never preempted, and takes the pages of the tokens its
 tool turn appends before they are written (`take_turn`). The tail compacts only once the pool

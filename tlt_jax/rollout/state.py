@@ -154,15 +154,15 @@ class EngineConfig:
 
   @property
   def resume_buckets(self) -> tuple[int, ...]:
-    """Padded lengths of a preempted row's tokens prefilled again (`Steps.append`; a paged cache):
+    """Padded lengths of a preempted row's tokens prefilled again (`Steps.resume`; a paged cache):
     powers of two from 16 up to one that holds max_new_tokens."""
     return tuple(1 << i for i in range(4, max(4, (self.max_new_tokens - 1).bit_length()) + 1)) if self.paged else ()
 
   @property
   def turn_chunk(self) -> int:
-    """Tokens of a tool turn appended per `Steps.append` call (`tlt_jax.rollout.tools`; longer turns take
+    """Tokens of tool turns appended per `Steps.extend` call (`tlt_jax.rollout.tools`; longer turns take
     several): one executable per batch bucket."""
-    return min(32, 1 << max(4, (self.max_new_tokens - 1).bit_length()))
+    return 16
 
   def resume_bucket(self, n: int) -> int:
     return next(t for t in self.resume_buckets if t >= n)

@@ -315,24 +315,20 @@ class Steps:
                            sel.astype(jnp.int32))
     return self.feed_drafter(model, drafter, st, first, None)
 
-  def append(self, params, drafter_params, st: RowState, slot, tokens_R1, logprobs_R, count, back,
-             pages_BxM) -> RowState:
-    """Appends `count` tokens to the row of slot `slot` (int32 scalar) as if it had decoded them:
-    `tokens_R1[1:count + 1]`, with their `logprobs_R`, are prefilled after the row's cache and
-    recorded as its next tokens; `tokens_R1[0]` is the input the row's cache ends before.
+  def resume(self, params, drafter_params, st: RowState, slot, tokens_R1, logprobs_R, count, pages_BxM) -> RowState:
+    """Brings a preempted row back where it stopped (a paged cache): slot `slot` (int32 scalar) was
+    just prefilled with the row's prompt; its `count` tokens generated before preemption
+    (`tokens_R1[1:count + 1]`, with their `logprobs_R`; `tokens_R1[0]` is the prompt's last token)
+    are prefilled after the prompt instead of being decoded again, and they replace the prefill's
+    sample.
 
-    Two uses. A preempted row coming back (a paged cache; `back` 1): the slot was just prefilled
-    with the row's prompt, the prefill starts one slot back, at the prompt's last token, and its
-    tokens generated before preemption replace the prefill's sample. A tool turn (`back` 0):
-    `tokens_R1[0]` is the row's last token (its turn's stop token) and the tool messages' tokens
-    follow it (`tlt_jax.rollout.tools`).
-
-    The prefill's outputs are the features of every appended token: captured hidden states are
-    written as decoding writes them, and the drafter is fed the row's pairs (f_p, x_{p+1}) from
-    there. It runs in chunks of at most `kv_block` tokens with blockwise attention (`xla`, for
-    target and drafter: one row's view of a pool split over devices is not split like it), so a
-    long row's prefill never holds more than a chunk's scores. The row's cache then holds all but
-    its last token, its next input, as if it had decoded them.
+    The prefill starts one slot back, at the prompt's last token, so its outputs are the features
+    of every generated token: captured hidden states are written as decoding writes them, and the
+    drafter is fed the row's pairs (f_p, x_{p+1}) from there. It runs in chunks of at most
+    `kv_block` tokens with blockwise attention (`xla`, for target and drafter: one row's view of a
+    pool split over devices is not split like it), so a long row's prefill never holds more
+    than a chunk's scores. The row's cache then holds its prompt and all but its last generated
+    token, its next input, as if it had never left.
     """
     model, drafter = self.models(params, drafter_params)
     st = with_pages(st, pages_BxM)
@@ -342,21 +338,13 @@ class Steps:
     chunks = lambda x: x.reshape(r // c, 1, c)  # [chunks, 1, c]
     layers = drafter.feature_layers if drafter is not None else ()
 
-    def row(cache: KVCache | None) -> KVCache | None:  # the slot's view, `back` slots before its length
+    def row(cache: KVCache | None) -> KVCache | None:  # the slot's view of the pool, at the prompt's last token
       if cache is None:
         return None
-      length = cache.lengths[slot][None] - back
-      if cache.pages is not None:
-        return dataclasses.replace(cache, pages=cache.pages[slot][None], lengths=length)
-      take = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=1)
-      return KVCache(take(cache.k), take(cache.v), length)
+      return dataclasses.replace(cache, pages=cache.pages[slot][None], lengths=cache.lengths[slot][None] - 1)
 
-    def put(cache: KVCache, view: KVCache) -> KVCache:  # the cache the view wrote, the slot's new length
-      lengths = cache.lengths.at[slot].set(view.lengths[0])
-      if cache.pages is not None:
-        return dataclasses.replace(view, pages=cache.pages, lengths=lengths)
-      put_row = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, slot, axis=1)
-      return KVCache(put_row(cache.k, view.k), put_row(cache.v, view.v), lengths)
+    def put(cache: KVCache, view: KVCache) -> KVCache:  # the pool the view wrote, the slot's new length
+      return dataclasses.replace(view, pages=cache.pages, lengths=cache.lengths.at[slot].set(view.lengths[0]))
 
     def chunk(carry, xs):
       i, cache, dcache, last = carry
@@ -375,7 +363,7 @@ class Steps:
     (_, cache, dcache, last), hidden = jax.lax.scan(
         chunk, (jnp.int32(0), row(st.cache), row(st.drafter_cache), feat0),
         (chunks(tokens_R1[:-1]), chunks(tokens_R1[1:])))
-    st = dataclasses.replace(st, cache=put(st.cache, cache), num_generated=st.num_generated - sel * back,
+    st = dataclasses.replace(st, cache=put(st.cache, cache), num_generated=jnp.where(sel, 0, st.num_generated),
                              done=st.done & ~sel, finish=jnp.where(sel, 0, st.finish))
     zeros = jnp.zeros((b,), bool)
     acc = speculative.Accepted(tokens=jnp.broadcast_to(tokens_R1[1:], (b, r)),
@@ -407,21 +395,59 @@ class Steps:
     accepted path; with the one-node tree (depth 0) this is a plain step. Returns the state and,
     with a drafter, the committed pairs for it."""
     active = ~st.done
-    layers = drafter.feature_layers if drafter is not None else ()
-    out = transformer.verify(model, tree.tokens, st.cache.lengths[:, None] + tree.depths, tree.mask, st.cache,
-                             kv_block=self.config.kv_block, attention=self.config.attention, hidden_layers=layers)
+    out = self._forward(model, drafter, st, tree)
     acc = speculative.accept(out.logits, tree, active, st.num_generated, st.max_new, st.prompt_index,
                              st.sample_index, self.sampling, depth)
     if depth:
       cache = speculative.commit(out.cache, acc.nodes, acc.count)
     else:  # a one-node tree: the accepted token's keys/values are already at the row's length
       cache = dataclasses.replace(out.cache, lengths=out.cache.lengths + acc.count)
+    return self._commit(drafter, st, cache, out, acc, active)
+
+  def _forward(self, model, drafter, st: RowState, tree: speculative.Tree):
+    """The target over every row's tree at its length (keys and values written there)."""
+    layers = drafter.feature_layers if drafter is not None else ()
+    return transformer.verify(model, tree.tokens, st.cache.lengths[:, None] + tree.depths, tree.mask, st.cache,
+                              kv_block=self.config.kv_block, attention=self.config.attention, hidden_layers=layers)
+
+  @staticmethod
+  def _commit(drafter, st: RowState, cache: KVCache, out, acc: speculative.Accepted, passes_B) -> Verified:
+    """Records the emitted tokens `acc` (the features of the nodes that produced them) with the committed
+    `cache`; with a drafter, the committed pairs for it."""
     rows = jnp.arange(acc.nodes.shape[0])[:, None]
-    st = record(dataclasses.replace(st, cache=cache), active, acc, out.hidden[rows, acc.nodes])
+    st = record(dataclasses.replace(st, cache=cache), passes_B, acc, out.hidden[rows, acc.nodes])
     if drafter is None:
       return Verified(st, None)
     return Verified(st, CommittedPairs(drafter.target_features(out.hidden, out.aux_hidden)[rows, acc.nodes], acc.tokens,
                               acc.count))
+
+  def extend(self, params, drafter_params, st: RowState, tokens_BxC, count_B, pages_BxM=None) -> RowState:
+    """Appends to each row `count_B` (0: none) of its `tokens_BxC`, a tool turn's
+    (`tlt_jax.rollout.tools`), as if it had decoded them, with log-prob 0, and the row decodes on:
+    one forward of the chain of its last token and them, every row at once like a verify step
+    (data-parallel: the rows split over a mesh as the state does), whose keys and values are already
+    where a chain accepted whole commits them; the features recorded and the drafter's pairs are
+    those decoding gives. Rows without tokens write nothing into a paged cache. Each row's budget
+    must hold its tokens (the engine checks)."""
+    model, drafter = self.models(params, drafter_params)
+    st = with_pages(st, pages_BxM)
+    b, c = tokens_BxC.shape
+    some = count_B > 0
+    cache = st.cache
+    if cache.pages is not None:
+      cache = dataclasses.replace(cache, pages=jnp.where(some[:, None], cache.pages, cache.k.shape[1]))
+    depths = jnp.broadcast_to(jnp.arange(c), (b, c))
+    chain = jnp.concatenate([st.last_token[:, None], tokens_BxC[:, :-1]], axis=1)  # node j produces token j
+    tree = speculative.Tree(chain, depths - 1, depths, jnp.broadcast_to(jnp.tril(jnp.ones((c, c), bool)), (b, c, c)))
+    out = self._forward(model, drafter, dataclasses.replace(st, cache=cache), tree)
+    no = jnp.zeros((b,), bool)
+    acc = speculative.Accepted(tokens_BxC, jnp.zeros((b, c), jnp.float32), depths, count_B, no, no)
+    cache = dataclasses.replace(out.cache, pages=st.cache.pages, lengths=out.cache.lengths + count_B)
+    st = dataclasses.replace(st, done=st.done & ~some, finish=jnp.where(some, 0, st.finish))
+    verified = self._commit(drafter, st, cache, out, acc, jnp.zeros((b,), jnp.int32))
+    if drafter is None:
+      return verified.state
+    return self.feed_drafter(model, drafter, verified.state, verified.pairs, self.config.kv_block)
 
   def segment(self, params, drafter_params, st: RowState, stop_at, pages_BxM=None, max_steps=None, *,
               strategy: Strategy | None) -> RowState:

@@ -5,7 +5,7 @@ A row decodes an assistant turn until its stop token; the engine then hands the 
 that calls no tool finishes the row. Otherwise the row waits in its slot, its KV cache kept, while
 the other rows decode on; once the calls' `Turn` is back, its tokens (the tool messages as the
 chat template renders them, up to the next assistant turn's opening) are appended to the row
-(`Steps.extend`: one prefill of them, as if the row had decoded them) and it decodes its next turn.
+(`Steps.extend`: one forward of them, as if the row had decoded them) and it decodes its next turn.
 Appended tokens count against the row's budget, are marked in `Sample.tool_mask` (no loss, no
 drafter training on them) and get log-prob 0.
 """
