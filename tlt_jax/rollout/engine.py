@@ -25,8 +25,9 @@ Tool turns (`Engine(turns=...)`, `tlt_jax.rollout.tools`): a row that ends an as
 it to `Turns.submit`; a turn with tool calls keeps the row in its slot, its cache kept, while the
 other rows decode on (the play's stop count leaves the waiting rows out), and once the calls are
 back their tokens are appended (`Steps.extend`: every returned row at once, in chunks of
-`EngineConfig.turn_chunk` tokens, one executable per bucket) and the row decodes its next turn. When every row in the batch waits
-for its tools (and none can enter), the host waits for the first to come back.
+`EngineConfig.turn_chunk` tokens, one executable per bucket) and the row decodes its next turn.
+When every row in the batch waits for its tools (and none can enter), the host waits for the
+first to come back.
 
 Guard: once a row's drafter outputs are not finite (`RowState.drafter_finite`, read with each
 play's sync), the drafter's strategies are off for the rest of the rollout (suffix strategies,
