@@ -24,7 +24,7 @@ ARMS = {"tlt": {"rollout.speculative": True, "rollout.tlt.enabled": True},
 KEYS = ("reward/mean", "reward/accuracy", "response_length/median", "response_length/p90", "response_length/max",
         "time/step_s", "time/rollout_s", "time/train_s", "rollout/tail_share", "rollout/sd_share",
         "rollout/accept_len", "rollout/refills", "rollout/idle_slot_fraction", "rollout/compilations",
-        "rollout/decode_s", "rollout/tool_wait_s", "tools/calls_per_response")
+        "rollout/decode_s", "rollout/tool_append_s", "rollout/tool_wait_s", "tools/calls_per_response")
 
 
 def check_arms(arms, reference: str) -> None:

@@ -632,7 +632,7 @@ class Engine:
       st = self._extend(sched, st, appended)
     if changed:
       host = self._observe(job, sched, st)
-    metrics.prefill_s += time.perf_counter() - t1
+    metrics.tool_append_s += time.perf_counter() - t1
     return st, host
 
   def _extend(self, sched: Schedule, st: RowState, appended: dict[int, np.ndarray]) -> RowState:

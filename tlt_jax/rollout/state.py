@@ -324,11 +324,12 @@ class RolloutMetrics:
   tool_turns: int = 0  # tool turns appended to rows (a turn holds one or more calls)
   tool_tokens: int = 0  # tokens those turns appended (not decoded, not counted in `tokens`)
   tool_wait_s: float = 0.0  # time the host waited for tools with no row left to decode
+  tool_append_s: float = 0.0  # time appending tool turns to their rows (`Steps.extend`)
   started: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (prompt, sample) in batch-entry order
 
   @property
   def wall_s(self) -> float:
-    return self.prefill_s + self.decode_s + self.compact_s + self.tool_wait_s
+    return self.prefill_s + self.decode_s + self.compact_s + self.tool_wait_s + self.tool_append_s
 
   @property
   def tokens_per_s(self) -> float:
@@ -384,7 +385,7 @@ class RolloutMetrics:
            "rollout/resumed_tokens": self.resumed_tokens, "rollout/peak_rows": self.peak_rows,
            "rollout/peak_pages": self.peak_pages, "rollout/tool_calls": self.tool_calls,
            "rollout/tool_turns": self.tool_turns, "rollout/tool_tokens": self.tool_tokens,
-           "rollout/tool_wait_s": self.tool_wait_s,
+           "rollout/tool_wait_s": self.tool_wait_s, "rollout/tool_append_s": self.tool_append_s,
            "rollout/tail_share": self.tail_share, "rollout/idle_slot_fraction": self.idle_slot_fraction}
     for s in self.segments:
       key = f"rollout/steps/b{s.bucket}"

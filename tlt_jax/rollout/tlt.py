@@ -250,6 +250,10 @@ class TLTRollout(BaseRollout):
         "rollout/peak_pages": float(max(r.metrics.peak_pages for r in results)),
         "rollout/tail_share": float(np.mean([r.metrics.tail_share for r in results])),
         "rollout/idle_slot_fraction": float(np.mean([r.metrics.idle_slot_fraction for r in results])),
+        # Summed over the groups: the time split and the tool turns.
+        **{f"rollout/{k}": float(sum(getattr(r.metrics, k) for r in results))
+           for k in ("prefill_s", "decode_s", "tool_append_s", "tool_wait_s", "tool_calls", "tool_turns",
+                     "tool_tokens")},
     }
     if rounds:
       n = sum(r.metrics["pairs"] for r in rounds)
