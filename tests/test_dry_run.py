@@ -67,9 +67,9 @@ def test_dry_run_compiles_and_sizes_every_part(report):
   beside = report["coresident_gb"].get(name, state)
   assert report["max_per_device_gb"] == pytest.approx(report["executables"][name]["resident_gb"] + beside, abs=1e-5)
   # The drafter buffer's share of a checkpoint: 32 x 8 samples of this step and the longest quarter
-  # of the previous step's, up to 64 + 64 tokens each (126 pairs, 127 tokens and 96-float features).
+  # of the previous step's, up to 64 + 64 tokens each (126 pairs, 127 tokens, tool flags and 96-float features).
   entries = 256 + 64
-  assert report["drafter_buffer_checkpoint_gb"] == round((entries * 127 * (96 * 4 + 4) + entries * 16) / (1 << 30), 6)
+  assert report["drafter_buffer_checkpoint_gb"] == round((entries * 127 * (96 * 4 + 5) + entries * 16) / (1 << 30), 6)
 
 
 def test_dry_run_fails_naming_what_does_not_fit(report):

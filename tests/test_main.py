@@ -41,8 +41,8 @@ BAD_CONFIGS = [
     (["--config.policy.lora.path=nowhere"], "config.policy.lora.path='nowhere': holds no adapter_config.json"),
     (["--config.policy.lora.target_modules=7"], "config.policy.lora.target_modules=7: must be 'all-linear', a regex"),
     (["--config.policy.lora.target_modules=(q"], "config.policy.lora.target_modules='(q': not a regular expression"),
-    (["--config.rollout.tools=('search',)"], "config.rollout.tools=('search',): tool 'search': unknown tool 'search': "
-     "one of ['calculator']"),
+    (["--config.rollout.tools=('search',)"], "config.rollout.tools=('search',): unknown tool 'search': one of "
+     "['calculator']"),
     (["--config.rollout.tools=('calculator',)", "--config.rollout.max_turns=0"],
      "config.rollout.max_turns=0: must be >= 1"),
     (["--config.rollout.tool_timeout_s=0"], "config.rollout.tool_timeout_s=0.0: must be > 0"),
