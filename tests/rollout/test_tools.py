@@ -83,14 +83,15 @@ def test_greedy_turns_equal_turn_by_turn_decoding(models, greedy_reference):
   """Rows that call the tool (some twice, some past their budget), rows that do not, tools that answer
   late and out of order: every row's tokens and mask are those of decoding turn by turn, with the
   tool's tokens in the prompt, for plain decoding in a paged cache and EAGLE and suffix speculation,
-  with compaction."""
+  with refill and compaction."""
   model = models["qwen3"]
   ps, expected = greedy_reference
   assert sum(m.count(True) > 0 for m in (v[1] for v in expected.values())) >= 3, expected
   assert any(v[2] == "length" for v in expected.values()), expected
   drafter = Drafter(model.config, rngs=nnx.Rngs(1))
-  cases = [(configured(CONFIG, page_size=16), None), (with_sd(CONFIG, "3_1_4"), drafter),
-           (with_sd(CONFIG, "s4_1_5"), None)]  # plain decoding: in the paged pool
+  small = configured(CONFIG, batch_buckets=(1, 2, 4))  # 8 rows: refilled, then compacted
+  cases = [(configured(small, page_size=16), None), (with_sd(small, "3_1_4", sd_max_batch=4), drafter),
+           (with_sd(small, "s4_1_5", sd_max_batch=4), None)]  # plain decoding: in the paged pool
   for config, d in cases:
     echo = Echo(delay_s=0.02)
     engine = Engine(model, config, GREEDY, drafter=d, turns=echo)
