@@ -128,7 +128,7 @@ def test_a_conversation_with_tool_turns_is_the_templates_token_for_token(which, 
   user = [{"role": "user", "content": "What is 123 + 456 in Paris?"}]
   content = "Let me compute. " + _call("calculator", expression="123 + 456") + _call("lookup", city="Paris")
   answer = "The answer is 579."
-  prompt = _ids(tokenizer, tools.prompt_text(tokenizer, user, turns.schemas))
+  prompt = _ids(tokenizer, tokenizer_lib.chat_prompt(tokenizer, user, turns.schemas))
   turn = turns.submit(_ids(tokenizer, content + stop)).result()
   assert [(c["name"], c["result"], c["error"]) for c in turn.calls] == [
       ("calculator", "579", None), ("lookup", '{"city": "Paris", "year": 2024}', None)]
@@ -149,7 +149,7 @@ def test_a_conversation_with_tool_turns_is_the_templates_token_for_token(which, 
 def test_the_tiny_worlds_prompt_names_the_tools(tiny, user_tools):
   turns = tools.ToolTurns(["calculator", user_tools("lookup")], tiny, max_turns=2, timeout_s=5, workers=0)
   assert turns.stop_token_id == tiny.eos_token_id
-  assert tools.prompt_text(tiny, [{"role": "user", "content": "1 + 2 ="}], turns.schemas) == (
+  assert tokenizer_lib.chat_prompt(tiny, [{"role": "user", "content": "1 + 2 ="}], turns.schemas) == (
       "<bos><|system|>tools: calculator(expression), lookup(city, year)<|user|>1 + 2 =<|assistant|>")
 
 

@@ -38,6 +38,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
+
 def build_tokenizer(model_max_length: int = 4096) -> transformers.PreTrainedTokenizerFast:
   """The character tokenizer; characters outside CHARACTERS encode as <unk>."""
   vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}

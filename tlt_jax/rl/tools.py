@@ -4,7 +4,7 @@
 ("calculator": `calculator`), "path/to/file.py:function" or "package.module:function". Each is a plain function
 with type hints and a Google-style docstring: transformers builds its JSON schema from them (`get_json_schema`,
 what `apply_chat_template(tools=[fn])` does), and the chat template puts the schemas into the prompt
-(`prompt_text`). A function transformers cannot describe is an error at start-up naming it.
+(`tokenizer.chat_prompt`). A function transformers cannot describe is an error at start-up naming it.
 
 Calls are read in the Hermes format, the one Qwen2.5's, Qwen3's and the tiny world's templates use: every
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in the turn's text ("arguments" may be a JSON string
@@ -139,23 +139,16 @@ def stats(samples) -> dict[str, float]:
   if not samples or samples[0].tool_mask is None:
     return {}
   calls = [c for s in samples for c in s.tool_calls]
+  appended, tokens = sum(int(s.tool_mask.sum()) for s in samples), sum(len(s.tokens) for s in samples)
   return {"tools/calls_per_response": len(calls) / len(samples),
-         "tools/turns_per_response": float(np.mean([s.turns for s in samples])),
-         "tools/token_share": sum(int(s.tool_mask.sum()) for s in samples) / max(sum(len(s.tokens) for s in samples),
-                                                                                   1),
-         "tools/errors": sum(c["error"] is not None for c in calls) / max(len(calls), 1)}
+          "tools/turns_per_response": float(np.mean([s.turns for s in samples])),
+          "tools/token_share": appended / max(tokens, 1),
+          "tools/errors": sum(c["error"] is not None for c in calls) / max(len(calls), 1)}
 
 
 def call_text(name: str, arguments: dict[str, Any]) -> str:
   """A call as a model writes it in the Hermes format (what `submit` parses; SFT targets)."""
   return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
-
-
-def prompt_text(tokenizer: transformers.PreTrainedTokenizerBase, messages: list[dict[str, str]],
-                tools: Sequence[dict[str, Any]]) -> str:
-  """`messages` rendered with the tools' schemas (`ToolTurns.schemas`), ending with the assistant turn's opening;
-  a ChatTemplateError names the tokenizer."""
-  return tokenizer_lib.chat_prompt(tokenizer, messages, list(tools))
 
 
 # ---- running a call (in a worker process) ----
@@ -199,7 +192,7 @@ def _failed(record: dict[str, Any], kind: str, message: str) -> dict[str, Any]:
 class ToolTurns(turns_lib.Turns):
   """Runs the tool calls of assistant turns and renders what they append (module docstring).
 
-  `schemas`: the tools' JSON schemas, for the prompts (`prompt_text`); `stop_token_id`: the token that ends an
+  `schemas`: the tools' JSON schemas, for the prompts (`tokenizer.chat_prompt`); `stop_token_id`: the token that ends an
   assistant turn in the chat template, which `submit` expects last in a turn."""
 
   def __init__(self, specs: Sequence[str], tokenizer: transformers.PreTrainedTokenizerBase, *, max_turns: int,
@@ -235,7 +228,7 @@ class ToolTurns(turns_lib.Turns):
     conversation = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}]
     conversation += [{"role": "tool", "name": name, "content": content} for name, content in messages]
     with self._tokenizer_lock:
-      text = prompt_text(self.tokenizer, conversation, self.schemas)
+      text = tokenizer_lib.chat_prompt(self.tokenizer, conversation, self.schemas)
       at = text.find(_SENTINEL)
       if at < 0:
         raise ToolError(f"{tokenizer_lib.describe(self.tokenizer)}: its chat template does not render an assistant "
