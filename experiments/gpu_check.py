@@ -5,22 +5,24 @@
   python experiments/gpu_check.py --download=.whl                     # the wheels the GPU host lacks (docs/GPU.md)
 
 Parts, in order, each a subprocess of this script (`--part=NAME`) killed at its deadline: the budget
-left, split over the parts still to run by SHARES (time a part leaves unused goes to the later ones):
+left, split over the parts still to run by SHARES (time a part leaves unused goes to the later ones).
+The figures come right after env and take most of the budget: the first hardware run (an H200) ran the
+kernels and parity, and never reached a speculative, bandit or RL figure.
   env      the device, the versions of what the package needs, what `pip show` says of setup.py's requirements,
            the imports that must work (jax_triton only on a GPU), then the package end to end
            (`python -m tlt_jax.main --config=configs/tiny.py:smoke`; not with --nomain_smoke).
-  kernels  experiments/bench_kernels.py at configs/r1_7b.py's attention shape in bfloat16: xla,
-           pallas_gpu and triton against the float32 reference, timed, as a fraction of the device's
-           peak bandwidth. Decode and trees of 8-64 tokens, 512-32768 filled slots, batch 1-64, largest
-           first, at the config's kv_block (512), then, with the time left, at block 64.
-  parity   tiny random Qwen2 and Llama checkpoints built here with `transformers`: transformers' greedy
-           tokens (torch, on the GPU when it has one, in a process of its own) against the engine's with
-           each attention implementation (float32, matmuls at full precision), speculative greedy
-           tokens (a random EAGLE drafter) against plain ones, and a repeated rollout compiling nothing.
   figures  experiments/accelerator.py (target, grid, bandit, rl) shrunk to what is left: `plan` estimates
            each piece on an H100 (FLOPs at 989 TFLOP/s bf16 and ASSUMED efficiencies, HBM at 3.35 TB/s,
            compile times guessed) and passes the flags that fit (SFT steps, grid batch sizes, parts);
            accelerator.py's --time_limit_s starts nothing new past the deadline.
+  parity   tiny random Qwen2 and Llama checkpoints built here with `transformers`: transformers' greedy
+           tokens (torch, on the GPU when it has one, in a process of its own) against the engine's with
+           each attention implementation (float32, matmuls at full precision), speculative greedy
+           tokens (a random EAGLE drafter) against plain ones, and a repeated rollout compiling nothing.
+  kernels  experiments/bench_kernels.py at configs/r1_7b.py's attention shape in bfloat16: xla,
+           pallas_gpu and triton against the float32 reference, timed, as a fraction of the device's
+           peak bandwidth. Decode and trees of 8-64 tokens, 512-32768 filled slots, batch 1-64, largest
+           first, at the config's kv_block (512), then, with the time left, at block 64.
 Each part's result goes into --out the moment it ends: summary.json (every part's status and result,
 every goal's value and verdict), summary.txt (the screen printed at the end), kernels.png, sd_grid.png,
 bandit.png, rl_step.png, and details.tar.gz (logs and raw results). Working files (checkpoints,
@@ -50,8 +52,8 @@ from absl import app, flags
 from gpu_parts import (ROOT, child_env, fmt, kernel_goals, parity_goal, part_env, part_figures, part_hf_greedy,
                        part_kernels, part_parity, read_json, run_logged, tail, write_json)
 
-PARTS = ("env", "kernels", "parity", "figures")
-SHARES = {"env": 0.14, "kernels": 0.2, "parity": 0.15, "figures": 0.51}  # of the budget left, over parts to run
+PARTS = ("env", "figures", "parity", "kernels")
+SHARES = {"env": 0.1, "figures": 0.62, "parity": 0.14, "kernels": 0.14}  # of the budget left, over parts to run
 LEAST_S = {"env": 20, "kernels": 30, "parity": 30, "figures": 60}  # a part given less is skipped (not in --smoke)
 SMOKE_RESERVE_S = 60  # --smoke: what each later part keeps of the budget
 

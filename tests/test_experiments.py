@@ -94,7 +94,7 @@ def test_gpu_check_smoke_runs_every_part_and_continues(tmp_path, smoke_env):
   assert done.returncode == 0, done.stderr[-3000:]
   summary = json.loads((out / "summary.json").read_text())
   parts = summary["parts"]
-  assert list(parts) == ["env", "kernels", "parity", "figures"]
+  assert list(parts) == ["env", "figures", "parity", "kernels"]
   assert all(p["status"] == "done" and p["seconds"] <= p["deadline_s"] for p in parts.values()), parts
   assert "bandit and rl not run" in parts["figures"]["reason"]  # test_accelerator_smoke runs them
   env_result = parts["env"]["result"]
