@@ -53,6 +53,14 @@ USER_TOOLS = textwrap.dedent('''
       """
       return object()
 
+    def words(n: int) -> str:
+      """Numbered words.
+
+      Args:
+        n: How many.
+      """
+      return " ".join(f"w{i}" for i in range(n))
+
     def undocumented(x: int) -> str:
       return "x"
 
@@ -160,6 +168,25 @@ def test_a_turn_without_a_tool_call_finishes_the_row(tiny):
   call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>'
   assert turns.submit(_ids(tiny, call + "<eos>")) is not None
   assert turns.submit(_ids(tiny, call + "<pad>")) is None
+
+
+def test_a_long_result_keeps_its_first_and_last_tokens(chatml, user_tools):
+  """`max_tokens`: a longer result is cut in the middle, a note saying how much (the record keeps its length);
+  a short one is as it was; what the turn appends is the template's rendering of the cut result."""
+  turns = tools.ToolTurns([user_tools("words")], chatml, max_turns=2, timeout_s=5, workers=0, max_tokens=16)
+  turn = turns.submit(_ids(chatml, _call("words", n=3) + _call("words", n=400) + "<|im_end|>")).result()
+  short, long = turn.calls
+  assert (short["result"], short["result_tokens"]) == ("w0 w1 w2", len(_ids(chatml, "w0 w1 w2")))
+  full = len(_ids(chatml, " ".join(f"w{i}" for i in range(400))))
+  assert long["result_tokens"] == full > 16
+  head, note, tail = long["result"].split("\n")
+  assert note == f"...({full - 16} tokens cut)..." and head.startswith("w0 w1") and tail.endswith("w399")
+  assert len(_ids(chatml, head)) + len(_ids(chatml, tail)) <= 18  # 8 + 8, give or take a merge at the cuts
+  whole = tools.ToolTurns([user_tools("words")], chatml, max_turns=2, timeout_s=5, workers=0)
+  assert turn.tokens.tolist() == whole.turn([{"name": "words", "result": short["result"]},
+                                             {"name": "words", "result": long["result"]}]).tokens.tolist()
+  uncut = whole.submit(_ids(chatml, _call("words", n=400) + "<|im_end|>")).result().calls[0]
+  assert uncut["result"] == " ".join(f"w{i}" for i in range(400)) and "result_tokens" not in uncut
 
 
 @pytest.mark.parametrize("call, kind, message", [

@@ -83,4 +83,4 @@ def tool_turns(config, tok, workers: int | None = None) -> tools.ToolTurns | Non
     return None
   r = config.rollout
   return tools.ToolTurns(r.tools, tok, max_turns=r.max_turns, timeout_s=r.tool_timeout_s,
-                         workers=r.tool_workers if workers is None else workers)
+                         workers=r.tool_workers if workers is None else workers, max_tokens=r.tool_max_tokens)

@@ -26,7 +26,7 @@ _AT_LEAST = {
     "sft.num_problems": 1, "sft.steps": 0, "sft.batch_rows": 1, "sft.row_len": 2, "sft.learning_rate": 0,
     "sft.warmup_steps": 0, "sft.weight_decay": 0, "sft.unanswered": 0, "sft.eval_size": 0, "sft.eval_max_new_tokens": 1,
     "rollout.prompts_per_step": 1, "rollout.num_samples": 1, "rollout.groups": 1, "rollout.mean_response_len": 0,
-    "rollout.max_turns": 1, "rollout.tool_workers": 0,
+    "rollout.max_turns": 1, "rollout.tool_workers": 0, "rollout.tool_max_tokens": 2,
     "drafter.draft_vocab_size": -1, "drafter.distill.steps": 0, "drafter.distill.learning_rate": 0,
     "drafter.distill.batch_rows": 1, "drafter.distill.row_len": 2, "drafter.distill.draft_steps": 0,
     "drafter.distill.prompts": 1,

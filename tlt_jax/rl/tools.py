@@ -17,7 +17,9 @@ Each call runs in a worker process under `timeout_s` (tlt_jax.rl.scorer's `Worke
 SIGTERM, dead with its parent; a hung one is killed and replaced), driven by one thread of a small pool, so that
 `submit` returns at once while the engine decodes. `workers=0` runs them in this process with no timeout. The
 model gets a call's return value as text: a string as it is, a number or bool by str(), a dict or list as JSON;
-anything else, an exception ("Error: <Type>: <message>") or a timeout is an error message.
+anything else, an exception ("Error: <Type>: <message>") or a timeout is an error message. A text longer than
+`max_tokens` tokens keeps its first and last halves around a note of how many tokens were cut (verl's "middle"
+truncation, counted in tokens: they are what a response's budget counts); the call's record says how long it was.
 
 What a turn appends is what the chat template renders after the model's content: the assistant turn's end
 without its first token (the stop token the model emitted), a tool message per call (role "tool") and the next
@@ -196,14 +198,14 @@ class ToolTurns(turns_lib.Turns):
   assistant turn in the chat template, which `submit` expects last in a turn."""
 
   def __init__(self, specs: Sequence[str], tokenizer: transformers.PreTrainedTokenizerBase, *, max_turns: int,
-               timeout_s: float, workers: int):
+               timeout_s: float, workers: int, max_tokens: int | None = None):
     specs = (specs,) if isinstance(specs, str) else tuple(specs)
     if not specs:
       raise ToolError("no tools named")
-    if max_turns < 1 or timeout_s <= 0 or workers < 0:
+    if max_turns < 1 or timeout_s <= 0 or workers < 0 or (max_tokens is not None and max_tokens < 2):
       raise ToolError(f"max_turns={max_turns} (at least 1), timeout_s={timeout_s} (positive), workers={workers} "
-                      "(0: in this process)")
-    self.tokenizer, self.max_turns, self.timeout_s = tokenizer, max_turns, timeout_s
+                      f"(0: in this process), max_tokens={max_tokens} (at least 2, or None: no limit)")
+    self.tokenizer, self.max_turns, self.timeout_s, self.max_tokens = tokenizer, max_turns, timeout_s, max_tokens
     self.schemas = [schema(spec) for spec in specs]
     self._specs: dict[str, str] = {}  # a tool's name -> its spec
     for spec, s in zip(specs, self.schemas):
@@ -234,6 +236,19 @@ class ToolTurns(turns_lib.Turns):
         raise ToolError(f"{tokenizer_lib.describe(self.tokenizer)}: its chat template does not render an assistant "
                         "message's content as it is")
       return self.tokenizer(text[at + len(_SENTINEL):], add_special_tokens=False).input_ids
+
+  def _cut(self, record: dict[str, Any]) -> dict[str, Any]:
+    """The record with its result cut to `max_tokens` tokens (module docstring), and "result_tokens" its length."""
+    if self.max_tokens is None:
+      return record
+    with self._tokenizer_lock:
+      ids = self.tokenizer(record["result"], add_special_tokens=False).input_ids
+      record["result_tokens"] = len(ids)
+      if len(ids) > self.max_tokens:
+        head, tail = self.max_tokens // 2, self.max_tokens - self.max_tokens // 2
+        record["result"] = (f"{self.tokenizer.decode(ids[:head])}\n...({len(ids) - self.max_tokens} tokens cut)...\n"
+                            f"{self.tokenizer.decode(ids[len(ids) - tail:])}")
+    return record
 
   def _probe(self) -> int:
     """The stop token: the special token the template renders right after an assistant turn's content."""
@@ -362,6 +377,7 @@ class ToolTurns(turns_lib.Turns):
 
   def turn(self, records: list[dict[str, Any]]) -> turns_lib.Turn:
     """What the calls `records` (each with its "name" and "result") append to the turn that made them."""
+    records = [self._cut(r) for r in records]
     tokens = self._tail([(r["name"] or "", r["result"]) for r in records])
     if tokens[:1] != [self.stop_token_id]:
       raise ToolError(f"{tokenizer_lib.describe(self.tokenizer)}: its chat template ends an assistant turn followed "
