@@ -162,8 +162,8 @@ def test_the_tiny_defaults_figures_are_those_recorded():
   held = [r["held_out"] for r in record["runs"]]
   r3 = lambda x: f"{x:.3f}"
   first, last = [h["first"]["reward"] for h in held], [h["last"]["reward"] for h in held]
-  cell = (f"held-out reward {r3(min(first))}-{r3(max(first))} -> {r3(min(last))}-{r3(max(last))} over "
-          f"{len(held)} seeds, each rise beyond its 95% interval")
+  cell = (f"held-out reward {r3(min(first))}-{r3(max(first))} -> {r3(min(last))}-{r3(max(last))}, "
+          f"{len(held)} seeds, each rise beyond its confidence interval")
   assert cell in _read("README.md")
   assert all(h["verdict"] == "up" and h["change"] > h["change_ci95"] for h in held)
   benchmarks = _read("docs/BENCHMARKS.md")
