@@ -16,6 +16,7 @@ as they were, and the returned stats say `skipped=1`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple, Sequence
 
@@ -27,6 +28,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tlt_jax import packing, sharding
+from tlt_jax.executables import ExecutablePool
 from tlt_jax.models import lora
 from tlt_jax.models.transformer import CausalLM
 from tlt_jax.rl import grpo
@@ -99,7 +101,8 @@ def state_shardings(optimizer: optax.GradientTransformation, params):
   left to choose would replicate the moments (zeros depend on no sharded input): 8x their memory
   under FSDP over 8 devices."""
   shardings = jax.tree.map(lambda x: x.sharding, params)
-  replicated = NamedSharding(jax.tree.leaves(shardings)[0].mesh, P())
+  first = jax.tree.leaves(shardings)[0]  # on one device (a dry run's policy there): that device
+  replicated = NamedSharding(first.mesh, P()) if isinstance(first, NamedSharding) else first
   return optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params), shardings,
                                transform_non_params=lambda _: replicated)
 
@@ -149,6 +152,7 @@ class Actor:
     self._forward = dict(temperature=temperature or 1.0, remat=remat, chunk=logits_chunk,
                          query_block=attention_block or None)
     self.mesh = mesh
+    self.pool = ExecutablePool()  # `compile`'s
     # Log-probs come back to the host: replicated, so that every process can read them.
     self._logprobs = jax.jit(self._logprobs_fn, out_shardings=None if mesh is None else NamedSharding(mesh, P()))
     # Gradients come out sharded like the params they belong to (FSDP), not gathered.
@@ -196,6 +200,12 @@ class Actor:
 
   # ---- host side ----
 
+  def _on_mesh(self):
+    """The actor's mesh set while its steps trace: the model's activation constraints hold the micro-batch's
+    rows split over the batch axes (FSDP: the weights gathered, the rows not; left to XLA, a sharded embedding
+    axis made it keep every row on every device and all-reduce partial sums: 8x the activations)."""
+    return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
   def _micro_batches(self, planes: dict[str, np.ndarray]):
     """Splits [R, T] planes into [micro_batch_rows, T] pieces, padding rows weighing 0."""
     rows = planes["tokens"].shape[0]
@@ -211,8 +221,9 @@ class Actor:
   def logprobs(self, params, rows_5xRxT: np.ndarray) -> np.ndarray:
     """[R, T] log-probs of packed rows under `params` (the current policy's, or a reference's)."""
     planes = dict(zip(("tokens", "positions", "segments"), rows_5xRxT[:3]))
-    out = [np.asarray(self._logprobs(params, self.frozen, mb["tokens"], mb["positions"], mb["segments"]))
-           for mb in self._micro_batches(planes)]
+    with self._on_mesh():
+      out = [np.asarray(self._logprobs(params, self.frozen, mb["tokens"], mb["positions"], mb["segments"]))
+             for mb in self._micro_batches(planes)]
     return np.concatenate(out)[:rows_5xRxT.shape[1]]
 
   def update(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
@@ -220,7 +231,8 @@ class Actor:
     `skipped` (1.0 when the loss or the gradient was not finite and nothing changed)."""
     grads, sums = self._zeros(self.params), {}
     for mb in self._micro_batches(batch):
-      grads, stats = self._grads(self.params, self.frozen, mb, grads)
+      with self._on_mesh():
+        grads, stats = self._grads(self.params, self.frozen, mb, grads)
       for k, v in stats.items():
         sums[k] = sums.get(k, 0.0) + float(v)
     if not all(map(math.isfinite, sums.values())):
@@ -239,19 +251,25 @@ class Actor:
       return rollout_copy(self.params, dtype)
     return self._rollout_params(self.params, self.frozen, jnp.dtype(dtype))
 
-  def compile_update(self, row_len: int, batch_sharding=None) -> dict[str, jax.stages.Compiled]:
-    """Ahead-of-time executables of a micro-batch gradient and of the optimizer update, for the
-    actor's (possibly abstract, sharded) params: what a dry run sizes."""
+  def compile(self, row_len: int) -> ExecutablePool:
+    """Compiles, ahead of time for the actor's (possibly abstract) params, what a step runs on micro-batches of
+    rows of `row_len` tokens into `pool`: their log-probs, the gradient and the optimizer update (with LoRA,
+    also the rollouts' merged copy). A dry run's sizes; the run itself compiles the same at their first call."""
     shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-    params, opt_state = jax.tree.map(shape, self.params), jax.tree.map(shape, self.opt_state)
-    batch = {k: jax.ShapeDtypeStruct((self.micro_batch_rows, row_len), jnp.int32, sharding=batch_sharding)
-             for k in ("tokens", "positions", "segments")}
-    batch.update({k: jax.ShapeDtypeStruct((self.micro_batch_rows, row_len), jnp.float32, sharding=batch_sharding)
-                  for k in FLOAT_PLANES})
-    grads_abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding), params)
-    frozen = jax.tree.map(shape, self.frozen)
-    return {"gradient": self._grads.lower(params, frozen, batch, grads_abstract).compile(),
-            "update": self._apply.lower(params, opt_state, grads_abstract).compile()}
+    params, opt_state, frozen = (jax.tree.map(shape, t) for t in (self.params, self.opt_state, self.frozen))
+    rows = (self.micro_batch_rows, row_len)
+    where = None if self.mesh is None else sharding.array_sharding(rows, ("batch", None), self.mesh)
+    batch = {k: jax.ShapeDtypeStruct(rows, jnp.int32, sharding=where) for k in ("tokens", "positions", "segments")}
+    batch.update({k: jax.ShapeDtypeStruct(rows, jnp.float32, sharding=where) for k in FLOAT_PLANES})
+    def compile_(name, fn, *args):
+      with self._on_mesh():
+        self.pool.get_or_compile(name, lambda: fn.lower(*args).compile())
+    compile_("logprobs", self._logprobs, params, frozen, batch["tokens"], batch["positions"], batch["segments"])
+    compile_("gradient", self._grads, params, frozen, batch, params)
+    compile_("update", self._apply, params, opt_state, params)
+    if self.lora is not None:
+      compile_("rollout_params", self._rollout_params, params, frozen, jnp.dtype(self.model().dtype))
+    return self.pool
 
 
 def training_batch(rows_5xRxT: np.ndarray, advantages: np.ndarray, keep: np.ndarray, aggregation: str,

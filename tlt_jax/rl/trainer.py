@@ -65,6 +65,22 @@ def recomputes_old_logp(config) -> bool:
   return not (config.policy.dtype == "float32" and not s.top_k and s.top_p >= 1)
 
 
+def make_actor(config: ml_collections.ConfigDict, policy: CausalLM,
+               devices: Sequence[jax.Device] | None = None) -> actor_lib.Actor:
+  """The actor over the trainer mesh (`config.mesh` over `devices`, default every process's): the policy's
+  params laid out on it (in place; FSDP / tensor-parallel by the sharding rules), its micro-batches split over
+  its batch axes. On one device, as the policy is."""
+  devices = jax.devices() if devices is None else list(devices)
+  mesh = sharding.make_mesh({k: config.mesh[k] for k in sharding.MESH_AXES}, devices) if len(devices) > 1 else None
+  if mesh is not None:
+    state = nnx.state(policy)
+    if not sharding.abstract(state):  # each process holds the whole policy: its host copy goes onto the mesh
+      state = jax.tree.map(np.asarray, state)
+    nnx.update(policy, sharding.place(state, sharding.param_shardings(state, mesh)))
+  return actor_lib.Actor(policy, actor_lib.make_optimizer(**config.rl.optimizer), **config.rl.actor,
+                         temperature=config.rollout.sampling.temperature, seed=config.seed, mesh=mesh)
+
+
 class NonFiniteUpdates(RuntimeError):
   """Too many policy updates in a row had a non-finite loss or gradient."""
 
@@ -111,13 +127,7 @@ class Trainer:
       self.eval_sets.append(evaluation.EvalSet(name, list(data), s.num_samples, s.k, rollout))
     # Each takes the policy's params after an update (once: the rollout may be the evaluations' too).
     self._rollouts = list({id(r): r for r in [self.rollout, *(s.rollout for s in self.eval_sets)]}.values())
-    if distributed.multiprocess():  # the actor runs SPMD over every process's devices
-      mesh = sharding.make_mesh({k: c.mesh[k] for k in sharding.MESH_AXES})
-      state = nnx.state(self.policy)
-      nnx.update(self.policy, jax.device_put(jax.tree.map(np.asarray, state), sharding.param_shardings(state, mesh)))
-    self.actor = actor_lib.Actor(self.policy, actor_lib.make_optimizer(**c.rl.optimizer), **c.rl.actor,
-                                 temperature=c.rollout.sampling.temperature, seed=c.seed,
-                                 mesh=mesh if distributed.multiprocess() else None)
+    self.actor = make_actor(c, self.policy)
     self.ref_params = jax.tree.map(jnp.copy, self.actor.params) if self.actor.uses_ref else None
     trained, frozen = (sum(x.size for x in jax.tree.leaves(t)) for t in (self.actor.params, self.actor.frozen))
     logging.info("training %d parameters (%.2f%% of the policy's%s); optimizer state %.3f GB", trained,
