@@ -10,6 +10,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["tlt_jax", "tlt_jax.*"]),
+    package_data={"tlt_jax.targets": ["*.toml"]},  # the hardware a dry run compiles for
     install_requires=[
         "jax>=0.7,<0.12",
         "flax>=0.12,<0.14",
@@ -44,10 +45,12 @@ setup(
         # trl: tests/rl/test_grpo.py runs TRL's own GRPOTrainer loss beside ours (pinned: it calls its
         # private _compute_loss); datasets / wandb: the data and wandb extras' tests; peft: tests/models/test_lora.py
         # reads and writes PEFT adapters with PEFT itself.
+        # jax[cuda13] / jax[tpu]: tests/test_targets.py and test_dry_run.py compile for an H100 and a TPU v5e with
+        # their own compilers (the CUDA plugin's, libtpu's), deviceless (the tests run with JAX_PLATFORMS=cpu).
         "test": ["gguf>=0.10", "accelerate>=1.0", "pytest>=8", "pytest-xdist>=3.5,<4", "scipy>=1.11", "torch>=2.4,<3",
                  "hypothesis>=6.100,<7", "nbclient>=0.10,<0.11", "nbformat>=5.10,<6", "ipykernel>=6.29,<8",
                  "matplotlib>=3.8,<4", "ruff>=0.15,<1", "triton>=3.7,<3.10", "trl==1.16.0", "datasets>=2.18,<6",
-                 "wandb>=0.19,<1", "peft>=0.17,<1"],
+                 "wandb>=0.19,<1", "peft>=0.17,<1", "jax[cuda13]", "jax[tpu]"],
         # Prompt files saved by Hugging Face datasets (`save_to_disk` directories) as data.path / eval sets.
         "data": ["datasets>=2.18,<6"],
         # config.logging.wandb=True: metrics to a Weights & Biases run too.
@@ -61,6 +64,9 @@ setup(
         # must be as new (jax[cuda13] takes the newest nvidia-cuda-nvcc, 13.5 on 2026-11-23), else
         # set TRITON_PTXAS_BLACKWELL_PATH (sm_90+) / TRITON_PTXAS_PATH to that ptxas.
         "gpu": ["jax[cuda13]", "jax-triton>=0.3.1,<0.5", "triton>=3.6,<3.10"],
+        # Cloud TPUs: jax[tpu] (libtpu) at the jax pinned above. Also what a dry run needs to compile for a TPU
+        # target (config.mesh.target=tpu-v5e, ...) on any machine; the gpu extra does it for GPU targets.
+        "tpu": ["jax[tpu]"],
         "notebooks": ["jupyter>=1.0,<2", "nbclient>=0.10,<0.11", "matplotlib>=3.8,<4", "datasets>=2.18,<6",
                       "huggingface_hub>=0.30,<3"],
     },

@@ -30,7 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tlt_jax import sharding
+from tlt_jax import sharding, targets
 from tlt_jax.kernels import layout, pallas_gpu, pallas_tpu, triton_gpu
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "triton")
@@ -136,23 +136,33 @@ def select(impl: str, backend: str) -> tuple[str, bool]:
   return impl, _NATIVE.get(backend) != impl
 
 
+def platform() -> str:
+  """The platform being compiled for: that of the mesh set while tracing (`jax.set_mesh`: a dry run's
+  target devices, compiled for without being here), else the default backend's."""
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  return jax.default_backend() if device is None else device.platform
+
+
 def attention(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_BxTxW, *, impl: str = "auto",
               block: int | None = None, scale: float | None = None, pages_BxM=None):
-  """[B, T, H, D] tree attention by implementation `impl` (see `select`) for the default backend,
-  over a contiguous cache or, with `pages_BxM`, a paged one (`layout`).
+  """[B, T, H, D] tree attention by implementation `impl` (see `select`) for the platform compiled for
+  (`platform`), over a contiguous cache or, with `pages_BxM`, a paged one (`layout`).
 
   `block=None` always takes the dense, differentiable reference: the kernels have no gradient.
   Under a multi-device mesh the kernels need it set while tracing (`jax.set_mesh`); see
   `per_device`.
   """
-  kernel, interpret = select(impl, jax.default_backend())
+  kernel, interpret = select(impl, platform())
   if block is None or kernel == "xla":
     return reference(q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, layer, lengths_B, mask_BxTxW, block=block, scale=scale,
                      pages_BxM=pages_BxM)
   _check_block(k_LxNxPxKxD, pages_BxM, block)
   scale = q_BxTxHxD.shape[-1]**-0.5 if scale is None else scale
+  options = {"compute_capability": targets.compute_capability(jax.sharding.get_abstract_mesh())} \
+      if kernel == "triton" else {}
   run = lambda q, k, v, lengths, mask, pages: _KERNELS[kernel](q, k, v, layer, lengths, mask, block=block,
-                                                               scale=scale, interpret=interpret, pages_BxM=pages)
+                                                               scale=scale, interpret=interpret, pages_BxM=pages,
+                                                               **options)
   return per_device(run, q_BxTxHxD, k_LxNxPxKxD, v_LxNxPxKxD, lengths_B, mask_BxTxW, pages_BxM)
 
 

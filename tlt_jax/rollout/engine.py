@@ -58,7 +58,7 @@ from tlt_jax.kernels import tree_attention
 from tlt_jax.models import transformer
 from tlt_jax.rollout import steps, suffix
 from tlt_jax.rollout.bandit import Bandit
-from tlt_jax.rollout.pool import ExecutablePool
+from tlt_jax.executables import ExecutablePool
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.schedule import Schedule, bucket_for
 from tlt_jax.rollout.speculative import Strategy
@@ -172,7 +172,7 @@ class Engine:
     device or with attention='xla' (the jnp reference, which gathers any page anywhere). Buckets
     smaller than that are not used (`schedule.bucket_for`): their rows would not split like the pages."""
     if not config.paged or mesh is None or mesh.size == 1 or \
-        tree_attention.select(config.attention, jax.default_backend())[0] == "xla":
+        tree_attention.select(config.attention, mesh.devices.flat[0].platform)[0] == "xla":
       return 1
     shape = dict(mesh.shape)
     rows = sharding.logical_spec((config.batch_buckets[-1],), ("batch",), shape)[0]
