@@ -15,6 +15,7 @@ def get_config():
   c = r1_7b.get_config()
   c.workdir = "runs/qwen2_5_32b"
   c.distributed.enabled = True
+  c.distributed.num_processes = 4  # one per host (jax.distributed reads it from Slurm; a dry run lays out the hosts)
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 32, 1
   c.mesh.dry_run_devices = 32
   c.policy.path = "/data/Qwen2.5-32B"

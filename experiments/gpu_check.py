@@ -8,6 +8,10 @@ Parts, in order, each a subprocess of this script (`--part=NAME`) killed at its 
 left, split over the parts still to run by SHARES (time a part leaves unused goes to the later ones).
 The figures come right after env and take most of the budget: the first hardware run (an H200) ran the
 kernels and parity, and never reached a speculative, bandit or RL figure.
+  compile  configs/accelerator.py's dry run for the device's own description (`--target`, else the local
+           GPU's), compiled deviceless by its own compiler: what the figures run, checked to compile and fit,
+           and the roofline estimates they are set beside. Run it on a CPU before the device is lent
+           (`--parts=compile --target=h100`) and carry its --out along: there it is done already.
   env      the device, the versions of what the package needs, what `pip show` says of setup.py's requirements,
            the imports that must work (jax_triton only on a GPU), then the package end to end
            (`python -m tlt_jax.main --config=configs/tiny.py:smoke`; not with --nomain_smoke).
@@ -49,12 +53,13 @@ import time
 
 from absl import app, flags
 
-from gpu_parts import (ROOT, child_env, fmt, kernel_goals, parity_goal, part_env, part_figures, part_hf_greedy,
-                       part_kernels, part_parity, read_json, run_logged, tail, write_json)
+from gpu_parts import (ROOT, child_env, compile_goal, fmt, kernel_goals, parity_goal, part_compile, part_env,
+                       part_figures, part_hf_greedy, part_kernels, part_parity, read_json, run_logged, tail,
+                       write_json)
 
-PARTS = ("env", "figures", "parity", "kernels")
-SHARES = {"env": 0.1, "figures": 0.62, "parity": 0.14, "kernels": 0.14}  # of the budget left, over parts to run
-LEAST_S = {"env": 20, "kernels": 30, "parity": 30, "figures": 60}  # a part given less is skipped (not in --smoke)
+PARTS = ("compile", "env", "figures", "parity", "kernels")
+SHARES = {"compile": 0.1, "env": 0.1, "figures": 0.62, "parity": 0.14, "kernels": 0.14}  # of the budget left
+LEAST_S = {"compile": 30, "env": 20, "kernels": 30, "parity": 30, "figures": 60}  # less: skipped (not in --smoke)
 SMOKE_RESERVE_S = 60  # --smoke: what each later part keeps of the budget
 
 _OUT = flags.DEFINE_string("out", "runs/gpu_check", "Results (a handful of files; a second run continues there).")
@@ -64,6 +69,8 @@ _SMOKE = flags.DEFINE_bool("smoke", False, "Seconds-sized parts, to check the pl
 _PARTS = flags.DEFINE_list("parts", list(PARTS), f"Parts to run, of {PARTS} (always in that order).")
 _MAIN_SMOKE = flags.DEFINE_bool("main_smoke", True, "env: run the package end to end (--nomain_smoke: not, where "
                                  "that command passed already: the test suite runs it in tests/test_setup.py).")
+_TARGET = flags.DEFINE_string("target", "", "compile: the target (tlt_jax/targets) to compile for; default: the "
+                               "local GPU's.")
 _PART = flags.DEFINE_string("part", "", "Run this part in this process (what the check runs as a subprocess).")
 _DEADLINE = flags.DEFINE_float("deadline_s", 0.0, "With --part: the seconds it has.")
 _DOWNLOAD = flags.DEFINE_string("download", "", "Download (and build) WHEELS into this folder, then exit.")
@@ -129,12 +136,16 @@ GOALS = {
     "bandit": ("bandit / its best arm alone, tokens/s", ">=", 0.95),
     "rl_step": ("plain / TLT RL step time, rewards identical", ">=", 1.3),
     "compilations": ("executables compiled inside rollouts after warm-up", "==", 0),
+    "compiles": ("configs/accelerator.py for the device, deviceless: executables failing to compile or fit", "==", 0),
 }
 
 
 def goals(parts: dict) -> dict:
   """Every GOALS entry: value, verdict (MET / NOT MET / NOT RUN) and a note."""
   found = kernel_goals(parts.get("kernels", {}).get("result"))
+  compiled = compile_goal(parts.get("compile", {}).get("result"))
+  if compiled:
+    found["compiles"] = compiled
   parity = parity_goal(parts.get("parity", {}).get("result"))
   if parity:
     found["engine_parity"] = parity
@@ -213,6 +224,12 @@ def screen(state: dict) -> str:
   for name, g in state["goals"].items():
     lines.append(f"  {g['status']:<8} {name:<17} {fmt(g['value']):>9} (goal {g['goal']})  {g['what']}"
                  + (f"  [{g['note']}]" if g["note"] else ""))
+  roof = (parts.get("compile", {}).get("result") or {}).get("roofline")
+  if roof:
+    decode = ", ".join(f"b={k.split('/')[0]} {v['ms']} ms" for k, v in roof["steps"].items() if k.endswith("/1")
+                       and "ms" in v)
+    lines.append(f"roofline of the compile part ({roof['estimate']}): decode {decode}; verify-k / decode "
+                 f"{json.dumps(roof['verify_over_decode'])}")
   figures = parts.get("figures", {}).get("result") or {}
   if figures.get("plan"):
     p = figures["plan"]
@@ -257,7 +274,8 @@ def check(out: str) -> None:
     print(f"[gpu_check] {name}: started, {deadline:.0f} s", flush=True)
     backend = (state["parts"].get("env", {}).get("result") or {}).get("device", {}).get("backend")
     cmd = [sys.executable, __file__, f"--part={name}", f"--work={work}", f"--deadline_s={deadline - 10:.0f}",
-           *(["--smoke"] if smoke else []), *([] if _MAIN_SMOKE.value else ["--nomain_smoke"])]
+           f"--target={_TARGET.value}", *(["--smoke"] if smoke else []),
+           *([] if _MAIN_SMOKE.value else ["--nomain_smoke"])]
     run = run_logged(cmd, os.path.join(work, f"{name}.log"), deadline, env=child_env(backend or
                                                                                       ("cpu" if smoke else None)),
                      new_session=True)
@@ -294,6 +312,8 @@ def unfinished(name: str, result: dict) -> str:
   if name == "parity":
     timed = [f"{r['family']} {r['attention']}" for r in result.get("runs", []) if r.get("skipped") == "time"]
     return f"no time for {', '.join(timed)}" if timed else result.get("error", "")
+  if name == "compile":
+    return result.get("skipped", "")
   if name == "figures":
     if result.get("skipped"):
       return result["skipped"]
@@ -315,7 +335,8 @@ def main(argv):
     return
   if _PART.value:
     work, deadline, smoke = _WORK.value, _DEADLINE.value, _SMOKE.value
-    run = {"env": lambda: part_env(work, deadline, smoke, _MAIN_SMOKE.value),
+    run = {"compile": lambda: part_compile(work, deadline, smoke, _TARGET.value),
+           "env": lambda: part_env(work, deadline, smoke, _MAIN_SMOKE.value),
            "kernels": lambda: part_kernels(work, deadline, smoke),
            "parity": lambda: part_parity(work, deadline, smoke),
            "figures": lambda: part_figures(work, deadline, smoke),

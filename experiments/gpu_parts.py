@@ -421,6 +421,45 @@ def accelerator_done(out: str) -> dict:
   return done
 
 
+def part_compile(work: str, deadline: float, smoke: bool, target: str) -> dict:
+  """configs/accelerator.py's dry run compiled for `target` (the device's own description; "": the local
+  GPU's, if a target describes it) by its own compiler, deviceless: every executable the figures part runs,
+  checked to compile and fit before a device's minute goes to them, and the roofline the figures are set
+  beside. On a CPU it runs ahead of the device (`--parts=compile --target=h100`; the --out it fills is then
+  carried to the device, where the part is done)."""
+  sys.path.insert(0, ROOT)
+  if not target:
+    import jax  # pylint: disable=import-outside-toplevel
+    from tlt_jax import targets  # pylint: disable=import-outside-toplevel
+    local = targets.of_device_kind(jax.devices()[0].device_kind) if jax.default_backend() == "gpu" else None
+    if local is None:
+      return {"skipped": f"no target describes {jax.devices()[0].device_kind}: pass --target"}
+    target = local.key
+  config = "configs/accelerator.py" + (":smoke" if smoke else "")
+  folder = os.path.join(work, "compile")
+  os.makedirs(folder, exist_ok=True)
+  run = run_logged([sys.executable, "-m", "tlt_jax.main", f"--config={config}", "--config.dry_run=True",
+                    f"--config.mesh.target={target}", f"--config.workdir={folder}"],
+                   os.path.join(work, "compile.out"), deadline)
+  report = read_json(os.path.join(folder, f"dry_run_{target}.json")) or {}
+  errors = [line.strip() for line in tail(os.path.join(work, "compile.out"), 3).splitlines()
+            if line.startswith("error: ")]
+  return {"target": target, "config": config, "run": run, "error": errors[-1] if errors else "",
+          "executables": len(report.get("executables", {})), "failed": report.get("failed"),
+          "fits": report.get("fits"), "max_per_device_gb": report.get("max_per_device_gb"),
+          "largest": report.get("max_per_device_executable"), "device_memory_gb": report.get("device_memory_gb"),
+          "roofline": report.get("roofline")}
+
+
+def compile_goal(result: dict | None) -> dict:
+  """The compile part's goal: executables that do not compile or fit (None when it did not run)."""
+  if not result or result.get("fits") is None:
+    return {}
+  bad = len(result["failed"]) + (not result["fits"])
+  note = result["error"] or f"{result['executables']} executables for {result['target']}"
+  return {"value": bad, "met": bad == 0, "note": note[:200]}
+
+
 def part_figures(work: str, deadline: float, smoke: bool) -> dict:
   sys.path.insert(0, ROOT)
   from configs import accelerator as accelerator_config  # pylint: disable=import-outside-toplevel

@@ -88,15 +88,18 @@ def test_gpu_check_smoke_runs_every_part_and_continues(tmp_path, smoke_env):
   out, work = tmp_path / "out", tmp_path / "work"
   # Without the env part's run of the package (test_setup runs the same command).
   run = lambda: subprocess.run([sys.executable, "gpu_check.py", f"--out={out}", f"--work={work}", "--smoke",
-                                "--nomain_smoke", "--budget_s=600"], cwd=EXPERIMENTS, env=smoke_env,
+                                "--nomain_smoke", "--budget_s=600", "--target=h100"], cwd=EXPERIMENTS, env=smoke_env,
                                capture_output=True, text=True, timeout=900)
   done = run()
   assert done.returncode == 0, done.stderr[-3000:]
   summary = json.loads((out / "summary.json").read_text())
   parts = summary["parts"]
-  assert list(parts) == ["env", "figures", "parity", "kernels"]
+  assert list(parts) == ["compile", "env", "figures", "parity", "kernels"]
   assert all(p["status"] == "done" and p["seconds"] <= p["deadline_s"] for p in parts.values()), parts
   assert "bandit and rl not run" in parts["figures"]["reason"]  # test_accelerator_smoke runs them
+  compiled = parts["compile"]["result"]  # accelerator.py's smoke config for an H100, by its compiler
+  assert compiled["target"] == "h100" and compiled["failed"] == [] and compiled["fits"]
+  assert compiled["roofline"]["steps"]["1/1"]["ms"] > 0
   env_result = parts["env"]["result"]
   assert "main_smoke" not in env_result and env_result["device"]["backend"] == "cpu"
   assert all(r["ok"] for r in env_result["requirements"]) and env_result["pycosat_solves"]
@@ -104,10 +107,10 @@ def test_gpu_check_smoke_runs_every_part_and_continues(tmp_path, smoke_env):
   assert [(r["attention"], "skipped" in r) for r in runs] == [("xla", False), ("pallas_gpu", False), ("triton", True)]
   goals = summary["goals"]
   assert list(goals) == ["kernel_accuracy", "decode_bandwidth", "verify_16", "engine_parity", "sd_batch1",
-                         "sd_up_to_16", "bandit", "rl_step", "compilations"]
+                         "sd_up_to_16", "bandit", "rl_step", "compilations", "compiles"]
   status = {name: g["status"] for name, g in goals.items()}
   assert set(status.values()) <= {"MET", "NOT MET", "NOT RUN"}
-  assert [status[n] for n in ("kernel_accuracy", "engine_parity", "compilations")] == ["MET"] * 3, goals
+  assert [status[n] for n in ("kernel_accuracy", "engine_parity", "compilations", "compiles")] == ["MET"] * 4, goals
   assert goals["sd_batch1"]["value"] is not None and status["bandit"] == status["rl_step"] == "NOT RUN"
   assert status["decode_bandwidth"] == "NOT RUN"  # no peak bandwidth for a CPU
   plan = parts["figures"]["result"]["plan"]  # the full-size plan on an H100, sized to the budget left
@@ -115,7 +118,7 @@ def test_gpu_check_smoke_runs_every_part_and_continues(tmp_path, smoke_env):
   files = sorted(f.name for f in out.iterdir())
   assert files == sorted(summary["files"]) and len(files) <= 8 and all(f.is_file() for f in out.iterdir())
   assert {"summary.json", "summary.txt", "details.tar.gz", "kernels.png", "sd_grid.png"} <= set(files)
-  assert "env: main smoke not run" in done.stdout
+  assert "env: main smoke not run" in done.stdout and "roofline of the compile part" in done.stdout
   with tarfile.open(out / "details.tar.gz") as tar:
     names = set(tar.getnames())
   assert {"env/installed.txt", "kernels/result.json", "parity/reference.json", "figures/plan.json"} <= names

@@ -35,8 +35,13 @@ def base() -> ml_collections.ConfigDict:
   c.mesh.data = -1  # trainer mesh axes (sharding.MESH_AXES); one may be -1 (the rest)
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
-  c.mesh.device_memory_gb = 0.0  # dry run: fail if an executable needs more per device (0: no check)
-  c.mesh.dry_run_devices = 8  # a dry run on a CPU-only machine simulates this many devices
+  # The hardware a dry run compiles for, deviceless, with its own compiler (tlt_jax/targets: h100, h200,
+  # a100-80gb, l4, tpu-v5e, tpu-v5p, tpu-v6e; `pip install 'tlt_jax[gpu]'` or '[tpu]'); "": simulated CPU devices.
+  c.mesh.target = ""
+  c.mesh.dry_run_devices = 8  # the devices a dry run compiles for (the target's, over distributed.num_processes hosts)
+  # The memory a device gives the run: a dry run fails where an executable needs more. 0: the target's (no
+  # check on the CPU stand-in); with a target, at most the target's.
+  c.mesh.device_memory_gb = 0.0
 
   c.distributed = ml_collections.ConfigDict()
   c.distributed.enabled = False  # jax.distributed.initialize(); also when the environment says multi-host

@@ -86,7 +86,9 @@ def to_host(tree: Any) -> Any:
 def setup_devices(config) -> None:
   """Simulated CPU devices, the multi-process runtime and the compilation cache of a run's config (its
   `mesh`, `distributed` and `rollout.compilation_cache_dir` keys), before any computation."""
-  cpu_devices = config.mesh.dry_run_devices if config.dry_run else config.mesh.cpu_devices
+  if config.dry_run and config.mesh.target:  # compiled for the target's devices, none of this host's needed
+    jax.config.update("jax_platforms", "cpu")
+  cpu_devices = config.mesh.dry_run_devices if config.dry_run and not config.mesh.target else config.mesh.cpu_devices
   if cpu_devices:  # only the CPU backend's device count: on an accelerator host this changes nothing
     jax.config.update("jax_num_cpu_devices", cpu_devices)
   d = config.distributed

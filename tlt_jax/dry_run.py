@@ -1,26 +1,37 @@
-"""Sizing a run without weights: abstract params, AOT compilation for the configured mesh, memory.
+"""Sizing a run without weights or hardware: abstract params, ahead-of-time compilation of every executable
+the run compiles, memory per device, and a roofline.
 
 `python -m tlt_jax.main --config=... --config.dry_run=True` builds the policy and drafter with
 `jax.eval_shape` (no weights read; the architecture comes from <policy.path>/config.json, or from
-config.model when that directory is absent), places them on the run's meshes (on a CPU-only machine
-`mesh.dry_run_devices` simulated devices stand in for the accelerators), compiles the rollout
-executables (largest batch bucket, and the speculative tail's bucket with every strategy) for one
-rollout group and the trainer's micro-batch gradient and optimizer update, and reports per-device
-memory (XLA's memory analysis of each executable) and FLOPs. The trainer holds the policy's master
-weights and AdamW moments in `policy.weight_dtype` (float32: 12 bytes a parameter, 16 with the
-gradient during an update, sharded over the trainer mesh; with LoRA, the adapters' alone beside the base
-in `policy.dtype`) and each rollout group a copy in
-`policy.dtype` (2 bytes a parameter in bfloat16, split over the group): both stay resident on a device
-while the other side runs, so each executable's need counts what the other side keeps
-(`coresident_gb`). `rollout_batches` states the rows a
-step gives each rollout group, the rows in flight at once (its largest bucket) and the tails a step
-pays: one per wave in waves, one with refill (`rollout.engine.refill`). It fails, naming the executable and
-the config keys to change, when one needs more than `mesh.device_memory_gb`. With TLT it also
-bounds what the drafter's online data buffer adds to each process's checkpoint
-(`drafter_buffer_checkpoint_gb`: captured features and tokens, at most `drafter.buffer.max_pairs` pairs).
-`cache_rows` sizes a paged KV cache: the rows of `rollout.mean_response_len` tokens one rollout
-device holds in flight, in the contiguous cache's bytes and in the memory the rollout leaves free,
-against the contiguous cache's one row per slot of the largest bucket.
+config.model when that directory is absent) and hands them to the run's own constructors (the trainer's
+actor, `rollouts.make`: the TLT group engines and drafter trainer, or the plain rollout, and the held-out
+evaluation's), which lay them out on the run's meshes and compile what a step runs: each group engine's
+executables (prefill per prompt bucket, every batch bucket's plain and speculative plays, compaction, the
+refill's and the paged cache's, tool-turn appends), the drafter trainer's (each group's gradient step, the
+update, the evaluation), the actor's (the micro-batch log-probs and gradient, the optimizer update) and,
+when the run would warm a drafter up, the warm-up's feature pass and training step. No array is created
+on that path.
+
+The devices: `config.mesh.target` names hardware (`tlt_jax.targets`: NVIDIA GPUs through the CUDA plugin's
+compiler, TPUs through libtpu's) and `mesh.dry_run_devices` of it over the config's processes are compiled
+for, deviceless, by that hardware's own compiler; "" simulates `mesh.dry_run_devices` CPU devices (XLA:CPU
+accepts what a GPU or TPU compiler may refuse, and its memory figures are a CPU's).
+
+The report, per executable: compiled or not (the compiler's message), its memory from the compiler
+(arguments, outputs, temporaries, code) and what the run keeps resident beside it on the device (the
+trainer's master weights, AdamW moments and reference policy during a rollout; the rollout copies and the
+drafter trainer's state during an update), against the device's memory: the target's, or
+`mesh.device_memory_gb` if smaller (on the CPU stand-in, the resident memory alone is checked). With a
+target, also a roofline (`roofline`): the target compiles the policy's forward over k new tokens per row
+(k = 1: a decode step; k = each strategy's verify tokens) at batch 1, 16 and the largest speculative
+bucket, layers unrolled, over a cache of a mean row's context, and its FLOPs and bytes at the target's
+peak give estimated step times and the verify-k / decode ratio speculation pays for. `run` raises
+`DryRunError` (the report attached) when an executable does not compile or does not fit.
+
+Also reported: `rollout_batches` (the rows a step gives each rollout group, the rows in flight at once,
+the tails a step pays), `cache_rows` (how many rows of `rollout.mean_response_len` a paged KV cache holds
+on a rollout device) and, with TLT, `drafter_buffer_checkpoint_gb` (what the drafter's online data adds to
+each process's checkpoint at most).
 """
 
 from __future__ import annotations
@@ -35,47 +46,87 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
+from jax.sharding import SingleDeviceSharding
 
-from tlt_jax import sharding
+from tlt_jax import sharding, targets
+from tlt_jax.drafter import train as drafter_train
 from tlt_jax.drafter.buffer import BufferConfig
 from tlt_jax.drafter.model import Drafter
-from tlt_jax.models import CausalLM, ModelConfig, lora
-from tlt_jax.rl import actor as actor_lib
-from tlt_jax.rl import bootstrap
-from tlt_jax.rl import builders, checks
-from tlt_jax.rollout.engine import Engine
+from tlt_jax.executables import ExecutablePool
+from tlt_jax.models import CausalLM, ModelConfig, hf, lora, transformer
+from tlt_jax.models.transformer import KVCache
+from tlt_jax.rl import bootstrap, builders, checks, rollouts
+from tlt_jax.rl import trainer as trainer_lib
 from tlt_jax.rollout.state import EngineConfig
 
 GB = 1 << 30
 
+# The config keys that shape each kind of executable (its report name's first parts): what an error names.
+_SHAPED_BY = {
+    "train": ("rl.actor.micro_batch_rows", "rl.row_len", "rl.actor.remat", "rl.actor.logits_chunk",
+              "rl.actor.attention_block", "mesh.data", "mesh.fsdp", "mesh.tensor", "policy.weight_dtype"),
+    "rollout/plain": ("rollout.engine.batch_buckets", "rollout.engine.segment_steps", "rollout.engine.kv_block",
+                      "rollout.engine.attention"),
+    "rollout/speculate": ("rollout.strategies", "rollout.engine.batch_buckets", "rollout.engine.sd_max_batch",
+                          "rollout.engine.kv_block", "rollout.engine.attention"),
+    "rollout/prefill": ("rollout.engine.batch_buckets", "data.max_prompt_len", "rollout.engine.kv_block",
+                        "rollout.engine.attention"),
+    "rollout": ("rollout.engine.batch_buckets", "data.max_prompt_len", "rollout.sampling.max_new_tokens",
+                "rollout.engine.page_size", "rollout.groups"),
+    "eval": ("eval.size", "eval.num_samples", "data.max_prompt_len", "rollout.sampling.max_new_tokens"),
+    "drafter": ("drafter.trainer.rows_per_device", "drafter.trainer.row_len", "rollout.groups"),
+    "warmup": ("drafter.distill.batch_rows", "drafter.distill.row_len"),
+}
+# What lowers each kind's memory need.
+_REMEDIES = {
+    "train": "lower config.rl.actor.micro_batch_rows, set config.rl.actor.remat=True and config.rl.actor.attention_block, "
+             "halve the trainer's state with config.policy.weight_dtype=bfloat16, or shard it over more devices "
+             "(config.mesh.fsdp)",
+    "rollout": "lower config.rollout.engine.batch_buckets (the largest), use a paged cache "
+               "(config.rollout.engine.page_size), or fewer rollout groups (config.rollout.groups: more devices each)",
+    "eval": "lower config.eval.size or config.eval.num_samples",
+    "drafter": "lower config.drafter.trainer.rows_per_device or config.drafter.trainer.row_len",
+    "warmup": "lower config.drafter.distill.batch_rows or config.drafter.distill.row_len",
+}
 
-def model_config(config) -> tuple[ModelConfig, str]:
-  """The policy's architecture and where it came from."""
+
+class DryRunError(ValueError):
+  """An executable does not compile or does not fit; `report` is the whole report."""
+
+  def __init__(self, message: str, report: dict):
+    super().__init__(message)
+    self.report = report
+
+
+def shaped_by(name: str) -> tuple[str, ...]:
+  """The config keys that shape executable `name` (the longest matching prefix's)."""
+  prefix = max((p for p in _SHAPED_BY if name == p or name.startswith(p + "/")), key=len)
+  return _SHAPED_BY[prefix]
+
+
+def model_config(config) -> tuple[ModelConfig, str, object]:
+  """The policy's architecture, where it came from, and its tokenizer (None where there is none to read)."""
   path = os.path.join(config.policy.path, "config.json") if config.policy.path else ""
   if path and os.path.exists(path):
     with open(path, encoding="utf-8") as f:
-      return ModelConfig.from_hf(json.load(f), source=path), path
+      cfg = ModelConfig.from_hf(json.load(f), source=path)
+    return cfg, path, hf.load_tokenizer(config.policy.path)
   if config.policy.path:  # a real model's directory that is not here (e.g. sizing a cluster run on a laptop)
     if not config.model.vocab_size:
       raise ValueError(f"config.model.vocab_size: {path} is not there, so a dry run takes the architecture from "
                        "config.model and needs the vocabulary size")
-    return builders.model_config(config), "config.model"
+    return builders.model_config(config), "config.model", None
   # The tiny world: its tokenizer (procedural, or the one SFT saved with the policy) gives the vocabulary.
-  return builders.model_config(config, bootstrap.load_tokenizer(config)), "config.model"
+  tok = bootstrap.load_tokenizer(config)
+  return builders.model_config(config, tok), "config.model", tok
 
 
-def _abstract(build, mesh):
-  """An NNX module built with eval_shape whose variables carry their shardings over `mesh`."""
-  model = nnx.eval_shape(build)
-  graphdef, state = nnx.split(model)
-  shardings = sharding.param_shardings(state, mesh)
-  state = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), state, shardings,
-                       is_leaf=lambda x: isinstance(x, nnx.Variable))
-  return nnx.merge(graphdef, state)
-
-
-def _bytes(state) -> int:
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+def _abstract(build, device: jax.Device):
+  """The NNX module `build` makes, as shapes (`nnx.eval_shape`) on `device` (as a loaded model lands on the
+  default device; the run's constructors lay it out on their meshes)."""
+  graphdef, state = nnx.split(nnx.eval_shape(build))
+  return nnx.merge(graphdef, sharding.place(state, SingleDeviceSharding(device)))
 
 
 def _device_bytes(tree) -> int:
@@ -83,26 +134,61 @@ def _device_bytes(tree) -> int:
   return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def _sizes(compiled) -> dict[str, float]:
-  """Per-device memory of one executable: `resident` (its inputs and outputs, donated ones counted
-  once: params, caches, optimizer state; exact on every backend) and `temp` (XLA's scratch on
-  this backend), and its FLOPs."""
-  m = compiled.memory_analysis()
-  cost = compiled.cost_analysis() or {}
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  resident = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-  return {"resident_gb": round(resident / GB, 6), "temp_gb": round(m.temp_size_in_bytes / GB, 6),
-          "tflops": round(float(cost.get("flops", 0.0)) / 1e12, 6)}
+def _gb(nbytes: float) -> float:
+  return round(nbytes / GB, 6)
+
+
+def _entry(name: str, pool: ExecutablePool, key) -> dict:
+  """One executable's report: the compiler's memory figures per device, or its error in one line."""
+  entry = {"shaped_by": list(shaped_by(name)), "compile_s": round(pool.compile_seconds.get(key, 0.0), 2)}
+  if key in pool.failures:
+    e = pool.failures[key]
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return {"compiled": False, "error": f"{type(e).__name__}: {lines[0] if lines else ''}", **entry}
+  m = pool[key].memory_analysis()
+  return {"compiled": True, "argument_gb": _gb(m.argument_size_in_bytes), "output_gb": _gb(m.output_size_in_bytes),
+          "alias_gb": _gb(m.alias_size_in_bytes), "temp_gb": _gb(m.temp_size_in_bytes),
+          "code_gb": _gb(m.generated_code_size_in_bytes),
+          "resident_gb": _gb(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes), **entry}
+
+
+def _name(owner: str, key) -> str:
+  return "/".join([owner, *map(str, key if isinstance(key, tuple) else (key,))])
 
 
 def run(config) -> dict:
-  start = time.perf_counter()
+  """The report (module docstring); raises DryRunError, its report attached, when an executable does not
+  compile or does not fit, and ValueError for a config it cannot size."""
   checks.check(config)
-  cfg, source = model_config(config)
+  if not config.mesh.target:
+    return _run(config)
+  # A target's executables cannot be loaded here: JAX's persistent cache would store them for nothing (and
+  # warn at every read). Off for the dry run; JAX reopens it after (it decides once per process otherwise).
+  cached = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
+  try:
+    return _run(config)
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cached)
+    compilation_cache.reset_cache()
+
+
+def _run(config) -> dict:
+  start = time.perf_counter()
+  target = targets.load(config.mesh.target) if config.mesh.target else None
+  devices = (targets.devices(target, config.mesh.dry_run_devices, max(config.distributed.num_processes, 1))
+             if target else jax.devices())
+  cfg, source, tok = model_config(config)
   cfg = dataclasses.replace(cfg, scan_layers=config.policy.scan_layers)
+  if config.rollout.tools and tok is None:
+    raise ValueError(f"config.rollout.tools: the dry run renders tool turns with the policy's chat template, and "
+                     f"{config.policy.path} is not there")
   dtype = jnp.dtype(config.policy.dtype)
-  devices = jax.devices()
-  report = {"model": source, "parameters_b": None, "devices": f"{len(devices)} x {devices[0].device_kind}"}
+  report = {"model": source, "devices": f"{len(devices)} x {devices[0].device_kind}",
+            "target": target and {"name": config.mesh.target, "device": target.name, "memory_gb": round(
+                target.memory_gb, 3), "peak_bf16_tflops": target.peak_bf16_tflops,
+                                  "memory_bandwidth_gbps": target.memory_bandwidth_gbps}}
   spec = bootstrap.lora_spec(config)
 
   def build_policy():  # with LoRA: the base in the compute dtype, the adapters in policy.weight_dtype
@@ -111,81 +197,118 @@ def run(config) -> dict:
     if spec is not None:
       lora.attach(model, spec, param_dtype=config.policy.weight_dtype)
     return model
-  build_copy = lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))  # a rollout group's
-  executables = {}
 
-  # Trainer: FSDP / tensor / data mesh over every device.
-  mesh = sharding.make_mesh({k: config.mesh[k] for k in sharding.MESH_AXES})
-  policy = _abstract(build_policy, mesh)
+  # The trainer's actor over the trainer mesh, as the run builds it.
+  policy = _abstract(build_policy, devices[0])
   count = lambda *filters: sum(x.size for x in jax.tree.leaves(nnx.state(policy, *filters)))
   report["parameters_b"] = round(count(nnx.Not(nnx.LoRAParam)) / 1e9, 3)
   if spec is not None:
     report["lora"] = {"rank": spec.rank, "parameters_m": round(count(nnx.LoRAParam) / 1e6, 3)}
-  report["trainer_mesh"] = dict(mesh.shape)
-  r = config.rl
-  with jax.set_mesh(mesh):
-    actor = actor_lib.Actor(policy, actor_lib.make_optimizer(**r.optimizer), **r.actor,
-                            temperature=config.rollout.sampling.temperature, seed=config.seed)
-    rows = r.actor.micro_batch_rows
-    batch_sharding = sharding.array_sharding((rows, r.row_len), ("batch", None), mesh)
-    logging.info("dry run: compiling the train step (%d rows x %d tokens)", rows, r.row_len)
-    for name, exe in actor.compile_update(r.row_len, batch_sharding).items():
-      executables[f"train/{name}"] = _sizes(exe)
+  actor = trainer_lib.make_actor(config, policy, devices)
+  report["trainer_mesh"] = dict(actor.mesh.shape) if actor.mesh is not None else {}
+  actor.pool.keep_going = True
+  logging.info("dry run: compiling the trainer's step (%d rows x %d tokens)", actor.micro_batch_rows, config.rl.row_len)
+  pools = {"train": actor.compile(config.rl.row_len)}
 
-  # Rollout: one group's engine on its share of the devices (tensor-parallel inside the group).
-  groups = config.rollout.groups
-  if len(devices) % groups:
-    raise ValueError(f"config.rollout.groups={groups} does not divide {len(devices)} devices")
-  group_mesh = sharding.make_mesh({"tensor": len(devices) // groups}, devices=devices[:len(devices) // groups])
-  report["rollout_group_mesh"] = dict(group_mesh.shape)
-  group_policy = _abstract(build_copy, group_mesh)
-  strategies = builders.strategies(config) if config.rollout.speculative else ()
-  eagle = any(not s.suffix for s in strategies)  # an EAGLE drafter (else suffix arms alone, or none)
-  # A reduced head's ids come from the warm-up data; any N ids size the executables alike. One chosen
-  # by coverage (-1) is sized as the whole vocabulary, its largest.
+  # The rollouts: the policy's copy in its compute dtype (LoRA merged: the base's shapes) and the drafter.
+  copy = _abstract(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)), devices[0])
+  eagle = rollouts.uses_drafter(config)
+  # A reduced head's ids come from the warm-up data; any N ids size the executables alike. One chosen by
+  # coverage (-1) is sized as the whole vocabulary, its largest.
   vocab = range(min(max(config.drafter.draft_vocab_size, 0), cfg.vocab_size))
-  build_drafter = lambda: Drafter(cfg, feature_layers=config.drafter.feature_layers, draft_vocab=vocab, dtype=dtype,
-                                  rngs=nnx.Rngs(0))
-  drafter = _abstract(build_drafter, group_mesh) if eagle else None
-  sampling = builders.sampling_params(config)
-  base = builders.engine_config(config, strategies)
-  report["rollout_batches"] = batches(config, base.batch_buckets[-1])
-  rows = report["rollout_batches"]["rows_per_group"]
-  sd_bucket = base.bucket(min(base.sd_max_batch, base.batch_buckets[-1]))
-  for label, largest in (("rollout", base.batch_buckets[-1]), ("rollout_tail", sd_bucket)):
-    engine_cfg = builders.engine_config(config, strategies, largest_bucket=largest, compact=False)
-    bandit = builders.bandit(config, strategies) if strategies else None
-    engine = Engine(group_policy, engine_cfg, sampling, mesh=group_mesh, drafter=drafter, bandit=bandit)
-    logging.info("dry run: compiling %s executables (bucket %d)", label, largest)
-    with jax.set_mesh(group_mesh):
-      engine.prepare(rows if label == "rollout" else largest, [config.data.max_prompt_len])  # refill's reset too
-    for key in engine.pool.keys():
-      executables[f"{label}/{'/'.join(map(str, key))}"] = _sizes(engine.pool[key])
-    if largest == sd_bucket:
-      break
-
+  drafter = _abstract(lambda: Drafter(cfg, feature_layers=config.drafter.feature_layers, draft_vocab=vocab,
+                                      dtype=dtype, rngs=nnx.Rngs(0)), devices[0]) if eagle else None
+  turns = builders.tool_turns(config, tok, workers=0)
+  rollout, held_out = rollouts.make(config, copy, drafter, tok, devices, turns)
+  for pool in rollout.pools().values():
+    pool.keep_going = True
+  r = config.rollout
+  logging.info("dry run: compiling the rollout's executables")
+  rollout.prepare(r.prompts_per_step, r.num_samples, first_group_only=True)
+  pools.update({"rollout" if owner == "engine" else owner: pool for owner, pool in rollout.pools().items()})
+  if held_out is not None and held_out is not rollout:
+    held_out.engine.pool.keep_going = True
+    logging.info("dry run: compiling the held-out evaluation's executables")
+    held_out.prepare(config.eval.size, config.eval.num_samples)
+    pools["eval"] = held_out.engine.pool
+  if eagle and config.drafter.distill.steps and not os.path.exists(config.drafter.path or "/nonexistent"):
+    d, pools["warmup"] = config.drafter.distill, ExecutablePool()
+    pools["warmup"].keep_going = True
+    logging.info("dry run: compiling the drafter warm-up's feature pass and training step")
+    drafter_train.compile_warmup(pools["warmup"], copy, drafter, batch_rows=d.batch_rows, row_len=d.row_len,
+                                 draft_steps=drafter_train.sampling_draft_steps(d.draft_steps,
+                                                                               r.sampling.temperature),
+                                 temperature=r.sampling.temperature)
+  executables = {_name(owner, key): _entry(_name(owner, key), pool, key)
+                 for owner, pool in pools.items() for key in [*pool.keys(), *pool.failures]}
   report["executables"] = executables
-  report["policy_gb"] = round(_bytes(nnx.state(policy)) / GB, 6)
-  report["trainer_state_gb"] = round(_device_bytes((actor.params, actor.frozen, actor.opt_state)) / GB, 6)
-  report["cache_rows"] = cache_rows(config, cfg, base, dtype.itemsize, eagle, len(group_mesh.devices.flat),
-                                    executables[f"rollout/plain/{base.batch_buckets[-1]}"]["resident_gb"]
-                                    + report["trainer_state_gb"])
-  report["rollout_copy_gb"] = round(_device_bytes((nnx.state(group_policy), nnx.state(drafter) if eagle else ())) / GB,
-                                    6)
+
+  engine = rollout.engines[0]
+  base = engine.config
+  # Everything built is shapes: a concrete array here would be memory on this machine (or a failure on a target).
+  built = (actor.params, actor.frozen, actor.opt_state, [(e.params, e.drafter_params) for e in rollout.engines],
+           (rollout.drafter_trainer.params, rollout.drafter_trainer.opt_state) if eagle else (),
+           held_out.engine.params if "eval" in pools else ())
+  report["arrays_gb"] = _gb(sum(x.nbytes for x in jax.tree.leaves(built) if isinstance(x, jax.Array)))
+  report["rollout_group_mesh"] = dict(engine.mesh.shape) if engine.mesh is not None else {}
+  report["rollout_batches"] = batches(config, base.batch_buckets[-1])
+  state = {"trainer": _device_bytes((actor.params, actor.frozen, actor.opt_state)),
+           "reference": _device_bytes(actor.params) if actor.uses_ref else 0,
+           "rollout": _device_bytes((engine.params, engine.drafter_params)),
+           "drafter": _device_bytes((rollout.drafter_trainer.params, rollout.drafter_trainer.opt_state))
+                      if eagle else 0,
+           "eval": _device_bytes(held_out.engine.params) if "eval" in pools else 0}
+  report["resident_gb"] = {k: _gb(v) for k, v in state.items()}
+  report["policy_gb"] = _gb(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(policy))))
+  opt_bytes = _device_bytes(actor.opt_state)
+  beside = {  # what the run keeps on a device while each kind of executable runs, beyond its own arguments
+      "train/update": state["reference"] + state["rollout"] + state["drafter"] + state["eval"],
+      "train": opt_bytes + state["reference"] + state["rollout"] + state["drafter"] + state["eval"],
+      "rollout": state["trainer"] + state["reference"] + state["drafter"] + state["eval"],
+      "eval": state["trainer"] + state["reference"] + state["rollout"] + state["drafter"],
+      "drafter": state["trainer"] + state["reference"] + state["eval"],
+      "warmup": 0}
+  for name, entry in executables.items():
+    if entry["compiled"]:
+      prefix = max((p for p in beside if name.startswith(p + "/") or name == p), key=len)
+      entry["beside_gb"] = _gb(beside[prefix])
   if eagle:  # the rollout's captured features: this many bytes per process in each checkpoint at most
-    r = config.rollout
     buffer = BufferConfig(**config.drafter.buffer).state_bytes(
         r.prompts_per_step * r.num_samples, config.data.max_prompt_len + r.sampling.max_new_tokens, cfg.hidden_size,
         dtype.itemsize)
-    report["drafter_buffer_checkpoint_gb"] = round(buffer / GB, 6)
-  report["coresident_gb"] = coresident = {"train/gradient": report["trainer_state_gb"] + report["rollout_copy_gb"],
-                                          "train/update": report["rollout_copy_gb"],
-                                          "rollout": report["trainer_state_gb"]}
-  beside = {name: coresident.get(name, coresident["rollout"]) for name in executables}
-  report.update(check_fit(executables, config.mesh.device_memory_gb, on_cpu=devices[0].platform == "cpu",
-                          beside=beside))
+    report["drafter_buffer_checkpoint_gb"] = _gb(buffer)
+  limit, report["device_memory"] = (target.memory_gb, target.name) if target else (0.0, None)
+  if config.mesh.device_memory_gb and (not limit or config.mesh.device_memory_gb < limit):
+    limit, report["device_memory"] = config.mesh.device_memory_gb, "config.mesh.device_memory_gb"
+  report["device_memory_gb"] = round(limit, 6)
+  report["cache_rows"] = cache_rows(config, cfg, base, dtype.itemsize, eagle, len(engine.mesh.devices.flat)
+                                    if engine.mesh is not None else 1,
+                                    state["rollout"] / GB + beside["rollout"] / GB, limit)
+  if target is not None:
+    report["roofline"] = roofline(config, cfg, base, target, devices[0], dtype)
+  report.update(check(executables, limit, on_cpu=devices[0].platform == "cpu"))
   report["seconds"] = round(time.perf_counter() - start, 1)
+  error = failure(report)
+  if error:
+    raise DryRunError(error, report)
   return report
+
+
+def failure(report: dict) -> str | None:
+  """What a report's first executable that does not compile, else its largest that does not fit, needs changed:
+  one line naming it and the config keys; None when every executable compiled and fits."""
+  if report["failed"]:
+    target = report["target"]
+    name = report["failed"][0]
+    e = report["executables"][name]
+    more = f" (and {len(report['failed']) - 1} more: see the report)" if len(report["failed"]) > 1 else ""
+    return (f"{name} does not compile for {target['name'] if target else 'the CPU stand-in'} (shaped by "
+            f"{', '.join('config.' + k for k in e['shaped_by'])}): {e['error']}{more}")
+  if not report["fits"]:
+    name = report["max_per_device_executable"]
+    return (f"{name} needs {report['max_per_device_gb']} GB per device > {report['device_memory_gb']} GB "
+            f"({report['device_memory']}): {_REMEDIES[name.split('/')[0]]}")
+  return None
 
 
 def batches(config, largest: int) -> dict:
@@ -199,13 +322,12 @@ def batches(config, largest: int) -> dict:
 
 
 def cache_rows(config, cfg: ModelConfig, engine: EngineConfig, itemsize: int, drafter: bool, group_devices: int,
-               rollout_resident_gb: float) -> dict:
+               rollout_resident_gb: float, device_memory_gb: float) -> dict:
   """Rows of a mean response length one rollout device holds in flight: contiguous (each row its
   capacity: the largest bucket) and paged (`engine.page_size`, else kv_block-sized pages; the
   prompt's full pages shared by its samples, each row's last page half empty on average plus one
-  play's reservation), in the contiguous cache's bytes and in the device memory the rollout's
-  resident state and the trainer's beside it leave free (`rollout_resident_gb`; `mesh.device_memory_gb`;
-  scratch memory not counted)."""
+  play's reservation), in the contiguous cache's bytes and in the device memory the rollout's and the
+  rest of the run's resident state leave free (`rollout_resident_gb`; scratch memory not counted)."""
   r = config.rollout
   shards = min(group_devices, cfg.num_kv_heads)  # the cache splits over KV heads inside a group
   token_bytes = 2 * (cfg.num_layers + drafter) * cfg.num_kv_heads * cfg.head_dim * itemsize / shards
@@ -216,35 +338,97 @@ def cache_rows(config, cfg: ModelConfig, engine: EngineConfig, itemsize: int, dr
   row_pages = own + shared / r.num_samples
   contiguous = engine.batch_buckets[-1]
   cache_bytes = contiguous * engine.capacity * token_bytes
-  free_bytes = config.mesh.device_memory_gb * GB - (rollout_resident_gb * GB - cache_bytes)
+  free_bytes = device_memory_gb * GB - rollout_resident_gb * GB
   rows = lambda nbytes: int(nbytes / (page * token_bytes) / row_pages)
   return {"mean_response_len": mean, "prompt_len": prompt, "page_size": page, "kv_bytes_per_token": int(token_bytes),
           "contiguous_rows": contiguous, "contiguous_cache_gb": round(cache_bytes / GB, 3),
           "paged_rows_same_bytes": rows(cache_bytes),
-          "paged_rows_device_memory": rows(free_bytes) if config.mesh.device_memory_gb else None,
-          "free_gb_for_cache": round(free_bytes / GB, 3) if config.mesh.device_memory_gb else None}
+          "paged_rows_device_memory": rows(free_bytes) if device_memory_gb else None,
+          "free_gb_for_cache": round(free_bytes / GB, 3) if device_memory_gb else None}
 
 
-def check_fit(executables: dict[str, dict[str, float]], limit_gb: float, on_cpu: bool,
-              beside: dict[str, float] | None = None) -> dict:
-  """The largest per-device need: an executable's resident memory, what stays resident `beside` it
-  (GB by executable: the trainer's state during a rollout, the rollout's copy during training), and
-  its scratch; raises ValueError naming the executable when that exceeds `limit_gb`.
+def check(executables: dict[str, dict], limit_gb: float, on_cpu: bool) -> dict:
+  """The executables that did not compile, and the largest per-device need among those that did: an
+  executable's resident memory (its arguments and outputs), what stays resident beside it, its scratch and
+  its code; `fits` whether that is within `limit_gb` (0: no limit).
 
   XLA:CPU runs bfloat16 matmuls in float32 through converted copies of their operands (weights,
   cache blocks), so on a CPU stand-in the scratch figure overstates an accelerator's many times;
-  there only the resident memory is checked. On GPU/TPU both are.
+  there only the resident memory is checked. On GPU/TPU all of it is.
   """
-  beside = beside or {}
-  need = lambda name: (executables[name]["resident_gb"] + beside.get(name, 0.0)
-                       + (0.0 if on_cpu else executables[name]["temp_gb"]))
-  worst = max(executables, key=need)
+  failed = [name for name, e in executables.items() if not e["compiled"]]
+  compiled = {name: e for name, e in executables.items() if e["compiled"]}
+  for e in compiled.values():
+    e["need_gb"] = round(e["resident_gb"] + e.get("beside_gb", 0.0)
+                         + (0.0 if on_cpu else e["temp_gb"] + e["code_gb"]), 6)
   out = {"checked": "resident memory (temp not checked: XLA:CPU stand-in)" if on_cpu else "resident + temp memory",
-         "max_per_device_gb": round(need(worst), 6), "max_per_device_executable": worst}
-  if limit_gb and out["max_per_device_gb"] > limit_gb:
-    raise ValueError(
-        f"{worst} needs {out['max_per_device_gb']} GB per device > config.mesh.device_memory_gb={limit_gb}: "
-        "lower config.rollout.engine.batch_buckets or config.rl.actor.micro_batch_rows, set "
-        "config.rl.actor.remat=True and config.rl.actor.attention_block, halve the trainer's state with "
-        "config.policy.weight_dtype=bfloat16, or use more devices (config.mesh.*, config.rollout.groups)")
-  return {**out, "fits": True}
+         "failed": failed}
+  if compiled:
+    worst = max(compiled, key=lambda name: compiled[name]["need_gb"])
+    out.update(max_per_device_gb=compiled[worst]["need_gb"], max_per_device_executable=worst)
+  out["fits"] = not limit_gb or not compiled or out["max_per_device_gb"] <= limit_gb
+  return out
+
+
+def roofline(config, cfg: ModelConfig, engine: EngineConfig, target: targets.Target, device: jax.Device,
+             dtype) -> dict:
+  """Estimated step times on `target` (module docstring): the policy's forward over k tokens per row of a
+  batch, compiled for the target with its layers unrolled and a dense attention over a cache of a mean row's
+  context (so the compiler's cost analysis, which counts a loop's body once, counts the whole step), at the
+  target's peak FLOP/s and memory bandwidth: the slower of the two."""
+  r = config.rollout
+  context = config.data.max_prompt_len + (r.mean_response_len or r.sampling.max_new_tokens // 4)
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: CausalLM(dataclasses.replace(cfg, scan_layers=False),
+                                                               dtype=dtype, rngs=nnx.Rngs(0))))
+  place = lambda tree: sharding.place(tree, SingleDeviceSharding(device))
+  params = place(params)
+
+  def forward(params, cache, tokens, positions, mask):
+    out = transformer.verify(nnx.merge(graphdef, params), tokens, positions, mask, cache, kv_block=None,
+                             attention="xla")
+    return out.logits, out.cache
+
+  sd = engine.bucket(min(engine.sd_max_batch, engine.batch_buckets[-1]))
+  batches_ = sorted({1, engine.bucket(min(16, engine.batch_buckets[-1])), sd})
+  ks = sorted({1, *(s.verify_tokens for s in engine.strategies)})
+  steps, pool = {}, ExecutablePool()
+  pool.keep_going = True
+  for b in batches_:
+    shape = (cfg.num_layers, b, context, cfg.num_kv_heads, cfg.head_dim)
+    cache = place(KVCache(k=jax.ShapeDtypeStruct(shape, dtype), v=jax.ShapeDtypeStruct(shape, dtype),
+                          lengths=jax.ShapeDtypeStruct((b,), jnp.int32), pages=None))
+    for k in ks:
+      args = place((jax.ShapeDtypeStruct((b, k), jnp.int32), jax.ShapeDtypeStruct((b, k), jnp.int32),
+                    jax.ShapeDtypeStruct((b, k, k), jnp.bool_)))
+      exe = pool.get_or_compile((b, k), lambda: jax.jit(forward, donate_argnums=(1,)).lower(params, cache,
+                                                                                            *args).compile())
+      if exe is None:
+        steps[f"{b}/{k}"] = {"error": str(pool.failures[(b, k)]).splitlines()[0]}
+        continue
+      flops, nbytes = cost(exe)
+      steps[f"{b}/{k}"] = {"tflops": round(flops / 1e12, 6), "gbytes": round(nbytes / 1e9, 6),
+                           "ms": round(1e3 * target.roofline_s(flops, nbytes), 4)}
+  ratios = {str(b): {str(k): round(steps[f"{b}/{k}"]["ms"] / steps[f"{b}/1"]["ms"], 3) for k in ks if k > 1}
+            for b in batches_ if all("ms" in steps[f"{b}/{k}"] for k in ks)}
+  return {"estimate": f"forward over k tokens per row at {context} tokens of context, at "
+                      f"{target.peak_bf16_tflops} bf16 TFLOP/s and {target.memory_bandwidth_gbps} GB/s",
+          "context_tokens": context, "steps": steps, "verify_over_decode": ratios}
+
+
+def cost(compiled) -> tuple[float, float]:
+  """(FLOPs, bytes) of one device's step: the FLOPs the target compiler's cost analysis counts (a GPU
+  executable compiled without its device reports none: XLA's HLO cost analysis of its optimized module
+  counts them), and the bytes the step must move at least, its arguments read once and its outputs written
+  once (`memory_analysis`; the cost analysis's bytes count every fusion's operands, 3-12x these on a decode
+  step)."""
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0] if analysis else None
+  if not analysis:
+    from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+    from jax._src.lib import _jax  # pylint: disable=import-outside-toplevel
+    module = compiled.runtime_executable().hlo_modules()[0]
+    analysis = _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
+  m = compiled.memory_analysis()
+  return float(analysis.get("flops", 0.0)), float(m.argument_size_in_bytes + m.output_size_in_bytes
+                                                  - m.alias_size_in_bytes)

@@ -122,12 +122,7 @@ def main(argv):
   except (RuntimeError, ValueError) as e:  # jax.distributed could not start (config.distributed.*)
     cli.fail(f"config.distributed: {e}")
   if config.dry_run:
-    from tlt_jax import dry_run  # pylint: disable=import-outside-toplevel
-    try:
-      sizes = dry_run.run(config)
-    except (OSError, ValueError) as e:  # a missing vocabulary size, an executable that does not fit, ...
-      cli.fail(f"dry run: {e}")
-    print(json.dumps(sizes, indent=2))
+    _dry_run(config)
     return
   check_outputs(config)
   held = _lock_workdir(config)
@@ -136,6 +131,27 @@ def main(argv):
   finally:  # a run that wrote nothing (bad input) leaves nothing
     if held is not None:
       held.release()
+
+
+def _dry_run(config) -> None:
+  """The dry run's report (tlt_jax.dry_run) on stdout and in <workdir>/dry_run[_<target>].json, written whether
+  or not every executable compiles and fits (else one error line, exit 1)."""
+  from tlt_jax import dry_run  # pylint: disable=import-outside-toplevel
+  path = os.path.join(config.workdir, f"dry_run{'_' + config.mesh.target if config.mesh.target else ''}.json")
+  try:
+    report, error = dry_run.run(config), None
+  except dry_run.DryRunError as e:  # an executable that does not compile or fit: the report says which
+    report, error = e.report, f"dry run: {e} (report: {path})"
+  except (OSError, ValueError) as e:  # a missing vocabulary size, an unknown target, ...
+    cli.fail(f"dry run: {e}")
+  try:
+    with files.atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+      json.dump(report, f, indent=2)
+  except (OSError, files.OutputError) as e:
+    cli.fail(f"config.workdir={config.workdir!r}: the dry run's report: {e}")
+  if error:
+    cli.fail(error)
+  print(json.dumps(report, indent=2))
 
 
 def _train(config, start: float) -> None:

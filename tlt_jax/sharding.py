@@ -120,3 +120,17 @@ def constrain(x: jax.Array, names: Sequence[str | None], rules=RULES) -> jax.Arr
   return jax.lax.with_sharding_constraint(x, logical_spec(x.shape, names, dict(mesh.shape), rules))
 
 
+
+
+def abstract(tree) -> bool:
+  """Whether `tree` holds shapes (`jax.ShapeDtypeStruct`: a dry run's) rather than arrays."""
+  return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
+def place(tree, shardings):
+  """`tree` laid out by `shardings` (a tree of them, or one): a copy of its arrays (never an alias), or,
+  for shapes (a dry run's), the shapes with those shardings: nothing is created."""
+  if not abstract(tree):
+    return jax.device_put(tree, shardings, may_alias=False)
+  shaped = lambda s, subtree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), subtree)
+  return jax.tree.map(shaped, shardings, tree)  # `shardings` is a prefix of `tree`, as device_put takes it

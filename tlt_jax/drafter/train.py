@@ -41,6 +41,7 @@ from absl import logging
 from flax import nnx
 
 from tlt_jax.drafter.model import Drafter, check_feature_layers
+from tlt_jax.executables import ExecutablePool
 from tlt_jax.models.transformer import CausalLM
 from tlt_jax.packing import Sequences, pack, segment_mask
 
@@ -488,8 +489,8 @@ def distill(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, step
   # Compiled ahead of time: a plain jit would compile again at step 2, once the fresh (uncommitted)
   # drafter state has come back committed to the target's mesh.
   abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct((batch_rows, *x.shape[1:]), x.dtype), pairs)
-  step = make_train_step(drafter, target, optimizer, draft_steps, temperature, logit_weight).lower(
-      params, opt_state, target_params, abstract_batch).compile()
+  step = _compiled_step(drafter, target, optimizer, draft_steps, temperature, logit_weight, params, opt_state,
+                        target_params, abstract_batch)
   rng = np.random.default_rng(seed)
   order = np.empty(0, np.int64)
   losses, metrics, history = [], [], []
@@ -520,6 +521,30 @@ def distill(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, step
   nnx.update(drafter, params if best is None else best[1])
   eval_metrics = held_out(nnx.state(drafter)) if held_out is not None else None
   return DistillResult(losses, metrics, eval_metrics, best_step, history, steps)
+
+
+def _compiled_step(drafter, target, optimizer, draft_steps, temperature, logit_weight, params, opt_state, target_params,
+                   batch):
+  return make_train_step(drafter, target, optimizer, draft_steps, temperature, logit_weight).lower(
+      params, opt_state, target_params, batch).compile()
+
+
+def compile_warmup(pool: ExecutablePool, target: CausalLM, drafter: Drafter, *, batch_rows: int, row_len: int,
+                   draft_steps: int = 1, temperature: float = 1.0) -> None:
+  """`distill`'s executables compiled ahead into `pool` for the (possibly abstract: a dry run's) target and
+  drafter, on the devices their params are on: the target's feature pass over `batch_rows` packed rows of
+  `row_len` tokens ("features") and a training step on their pairs ("step")."""
+  shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+  (target_def, target_params), (_, params) = nnx.split(target), nnx.split(drafter)
+  target_params, params = jax.tree.map(shape, target_params), jax.tree.map(shape, params)
+  rows = [jax.ShapeDtypeStruct((batch_rows, row_len), jnp.int32)] * 4
+  layers = tuple(drafter.feature_layers)
+  pool.get_or_compile("features", lambda: _sequence_pairs.lower(target_def, layers, target_params, *rows).compile())
+  pairs = jax.eval_shape(functools.partial(_sequence_pairs, target_def, layers), target_params, *rows)
+  optimizer = make_optimizer(1.0)
+  opt_state = jax.eval_shape(optimizer.init, params)
+  pool.get_or_compile("step", lambda: _compiled_step(drafter, target, optimizer, draft_steps, temperature,
+                                                     LOGIT_WEIGHT, params, opt_state, target_params, pairs))
 
 
 def evaluate(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, batch_rows: int,

@@ -38,6 +38,7 @@ from tlt_jax import distributed, fields, sharding
 from tlt_jax.drafter import checkpoint, train
 from tlt_jax.drafter.buffer import DataBuffer
 from tlt_jax.drafter.model import Drafter
+from tlt_jax.executables import ExecutablePool
 from tlt_jax.models.transformer import CausalLM
 
 
@@ -111,18 +112,20 @@ class DrafterTrainer:
     self._hidden = (policy.config.hidden_size, policy.dtype)
     self.params = self.on_group(self.home, nnx.state(drafter))
     self._home = sharding.param_shardings(self.params, self.meshes[self.home])
-    self.opt_state = jax.device_put(self.optimizer.init(self.params), self._replicated())
+    # A dry run's drafter is shapes: so is its optimizer state, and no finite state is kept.
+    init = jax.eval_shape if sharding.abstract(self.params) else lambda f, x: f(x)
+    self.opt_state = sharding.place(init(self.optimizer.init, self.params), self._replicated())
     self.version = 0
     self.rl_step = -1
-    self._compiled: dict | None = None
+    self.pool = ExecutablePool()
     self._checkpointer = checkpoint.AsyncDrafterCheckpointer(config.checkpoint_dir) if config.checkpoint_dir else None
-    self._good = self._snapshot() if self.finite() else None  # (params, opt_state, version) last known finite
+    self._good = None if sharding.abstract(self.params) or not self.finite() else self._snapshot()
 
   # ---- placement ----
 
   def on_group(self, g: int, state: nnx.State) -> nnx.State:
     """A copy of `state` on group g's devices (never an alias: the update donates the master params)."""
-    return jax.device_put(state, sharding.param_shardings(state, self.meshes[g]), may_alias=False)
+    return sharding.place(state, sharding.param_shardings(state, self.meshes[g]))
 
   def _replicated(self) -> NamedSharding:
     return NamedSharding(self.meshes[self.home], P())
@@ -171,25 +174,24 @@ class DrafterTrainer:
                        next_hidden=s((rows, t, h), dtype))
 
   def compile(self, policy_params: Mapping[int, nnx.State]) -> None:
-    """Compiles every executable (once) for the policy params on each of this process's groups."""
-    if self._compiled is not None:
-      return
+    """Compiles every executable into `pool` (once) for the policy params on each of this process's groups:
+    each group's gradient step, the pair-weighted sum of the groups' gradients, the update and the
+    held-out evaluation."""
     shaped = lambda tree, shardings: jax.tree.map(
         lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings)
     like = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-    grads = {}
     for g in self.groups:
       pairs = self._abstract_pairs(self._rows(g))
-      grads[g] = self._grad.lower(like(self.on_group(g, self.params)), like(policy_params[g]),
-                                  shaped(pairs, self._batch_sharding(g, pairs))).compile()
-    apply = self._apply.lower(like(self.params), like(self.opt_state), like(self.params)).compile()
-    weight = jax.ShapeDtypeStruct((), jnp.float32)
-    scale = _scale.lower(like(self.params), weight).compile()
-    accumulate = _accumulate.lower(like(self.params), like(self.params), weight).compile()
+      self.pool.get_or_compile(("grad", g), lambda: self._grad.lower(
+          like(self.on_group(g, self.params)), like(policy_params[g]),
+          shaped(pairs, self._batch_sharding(g, pairs))).compile())
+    params, weight = like(self.params), jax.ShapeDtypeStruct((), jnp.float32)
+    self.pool.get_or_compile("apply", lambda: self._apply.lower(params, like(self.opt_state), params).compile())
+    self.pool.get_or_compile("scale", lambda: _scale.lower(params, weight).compile())
+    self.pool.get_or_compile("accumulate", lambda: _accumulate.lower(params, params, weight).compile())
     pairs = self._abstract_pairs(self.config.eval_rows)
-    evaluate = self._eval.lower(like(self.params), like(policy_params[self.home]),
-                                shaped(pairs, self._batch_sharding(self.home, pairs))).compile()
-    self._compiled = {"grad": grads, "apply": apply, "eval": evaluate, "scale": scale, "accumulate": accumulate}
+    self.pool.get_or_compile("eval", lambda: self._eval.lower(
+        params, like(policy_params[self.home]), shaped(pairs, self._batch_sharding(self.home, pairs))).compile())
 
   # ---- one RL step ----
 
@@ -217,13 +219,13 @@ class DrafterTrainer:
     the others' gradients come from their processes (host copies), and every process sums them in
     the same order. Returns the round's times and its pair-weighted loss and top-1.
     """
-    t0, compiled = time.perf_counter(), self._compiled
+    t0, compiled = time.perf_counter(), self.pool
     local = {}
     for g, batch in batches.items():  # dispatched without waiting: the groups compute in parallel
       params = jax.device_put(self.params, sharding.param_shardings(self.params, self.meshes[g]))
-      local[g] = compiled["grad"][g](params, policy_params[g], jax.device_put(batch, self._batch_sharding(g, batch)))
+      local[g] = compiled["grad", g](params, policy_params[g], jax.device_put(batch, self._batch_sharding(g, batch)))
     if distributed.multiprocess():  # leaves only (host copies); every process compiled the same output tree
-      tree = compiled["grad"][self.home].out_tree
+      tree = compiled["grad", self.home].out_tree
       for part in distributed.allgather({g: jax.device_get(jax.tree.leaves(out)) for g, out in local.items()}):
         for g, leaves in part.items():
           local.setdefault(g, jax.tree.unflatten(tree, leaves))
@@ -269,7 +271,7 @@ class DrafterTrainer:
     if held is None:
       return {}
     held = jax.device_put(held, self._batch_sharding(self.home, held))
-    m = self._compiled["eval"](self.params, policy_params, held)
+    m = self.pool["eval"](self.params, policy_params, held)
     return {"drafter/eval_loss": float(m["loss"]), "drafter/top1": float(m["top1"]),
             **{f"drafter/top1_{k}": float(m[f"top1_{k}"]) for k in range(2, train.EVAL_STEPS + 1)}}
 

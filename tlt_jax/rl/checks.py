@@ -9,7 +9,7 @@ import re
 import ml_collections
 
 from tlt_jax import config as config_lib
-from tlt_jax import fields
+from tlt_jax import fields, targets
 from tlt_jax.config import config_value, eval_set, leaves, renamed
 from tlt_jax.drafter.buffer import BufferConfig
 from tlt_jax.models import lora
@@ -97,6 +97,8 @@ def check(config: ml_collections.ConfigDict) -> None:
   need(config.rl.actor.clip_low < 1, "rl.actor.clip_low", "must be < 1")
   for key, choices in _CHOICES.items():
     need(config_value(config, key) in choices, key, f"must be one of {choices}")
+  need(not config.mesh.target or config.mesh.target in targets.names(), "mesh.target",
+       f"unknown target; known: {', '.join(targets.names())}")
   for key in ("mesh.data", "mesh.fsdp", "mesh.tensor"):
     need(config_value(config, key) == -1 or config_value(config, key) >= 1, key, "must be >= 1, or -1 (the rest)")
   for prefix in ["data", *(f"eval.sets.{name}" for name in config.eval.sets)]:
@@ -116,13 +118,13 @@ def check(config: ml_collections.ConfigDict) -> None:
       need(False, f"{prefix}.answer_regex", str(e))
   need(config.policy.weight_dtype != "bfloat16" or config.policy.dtype == "bfloat16", "policy.weight_dtype",
        "bfloat16 master weights need policy.dtype=bfloat16 (weights narrower than the compute)")
-  targets = config.policy.lora.target_modules
-  need(isinstance(targets, str) and targets or isinstance(targets, tuple) and targets
-       and all(isinstance(t, str) for t in targets), "policy.lora.target_modules",
+  modules = config.policy.lora.target_modules
+  need(isinstance(modules, str) and modules or isinstance(modules, tuple) and modules
+       and all(isinstance(t, str) for t in modules), "policy.lora.target_modules",
        "must be 'all-linear', a regex, or a tuple of module names, e.g. \"('q_proj','v_proj')\"")
-  if isinstance(targets, str):
+  if isinstance(modules, str):
     try:
-      re.compile(targets)
+      re.compile(modules)
     except re.error as e:
       need(False, "policy.lora.target_modules", f"not a regular expression ({e})")
   path = config.policy.lora.path

@@ -46,20 +46,24 @@ def check(config) -> None:
 
 
 def _stop_ids(tok, turns: Turns | None) -> tuple[int, ...]:
-  """The tokens that end a row's turn: the tokenizer's EOS, and with tools the template's end of a turn."""
+  """The tokens that end a row's turn: the tokenizer's EOS, and with tools the template's end of a turn (none
+  without a tokenizer: a dry run's of a policy whose directory is not there)."""
+  if tok is None:
+    return ()
   return tuple(dict.fromkeys((tok.eos_token_id,) + (() if turns is None else (turns.stop_token_id,))))
 
 
 def make_eval(config: ml_collections.ConfigDict, policy: CausalLM, tok, rows: int,
-              temperature: float = -1.0, turns: Turns | None = None) -> PlainRollout:
+              temperature: float = -1.0, turns: Turns | None = None,
+              devices: Sequence[jax.Device] | None = None) -> PlainRollout:
   """A rollout for evaluations of `rows` rows at once (a set's prompts x samples) on this process's
-  devices, sampling at `temperature` (-1: the rollout's), without compaction: one bucket to compile;
-  `turns`: the tool calls' runner (multi-turn)."""
+  `devices` (default: all of them), sampling at `temperature` (-1: the rollout's), without compaction: one
+  bucket to compile; `turns`: the tool calls' runner (multi-turn)."""
   sampling = builders.sampling_params(config, _stop_ids(tok, turns))
   if temperature >= 0:
     sampling = dataclasses.replace(sampling, temperature=temperature)
-  devices = jax.local_devices()
-  mesh = sharding.make_mesh({"data": len(devices)}, devices) if len(devices) > 1 else None
+  devices = jax.local_devices() if devices is None else list(devices)
+  mesh = sharding.make_mesh({"data": len(devices)}, devices)
   return PlainRollout(policy, builders.engine_config(config, largest_bucket=1 << max(rows - 1, 0).bit_length(),
                                                        compact=False), sampling, mesh, turns=turns)
 
@@ -82,7 +86,7 @@ def make(config: ml_collections.ConfigDict, policy: CausalLM, drafter: Drafter |
   sampling = builders.sampling_params(c, _stop_ids(tok, turns))
   make_bandit = lambda: builders.bandit(c, strategies)
   devices = list(devices)
-  mesh = sharding.make_mesh({"data": len(devices)}, devices) if len(devices) > 1 else None
+  mesh = sharding.make_mesh({"data": len(devices)}, devices)  # one device too: its platform picks the kernels
   if not uses_drafter(c):
     largest = c.rollout.engine.batch_buckets[-1] * c.rollout.groups
     rollout = PlainRollout(policy, builders.engine_config(c, strategies, largest_bucket=largest), sampling, mesh,
@@ -94,4 +98,6 @@ def make(config: ml_collections.ConfigDict, policy: CausalLM, drafter: Drafter |
       policy, drafter, builders.engine_config(c, strategies, capture_hidden=True), sampling, devices,
       c.rollout.groups, DataBuffer(BufferConfig(**c.drafter.buffer)), builders.tlt_config(c),
       builders.drafter_trainer_config(c), make_bandit, turns)
-  return rollout, make_eval(c, policy, tok, c.eval.size * c.eval.num_samples, turns=turns) if c.eval.every else None
+  local = [d for d in devices if d.process_index == jax.process_index()]
+  return rollout, make_eval(c, policy, tok, c.eval.size * c.eval.num_samples, turns=turns,
+                            devices=local) if c.eval.every else None

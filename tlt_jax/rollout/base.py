@@ -16,6 +16,7 @@ from flax import nnx
 from tlt_jax import checkpoint as rl_checkpoint
 from tlt_jax import distributed
 from tlt_jax.drafter.model import Drafter
+from tlt_jax.executables import ExecutablePool
 from tlt_jax.rollout import suffix
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.state import Sample
@@ -71,6 +72,18 @@ class BaseRollout(abc.ABC):
         history.add(p, r)
       metrics["rollout/history_prompts"] = float(len(history))
     return samples, metrics
+
+  @abc.abstractmethod
+  def prepare(self, num_prompts: int, num_samples: int, first_group_only: bool = False) -> None:
+    """Compiles every executable a call of `generate` with `num_prompts` prompts of any length (within
+    the engines' max_prompt_len) and `num_samples` samples each runs (no-op for what is compiled): a later
+    call of that size compiles nothing. `first_group_only`: only the first group's engine (a dry run's: the
+    others compile the same for their own devices)."""
+
+  def pools(self) -> dict[str, ExecutablePool]:
+    """This process's executables, by owner: its first engine's ("engine"; the others' are compiled
+    alike, for their own devices) and the drafter trainer's ("drafter")."""
+    return {"engine": self.engines[0].pool}
 
   @abc.abstractmethod
   def _generate(self, prompts: Sequence[Sequence[int]], num_samples: int, max_total_len, prompt_offset: int,

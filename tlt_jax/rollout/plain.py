@@ -39,13 +39,16 @@ class PlainRollout(BaseRollout):
     self._shardings = None if mesh is None else sharding.param_shardings(nnx.state(policy), mesh)
     self.set_policy_params(nnx.state(policy))  # laid out over the mesh
 
+  def prepare(self, num_prompts: int, num_samples: int, first_group_only: bool = False) -> None:
+    self.engine.prepare(num_prompts * num_samples)
+
   def _generate(self, prompts: Sequence[Sequence[int]], num_samples: int, max_total_len, prompt_offset: int,
                 history) -> tuple[list[Sample], dict[str, float]]:
     """See `BaseRollout.generate`; the metrics are the engine's `RolloutMetrics.summary()`."""
-    self.engine.prepare(len(prompts) * num_samples)  # every prompt length: a later step's prompts compile nothing
+    self.prepare(len(prompts), num_samples)
     out = self.engine.generate(prompts, num_samples, max_total_len, prompt_offset=prompt_offset, history=history)
     samples = [dataclasses.replace(s, prompt_index=s.prompt_index - prompt_offset) for s in out.samples]
     return samples, out.metrics.summary()
 
   def set_policy_params(self, params: nnx.State) -> None:
-    self.engine.set_params(params if self._shardings is None else jax.device_put(params, self._shardings))
+    self.engine.set_params(params if self._shardings is None else sharding.place(params, self._shardings))

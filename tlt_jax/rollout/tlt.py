@@ -51,6 +51,7 @@ from tlt_jax import distributed, fields, sharding
 from tlt_jax.drafter.buffer import DataBuffer
 from tlt_jax.drafter.model import Drafter
 from tlt_jax.drafter.trainer import DrafterTrainer, DrafterTrainerConfig, Round
+from tlt_jax.executables import ExecutablePool
 from tlt_jax.models.transformer import CausalLM
 from tlt_jax.rollout.bandit import Bandit
 from tlt_jax.rollout.base import BaseRollout
@@ -142,6 +143,24 @@ class TLTRollout(BaseRollout):
   def drafter_model(self) -> Drafter:
     return self.drafter_trainer.model()
 
+  def _bounds(self, num_prompts: int) -> np.ndarray:
+    """Group g's prompts: bounds[g] .. bounds[g + 1] - 1."""
+    return np.linspace(0, num_prompts, len(self.meshes) + 1).astype(int)
+
+  def prepare(self, num_prompts: int, num_samples: int, first_group_only: bool = False) -> None:
+    bounds = self._bounds(num_prompts)
+    def prepare(g, engine):  # refill or waves included
+      engine.prepare((bounds[g + 1] - bounds[g]) * num_samples)
+    engines = self.engines[:1] if first_group_only else self.engines
+    # Each group compiles its own executables (they are bound to its devices): in parallel, since
+    # XLA compiles one module per thread.
+    with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
+      list(pool.map(prepare, self.groups, engines))
+    self.drafter_trainer.compile(self._policy_params())
+
+  def pools(self) -> dict[str, ExecutablePool]:
+    return {**super().pools(), "drafter": self.drafter_trainer.pool}
+
   # ---- one RL step ----
 
   def _generate(self, prompts: Sequence[Sequence[int]], num_samples: int, max_total_len, prompt_offset: int,
@@ -157,15 +176,9 @@ class TLTRollout(BaseRollout):
                          "(max_prompt_len)")
     trainer = self.drafter_trainer
     rl_step = trainer.next_step()
-    bounds = np.linspace(0, len(prompts), G + 1).astype(int)
+    bounds = self._bounds(len(prompts))
     limit = lambda a, b: list(max_total_len[a:b]) if isinstance(max_total_len, Sequence) else max_total_len
-    def prepare(g, engine):  # refill or waves included; every prompt length: a later step's prompts compile nothing
-      engine.prepare((bounds[g + 1] - bounds[g]) * num_samples)
-    # Each group compiles its own executables (they are bound to its devices): in parallel, since
-    # XLA compiles one module per thread.
-    with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as pool:
-      list(pool.map(prepare, self.groups, self.engines))
-    trainer.compile(self._policy_params())
+    self.prepare(len(prompts), num_samples)
     version_used = min(self.engine_versions)
 
     def work(g):
