@@ -33,11 +33,13 @@ def get_config(variant: str = ""):
   r = c.rollout
   r.prompts_per_step, r.num_samples, r.strategies = 16, 8, ("6_4_16", "6_4_8")
   r.sampling.temperature, r.sampling.max_new_tokens = 1.0, 1024
-  r.engine.batch_buckets = (1, 2, 4, 8, 16, 32, 64, 128)
+  # 64 rows at once (the 128 rows of a step refill them): on a TPU v5e chip the 128-row decode play needs 17.0 GB
+  # of its 16 (XLA keeps copies of the KV cache there), 64 rows fit (docs/BENCHMARKS.md, "Dry runs").
+  r.engine.batch_buckets = (1, 2, 4, 8, 16, 32, 64)
   r.engine.kv_block, r.engine.sd_max_batch = 128, 16
   c.drafter.path = "/content/qwen_0_5b_drafter"
   c.rl.optimizer.learning_rate = 1e-6
-  c.rl.actor.micro_batch_rows = 4
+  c.rl.actor.micro_batch_rows = 2  # 4 needs 15.9 GB in the gradient step beside the AdamW state: over a T4's 15
   c.rl.row_len = 256 + 1024
   c.rl.actor.remat = True
   c.rl.actor.kl_coef = 0.001

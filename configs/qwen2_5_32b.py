@@ -26,4 +26,7 @@ def get_config():
   m.rope_theta, m.max_position_embeddings = 1e6, 131072
   c.rollout.groups = 8
   c.rl.actor.micro_batch_rows = 32  # one row per GPU
+  # Attention over 256 queries at a time: at 1024 a GPU's 33k-token row needs 81.2 GB in the gradient step
+  # beside the resident state, 8 GB more than at 256 (docs/BENCHMARKS.md, "Dry runs").
+  c.rl.actor.attention_block = 256
   return c

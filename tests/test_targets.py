@@ -28,6 +28,14 @@ def test_every_target_has_its_facts():
     targets.load("h800")
 
 
+def test_a_run_has_the_share_of_a_gpu_jax_takes(monkeypatch):
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  h100, v5p = targets.load("h100"), targets.load("tpu-v5p")
+  assert targets.usable_gb(h100) == pytest.approx(0.95 * h100.memory_gb) and targets.usable_gb(v5p) == 95.0
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+  assert targets.usable_gb(h100) == pytest.approx(h100.memory_gb / 2)
+
+
 def test_a_gpu_target_config_is_xla_s_text_format():
   text = targets.text_proto(targets.load("l4").gpu)
   assert "gpu_device_info {\n  threads_per_block_limit: 1024\n" in text

@@ -22,6 +22,8 @@ from absl import logging
 from jax.experimental import multihost_utils
 from jax.experimental.compilation_cache import compilation_cache
 
+from tlt_jax import targets
+
 TIMEOUT_S = 3600  # a process that does not answer by then has died or hangs: fail, don't wait forever
 
 _calls = itertools.count()  # every process makes the same calls in the same order: the n-th call's keys match
@@ -88,6 +90,8 @@ def setup_devices(config) -> None:
   `mesh`, `distributed` and `rollout.compilation_cache_dir` keys), before any computation."""
   if config.dry_run and config.mesh.target:  # compiled for the target's devices, none of this host's needed
     jax.config.update("jax_platforms", "cpu")
+  # A GPU's memory for the run (what a dry run checks against), before JAX takes its default 75% of it.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(targets.GPU_MEMORY_FRACTION))
   cpu_devices = config.mesh.dry_run_devices if config.dry_run and not config.mesh.target else config.mesh.cpu_devices
   if cpu_devices:  # only the CPU backend's device count: on an accelerator host this changes nothing
     jax.config.update("jax_num_cpu_devices", cpu_devices)

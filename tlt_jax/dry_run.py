@@ -80,9 +80,9 @@ _SHAPED_BY = {
 }
 # What lowers each kind's memory need.
 _REMEDIES = {
-    "train": "lower config.rl.actor.micro_batch_rows, set config.rl.actor.remat=True and config.rl.actor.attention_block, "
-             "halve the trainer's state with config.policy.weight_dtype=bfloat16, or shard it over more devices "
-             "(config.mesh.fsdp)",
+    "train": "lower config.rl.actor.micro_batch_rows, set config.rl.actor.remat=True and "
+             "config.rl.actor.attention_block, halve the trainer's state with config.policy.weight_dtype=bfloat16, "
+             "or shard it over more devices (config.mesh.fsdp)",
     "rollout": "lower config.rollout.engine.batch_buckets (the largest), use a paged cache "
                "(config.rollout.engine.page_size), or fewer rollout groups (config.rollout.groups: more devices each)",
     "eval": "lower config.eval.size or config.eval.num_samples",
@@ -231,14 +231,19 @@ def _run(config) -> dict:
     logging.info("dry run: compiling the held-out evaluation's executables")
     held_out.prepare(config.eval.size, config.eval.num_samples)
     pools["eval"] = held_out.engine.pool
-  if eagle and config.drafter.distill.steps and not os.path.exists(config.drafter.path or "/nonexistent"):
+  # The run warms a drafter up where it finds none (bootstrap.load_drafter); a pretrained policy's warm-up also
+  # samples its responses first, with a plain engine like the evaluation's (not compiled here).
+  if eagle and config.drafter.distill.steps and not os.path.exists(config.drafter.path
+                                                                    or os.path.join(config.workdir, "drafter")):
     d, pools["warmup"] = config.drafter.distill, ExecutablePool()
     pools["warmup"].keep_going = True
     logging.info("dry run: compiling the drafter warm-up's feature pass and training step")
-    drafter_train.compile_warmup(pools["warmup"], copy, drafter, batch_rows=d.batch_rows, row_len=d.row_len,
+    # The warm-up runs before the trainer's layout, on the policy as loaded: one device holds it whole.
+    drafter_train.compile_warmup(pools["warmup"], _abstract(build_policy, devices[0]), drafter,
+                                 batch_rows=d.batch_rows, row_len=d.row_len,
                                  draft_steps=drafter_train.sampling_draft_steps(d.draft_steps,
                                                                                r.sampling.temperature),
-                                 temperature=r.sampling.temperature)
+                                 **drafter_train.sampling_loss(r.sampling.temperature))
   executables = {_name(owner, key): _entry(_name(owner, key), pool, key)
                  for owner, pool in pools.items() for key in [*pool.keys(), *pool.failures]}
   report["executables"] = executables
@@ -277,7 +282,7 @@ def _run(config) -> dict:
         r.prompts_per_step * r.num_samples, config.data.max_prompt_len + r.sampling.max_new_tokens, cfg.hidden_size,
         dtype.itemsize)
     report["drafter_buffer_checkpoint_gb"] = _gb(buffer)
-  limit, report["device_memory"] = (target.memory_gb, target.name) if target else (0.0, None)
+  limit, report["device_memory"] = (targets.usable_gb(target), target.name) if target else (0.0, None)
   if config.mesh.device_memory_gb and (not limit or config.mesh.device_memory_gb < limit):
     limit, report["device_memory"] = config.mesh.device_memory_gb, "config.mesh.device_memory_gb"
   report["device_memory_gb"] = round(limit, 6)
@@ -285,7 +290,7 @@ def _run(config) -> dict:
                                     if engine.mesh is not None else 1,
                                     state["rollout"] / GB + beside["rollout"] / GB, limit)
   if target is not None:
-    report["roofline"] = roofline(config, cfg, base, target, devices[0], dtype)
+    report["roofline"] = roofline(config, cfg, base, target, engine.mesh, dtype)
   report.update(check(executables, limit, on_cpu=devices[0].platform == "cpu"))
   report["seconds"] = round(time.perf_counter() - start, 1)
   error = failure(report)
@@ -370,18 +375,21 @@ def check(executables: dict[str, dict], limit_gb: float, on_cpu: bool) -> dict:
   return out
 
 
-def roofline(config, cfg: ModelConfig, engine: EngineConfig, target: targets.Target, device: jax.Device,
+def roofline(config, cfg: ModelConfig, engine: EngineConfig, target: targets.Target, mesh: jax.sharding.Mesh,
              dtype) -> dict:
   """Estimated step times on `target` (module docstring): the policy's forward over k tokens per row of a
-  batch, compiled for the target with its layers unrolled and a dense attention over a cache of a mean row's
-  context (so the compiler's cost analysis, which counts a loop's body once, counts the whole step), at the
-  target's peak FLOP/s and memory bandwidth: the slower of the two."""
+  batch on one rollout group's devices (`mesh`, laid out as its engine is: a tensor-parallel group's devices
+  each move their share of the weights and the cache), compiled for the target with its layers unrolled and
+  a dense attention over a cache of a mean row's context (so the compiler's cost analysis, which counts a
+  loop's body once, counts the whole step), at the target's peak FLOP/s and memory bandwidth: the slower of
+  the two, per device."""
   r = config.rollout
   context = config.data.max_prompt_len + (r.mean_response_len or r.sampling.max_new_tokens // 4)
   graphdef, params = nnx.split(nnx.eval_shape(lambda: CausalLM(dataclasses.replace(cfg, scan_layers=False),
                                                                dtype=dtype, rngs=nnx.Rngs(0))))
-  place = lambda tree: sharding.place(tree, SingleDeviceSharding(device))
-  params = place(params)
+  params = sharding.place(params, sharding.param_shardings(params, mesh))
+  rows = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding.array_sharding(
+      shape, ("batch",) + (None,) * (len(shape) - 1), mesh))
 
   def forward(params, cache, tokens, positions, mask):
     out = transformer.verify(nnx.merge(graphdef, params), tokens, positions, mask, cache, kv_block=None,
@@ -395,13 +403,15 @@ def roofline(config, cfg: ModelConfig, engine: EngineConfig, target: targets.Tar
   pool.keep_going = True
   for b in batches_:
     shape = (cfg.num_layers, b, context, cfg.num_kv_heads, cfg.head_dim)
-    cache = place(KVCache(k=jax.ShapeDtypeStruct(shape, dtype), v=jax.ShapeDtypeStruct(shape, dtype),
-                          lengths=jax.ShapeDtypeStruct((b,), jnp.int32), pages=None))
+    cache = KVCache(k=jax.ShapeDtypeStruct(shape, dtype), v=jax.ShapeDtypeStruct(shape, dtype),
+                    lengths=jax.ShapeDtypeStruct((b,), jnp.int32), pages=None)
+    cache = sharding.place(cache, sharding.cache_shardings(cache, mesh))
     for k in ks:
-      args = place((jax.ShapeDtypeStruct((b, k), jnp.int32), jax.ShapeDtypeStruct((b, k), jnp.int32),
-                    jax.ShapeDtypeStruct((b, k, k), jnp.bool_)))
-      exe = pool.get_or_compile((b, k), lambda: jax.jit(forward, donate_argnums=(1,)).lower(params, cache,
-                                                                                            *args).compile())
+      args = (rows((b, k), jnp.int32), rows((b, k), jnp.int32), rows((b, k, k), jnp.bool_))
+      def build(cache=cache, args=args):
+        with jax.set_mesh(mesh):
+          return jax.jit(forward, donate_argnums=(1,)).lower(params, cache, *args).compile()
+      exe = pool.get_or_compile((b, k), build)
       if exe is None:
         steps[f"{b}/{k}"] = {"error": str(pool.failures[(b, k)]).splitlines()[0]}
         continue
@@ -410,8 +420,8 @@ def roofline(config, cfg: ModelConfig, engine: EngineConfig, target: targets.Tar
                            "ms": round(1e3 * target.roofline_s(flops, nbytes), 4)}
   ratios = {str(b): {str(k): round(steps[f"{b}/{k}"]["ms"] / steps[f"{b}/1"]["ms"], 3) for k in ks if k > 1}
             for b in batches_ if all("ms" in steps[f"{b}/{k}"] for k in ks)}
-  return {"estimate": f"forward over k tokens per row at {context} tokens of context, at "
-                      f"{target.peak_bf16_tflops} bf16 TFLOP/s and {target.memory_bandwidth_gbps} GB/s",
+  return {"estimate": f"forward over k tokens per row at {context} tokens of context on {mesh.size} device(s), at "
+                      f"{target.peak_bf16_tflops} bf16 TFLOP/s and {target.memory_bandwidth_gbps} GB/s each",
           "context_tokens": context, "steps": steps, "verify_over_decode": ratios}
 
 

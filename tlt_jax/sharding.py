@@ -13,15 +13,17 @@ import math
 from typing import Mapping, Sequence
 
 import jax
+import optax
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the axes rows split over (RULES' "batch")
 
 # logical axis -> mesh axes. Batch is split over data and fsdp; parameters are split over fsdp
 # (FSDP) on their model dimension and over tensor (Megatron-style) on heads / MLP / vocab.
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),
+    ("batch", BATCH_AXES),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("lora_rank", "fsdp"),  # a LoRA adapter's rank axis: sharded where its other axis is not over fsdp
@@ -134,3 +136,15 @@ def place(tree, shardings):
     return jax.device_put(tree, shardings, may_alias=False)
   shaped = lambda s, subtree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), subtree)
   return jax.tree.map(shaped, shardings, tree)  # `shardings` is a prefix of `tree`, as device_put takes it
+
+
+def optimizer_shardings(optimizer: optax.GradientTransformation, params):
+  """The shardings of `optimizer`'s state for `params` (sharded arrays, or abstract ones with shardings):
+  each copy of the params (AdamW's moments) sharded like them, the rest (step counts) replicated. XLA
+  left to choose would replicate the moments (zeros depend on no sharded input): 8x their memory
+  under FSDP over 8 devices."""
+  shardings = jax.tree.map(lambda x: x.sharding, params)
+  first = jax.tree.leaves(shardings)[0]  # on one device (a dry run's policy there): that device
+  replicated = NamedSharding(first.mesh, P()) if isinstance(first, NamedSharding) else first
+  return optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params), shardings,
+                               transform_non_params=lambda _: replicated)

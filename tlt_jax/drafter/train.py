@@ -530,7 +530,7 @@ def _compiled_step(drafter, target, optimizer, draft_steps, temperature, logit_w
 
 
 def compile_warmup(pool: ExecutablePool, target: CausalLM, drafter: Drafter, *, batch_rows: int, row_len: int,
-                   draft_steps: int = 1, temperature: float = 1.0) -> None:
+                   draft_steps: int = 1, temperature: float = 1.0, logit_weight: float = LOGIT_WEIGHT) -> None:
   """`distill`'s executables compiled ahead into `pool` for the (possibly abstract: a dry run's) target and
   drafter, on the devices their params are on: the target's feature pass over `batch_rows` packed rows of
   `row_len` tokens ("features") and a training step on their pairs ("step")."""
@@ -544,7 +544,7 @@ def compile_warmup(pool: ExecutablePool, target: CausalLM, drafter: Drafter, *, 
   optimizer = make_optimizer(1.0)
   opt_state = jax.eval_shape(optimizer.init, params)
   pool.get_or_compile("step", lambda: _compiled_step(drafter, target, optimizer, draft_steps, temperature,
-                                                     LOGIT_WEIGHT, params, opt_state, target_params, pairs))
+                                                     logit_weight, params, opt_state, target_params, pairs))
 
 
 def evaluate(target: CausalLM, drafter: Drafter, data: Sequences | Pairs, *, batch_rows: int,

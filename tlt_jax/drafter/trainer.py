@@ -22,6 +22,7 @@ depend on: a resumed run trains the drafter as an uninterrupted one would, given
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Callable, Mapping, Sequence
 
@@ -31,7 +32,7 @@ import numpy as np
 import optax
 from absl import logging
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from tlt_jax import checkpoint as rl_checkpoint
 from tlt_jax import distributed, fields, sharding
@@ -106,7 +107,6 @@ class DrafterTrainer:
     self._grad = train.make_grad_step(drafter, policy, train.sampling_draft_steps(config.draft_steps,
                                                                                   config.temperature), **loss)
     self._eval = train.make_eval_step(drafter, policy, **loss)
-    self._apply = jax.jit(lambda p, s, g: train.apply_gradients(self.optimizer, p, s, g), donate_argnums=(0, 1))
     self._all_finite = jax.jit(
         lambda tree: jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
     self._hidden = (policy.config.hidden_size, policy.dtype)
@@ -114,7 +114,11 @@ class DrafterTrainer:
     self._home = sharding.param_shardings(self.params, self.meshes[self.home])
     # A dry run's drafter is shapes: so is its optimizer state, and no finite state is kept.
     init = jax.eval_shape if sharding.abstract(self.params) else lambda f, x: f(x)
-    self.opt_state = sharding.place(init(self.optimizer.init, self.params), self._replicated())
+    # AdamW's moments sharded like the params (over a tensor-parallel group's devices), as the update keeps them.
+    self._opt_shardings = sharding.optimizer_shardings(self.optimizer, self.params)
+    self.opt_state = sharding.place(init(self.optimizer.init, self.params), self._opt_shardings)
+    self._apply = jax.jit(lambda p, s, g: train.apply_gradients(self.optimizer, p, s, g), donate_argnums=(0, 1),
+                          out_shardings=(self._home, self._opt_shardings))
     self.version = 0
     self.rl_step = -1
     self.pool = ExecutablePool()
@@ -127,11 +131,11 @@ class DrafterTrainer:
     """A copy of `state` on group g's devices (never an alias: the update donates the master params)."""
     return sharding.place(state, sharding.param_shardings(state, self.meshes[g]))
 
-  def _replicated(self) -> NamedSharding:
-    return NamedSharding(self.meshes[self.home], P())
-
   def _rows(self, g: int) -> int:
-    return self.config.rows_per_device * self.meshes[g].size
+    """Group g's rows: rows_per_device on each of the devices its rows split over (a tensor-parallel
+    group's devices share its rows)."""
+    shape = self.meshes[g].shape
+    return self.config.rows_per_device * math.prod(shape.get(a, 1) for a in sharding.BATCH_AXES)
 
   def _batch_sharding(self, g: int, pairs: train.Pairs):
     return jax.tree.map(lambda x: sharding.array_sharding(x.shape, ("batch",) + (None,) * (x.ndim - 1),
@@ -148,7 +152,7 @@ class DrafterTrainer:
 
   def _snapshot(self) -> tuple:
     return (self.on_group(self.home, self.params),
-            jax.device_put(self.opt_state, self._replicated(), may_alias=False), self.version)
+            sharding.place(self.opt_state, self._opt_shardings), self.version)
 
   def restore_good(self, why: str) -> bool:
     """Back to the last finite state (a copy of it, published), logging `why`; False when there is none."""
@@ -157,7 +161,7 @@ class DrafterTrainer:
       return False
     params, opt_state, self.version = self._good
     self.params = self.on_group(self.home, params)
-    self.opt_state = jax.device_put(opt_state, self._replicated(), may_alias=False)
+    self.opt_state = sharding.place(opt_state, self._opt_shardings)
     self.publish()
     logging.warning("drafter: %s; restored its last finite state (version %d)", why, self.version)
     return True
@@ -317,7 +321,7 @@ class DrafterTrainer:
       self.restore_good(f"the restored state (version {metadata['version']}) has non-finite params")
       return
     self.params = self.on_group(self.home, tree["params"])
-    self.opt_state = jax.device_put(tree["opt_state"], self._replicated(), may_alias=False)
+    self.opt_state = sharding.place(tree["opt_state"], self._opt_shardings)
     self.version = int(metadata["version"])
     self.publish()
     self._good = self._snapshot()

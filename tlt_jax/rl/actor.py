@@ -95,18 +95,6 @@ def stochastic_round(x, key) -> jax.Array:
   return jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
 
 
-def state_shardings(optimizer: optax.GradientTransformation, params):
-  """The shardings of `optimizer`'s state for `params` (sharded arrays, or abstract ones with shardings):
-  each copy of the params (AdamW's moments) sharded like them, the rest (step counts) replicated. XLA
-  left to choose would replicate the moments (zeros depend on no sharded input): 8x their memory
-  under FSDP over 8 devices."""
-  shardings = jax.tree.map(lambda x: x.sharding, params)
-  first = jax.tree.leaves(shardings)[0]  # on one device (a dry run's policy there): that device
-  replicated = NamedSharding(first.mesh, P()) if isinstance(first, NamedSharding) else first
-  return optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, params), shardings,
-                               transform_non_params=lambda _: replicated)
-
-
 def rollout_copy(params, dtype):
   """The policy's params cast to the rollout's compute dtype (each array keeps its sharding)."""
   return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
@@ -138,7 +126,7 @@ class Actor:
     # The moments sharded like their params (FSDP), the counts replicated: also what the update returns, so
     # that its second call finds the first's executable.
     if abstract or on_mesh:
-      shardings = state_shardings(optimizer, self.params)
+      shardings = sharding.optimizer_shardings(optimizer, self.params)
       if abstract:
         self.opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                       jax.eval_shape(optimizer.init, self.params), shardings)

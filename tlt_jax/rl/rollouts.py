@@ -7,7 +7,8 @@ held-out evaluations:
     on their own `PlainRollout` (`make_eval`) over this process's devices, which decodes the fixed
     batch without compaction (one bucket to compile);
   * else (the baseline, or suffix drafts alone with `rollout.drafter='suffix'`): one `PlainRollout`
-    data-parallel over all the devices, as many rows at once as the TLT groups together; the
+    over all the devices, its rows split over as many groups of devices as the TLT rollout's (each group
+    tensor-parallel as those are: `mesh`), as many rows at once as the TLT groups together; the
     evaluations use it too (compiled for the rollouts anyway).
 Per-row keys make the samples the same either way. The engines, sampling, bandits and the TLT and
 drafter trainer configs come from `tlt_jax.config`'s builders (each config subtree mirrors its dataclass).
@@ -53,19 +54,33 @@ def _stop_ids(tok, turns: Turns | None) -> tuple[int, ...]:
   return tuple(dict.fromkeys((tok.eos_token_id,) + (() if turns is None else (turns.stop_token_id,))))
 
 
+def mesh(devices: Sequence[jax.Device], group_size: int) -> jax.sharding.Mesh:
+  """A rollout's mesh over `devices`: rows split over groups of `group_size` (a TLT rollout group's), each group
+  tensor-parallel as a TLT group's engine is (one device too: its platform picks the attention kernels)."""
+  if len(devices) % group_size:
+    raise ValueError(f"{len(devices)} devices do not split into rollout groups of {group_size} (config.rollout.groups)")
+  return sharding.make_mesh({"data": len(devices) // group_size, "tensor": group_size}, devices)
+
+
+def group_size(config: ml_collections.ConfigDict, devices: int) -> int:
+  """Devices per rollout group: `devices` (every process's) over `rollout.groups`."""
+  return max(devices // config.rollout.groups, 1)
+
+
 def make_eval(config: ml_collections.ConfigDict, policy: CausalLM, tok, rows: int,
               temperature: float = -1.0, turns: Turns | None = None,
-              devices: Sequence[jax.Device] | None = None) -> PlainRollout:
+              devices: Sequence[jax.Device] | None = None, group: int | None = None) -> PlainRollout:
   """A rollout for evaluations of `rows` rows at once (a set's prompts x samples) on this process's
-  `devices` (default: all of them), sampling at `temperature` (-1: the rollout's), without compaction: one
-  bucket to compile; `turns`: the tool calls' runner (multi-turn)."""
+  `devices` (default: all of them) in rollout groups of `group` devices (default: the run's, `group_size`),
+  sampling at `temperature` (-1: the rollout's), without compaction: one bucket to compile; `turns`: the tool
+  calls' runner (multi-turn)."""
   sampling = builders.sampling_params(config, _stop_ids(tok, turns))
   if temperature >= 0:
     sampling = dataclasses.replace(sampling, temperature=temperature)
   devices = jax.local_devices() if devices is None else list(devices)
-  mesh = sharding.make_mesh({"data": len(devices)}, devices)
+  group = group_size(config, jax.device_count()) if group is None else group
   return PlainRollout(policy, builders.engine_config(config, largest_bucket=1 << max(rows - 1, 0).bit_length(),
-                                                       compact=False), sampling, mesh, turns=turns)
+                                                       compact=False), sampling, mesh(devices, group), turns=turns)
 
 
 def make(config: ml_collections.ConfigDict, policy: CausalLM, drafter: Drafter | None, tok,
@@ -86,11 +101,11 @@ def make(config: ml_collections.ConfigDict, policy: CausalLM, drafter: Drafter |
   sampling = builders.sampling_params(c, _stop_ids(tok, turns))
   make_bandit = lambda: builders.bandit(c, strategies)
   devices = list(devices)
-  mesh = sharding.make_mesh({"data": len(devices)}, devices)  # one device too: its platform picks the kernels
+  group = group_size(c, len(devices))
   if not uses_drafter(c):
     largest = c.rollout.engine.batch_buckets[-1] * c.rollout.groups
-    rollout = PlainRollout(policy, builders.engine_config(c, strategies, largest_bucket=largest), sampling, mesh,
-                           bandit=make_bandit() if strategies else None, turns=turns)
+    rollout = PlainRollout(policy, builders.engine_config(c, strategies, largest_bucket=largest), sampling,
+                           mesh(devices, group), bandit=make_bandit() if strategies else None, turns=turns)
     return rollout, rollout if c.eval.every else None
   if drafter is None:
     raise ValueError("config.rollout.speculative=True with EAGLE strategies needs a drafter")
@@ -99,5 +114,5 @@ def make(config: ml_collections.ConfigDict, policy: CausalLM, drafter: Drafter |
       c.rollout.groups, DataBuffer(BufferConfig(**c.drafter.buffer)), builders.tlt_config(c),
       builders.drafter_trainer_config(c), make_bandit, turns)
   local = [d for d in devices if d.process_index == jax.process_index()]
-  return rollout, make_eval(c, policy, tok, c.eval.size * c.eval.num_samples, turns=turns,
-                            devices=local) if c.eval.every else None
+  return rollout, make_eval(c, policy, tok, c.eval.size * c.eval.num_samples, turns=turns, devices=local,
+                            group=group) if c.eval.every else None

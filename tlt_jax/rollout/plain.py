@@ -30,7 +30,7 @@ class PlainRollout(BaseRollout):
       policy: the policy (its current params are the engine's until `set_policy_params`).
       engine_config: the engine's batch buckets, lengths and strategies.
       sampling: temperature, top-k/p, the response budget, stop tokens and seed.
-      mesh: a "data" mesh the rows are split over; None: one device.
+      mesh: rows split over its data axis, the model over its tensor axis (`rl.rollouts.mesh`); None: one device.
       bandit: picks the engine's strategy per batch (with strategies).
       turns: runs the rows' tool calls (multi-turn rollouts, `tlt_jax.rollout.tools`); None: single turns.
     """

@@ -1,7 +1,9 @@
 """The TLT rollout: a data-parallel rollout over device groups whose idle groups train the drafter.
 
 The devices are split into G groups; each group runs its own `Engine` (speculative tail, bandit)
-on a sub-mesh of its devices over a contiguous shard of the prompts (a host thread per group,
+on a sub-mesh of its devices, tensor-parallel (the model's heads, MLP and vocabulary split over them,
+Megatron-style: a group of 4 holds a quarter of the weights and of the KV cache per device), over a
+contiguous shard of the prompts (a host thread per group,
 tlt_jax.rollout.groups; `prompt_offset` keeps every sample's RNG keys global, so the samples are
 exactly those of one engine). The caller's thread is the scheduler and tracks each group as BUSY (decoding its shard),
 IDLE (done, its samples, with the prompt and response features the engine captured, are in the
@@ -103,7 +105,7 @@ class TLTRollout(BaseRollout):
                        "must be True")
     self.config = config
     per = len(devices) // groups
-    self.meshes = [sharding.make_mesh({"data": per}, devices[g * per:(g + 1) * per]) for g in range(groups)]
+    self.meshes = [sharding.make_mesh({"tensor": per}, devices[g * per:(g + 1) * per]) for g in range(groups)]
     owners = [{d.process_index for d in m.devices.flat} for m in self.meshes]
     for g, owner in enumerate(owners):
       if len(owner) > 1:

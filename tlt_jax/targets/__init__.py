@@ -21,6 +21,9 @@ import jax
 
 GB = 1 << 30
 _DIR = os.path.dirname(os.path.abspath(__file__))
+# The share of a GPU's memory a run lets JAX take (XLA_PYTHON_CLIENT_MEM_FRACTION, set at start-up unless the
+# environment sets it; JAX's own default is 0.75): what a dry run checks against.
+GPU_MEMORY_FRACTION = 0.95
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +42,14 @@ class Target:
   def roofline_s(self, flops: float, nbytes: float) -> float:
     """The time an executable of `flops` and `nbytes` of memory traffic takes at best on one device."""
     return max(flops / (self.peak_bf16_tflops * 1e12), nbytes / (self.memory_bandwidth_gbps * 1e9))
+
+
+def usable_gb(target: Target) -> float:
+  """The memory a run has on one of `target`'s devices: a GPU's share JAX takes (XLA_PYTHON_CLIENT_MEM_FRACTION,
+  else GPU_MEMORY_FRACTION), a TPU's whole HBM."""
+  if target.platform != "gpu":
+    return target.memory_gb
+  return target.memory_gb * float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION))
 
 
 def names() -> tuple[str, ...]:
@@ -101,14 +112,17 @@ def devices(target: Target, count: int, processes: int = 1) -> list[jax.Device]:
   shape = _slice_shape(count, t["dims"])
   host = _slice_shape(count // n_hosts, t["dims"])
   cores = count * t.get("cores_per_chip", 1)
-  # libtpu reads the machine's TPU environment when it loads; none here: describe the slice, skip the metadata server.
+  # libtpu reads the machine's TPU environment when it loads; none here: describe the slice, skip the metadata
+  # server, and let other processes load it too (it locks the chips it drives: none, compiling only).
   for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_ACCELERATOR_TYPE", f"{t['accelerator_type']}-{cores}"),
-                     ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0")):
+                     ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
+                     ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
     os.environ.setdefault(key, value)
   try:
-    topology = topologies.get_topology_desc(platform="tpu", topology_name=f"{t['generation']}:{'x'.join(map(str, shape))}",
-                                            chip_config_name="default", chips_per_host_bounds=(*host, 1)[:3],
-                                            num_slices=1, wrap=(False, False, False))
+    name = f"{t['generation']}:{'x'.join(map(str, shape))}"
+    topology = topologies.get_topology_desc(platform="tpu", topology_name=name, chip_config_name="default",
+                                            chips_per_host_bounds=(*host, 1)[:3], num_slices=1,
+                                            wrap=(False, False, False))
   except (ImportError, RuntimeError) as e:
     raise ValueError(f"compiling for {target.key} needs libtpu (pip install 'tlt_jax[tpu]'): {e}") from e
   return list(topology.devices)
