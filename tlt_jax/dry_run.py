@@ -23,10 +23,11 @@ trainer's master weights, AdamW moments and reference policy during a rollout; t
 drafter trainer's state during an update), against the device's memory: the target's, or
 `mesh.device_memory_gb` if smaller (on the CPU stand-in, the resident memory alone is checked). With a
 target, also a roofline (`roofline`): the target compiles the policy's forward over k new tokens per row
-(k = 1: a decode step; k = each strategy's verify tokens) at batch 1, 16 and the largest speculative
-bucket, layers unrolled, over a cache of a mean row's context, and its FLOPs and bytes at the target's
-peak give estimated step times and the verify-k / decode ratio speculation pays for. `run` raises
-`DryRunError` (the report attached) when an executable does not compile or does not fit.
+(k = 1: a decode step; k = each strategy's verify tokens) on a rollout group's devices at batch 1, 16 and
+the largest speculative bucket, layers unrolled, over a cache of a mean row's context; its FLOPs and the
+bytes it must move, at the target's peak rates, give estimated step times and the verify-k / decode ratio
+speculation pays for. `run` raises `DryRunError` (the report attached) when an executable does not compile
+or does not fit.
 
 Also reported: `rollout_batches` (the rows a step gives each rollout group, the rows in flight at once,
 the tails a step pays), `cache_rows` (how many rows of `rollout.mean_response_len` a paged KV cache holds
@@ -56,8 +57,10 @@ from tlt_jax.drafter.model import Drafter
 from tlt_jax.executables import ExecutablePool
 from tlt_jax.models import CausalLM, ModelConfig, hf, lora, transformer
 from tlt_jax.models.transformer import KVCache
+from tlt_jax.rl import actor as actor_lib
 from tlt_jax.rl import bootstrap, builders, checks, rollouts
 from tlt_jax.rl import trainer as trainer_lib
+from tlt_jax.rollout.base import BaseRollout
 from tlt_jax.rollout.state import EngineConfig
 
 GB = 1 << 30
@@ -174,6 +177,90 @@ def run(config) -> dict:
     compilation_cache.reset_cache()
 
 
+@dataclasses.dataclass
+class _Built:
+  """What the run's constructors built on shapes, and the pools of what they compiled, by owner."""
+
+  policy: CausalLM
+  actor: actor_lib.Actor
+  rollout: BaseRollout
+  held_out: BaseRollout | None  # the evaluation's own rollout (None: none, or the rollout's)
+  pools: dict[str, ExecutablePool]
+
+
+def _build(config, cfg: ModelConfig, tok, devices) -> _Built:
+  """The run's actor, rollouts and (when it would warm one up) drafter warm-up, built as the run builds them
+  but on shapes, each having compiled what a step runs (every executable, failures kept)."""
+  dtype, spec = jnp.dtype(config.policy.dtype), bootstrap.lora_spec(config)
+
+  def build_policy():  # with LoRA: the base in the compute dtype, the adapters in policy.weight_dtype
+    model = CausalLM(cfg, dtype=dtype, param_dtype=config.policy.weight_dtype if spec is None else dtype,
+                     rngs=nnx.Rngs(0))
+    if spec is not None:
+      lora.attach(model, spec, param_dtype=config.policy.weight_dtype)
+    return model
+
+  # The trainer's actor over the trainer mesh.
+  policy = _abstract(build_policy, devices[0])
+  actor = trainer_lib.make_actor(config, policy, devices)
+  actor.pool.keep_going = True
+  logging.info("dry run: compiling the trainer's step (%d rows x %d tokens)", actor.micro_batch_rows, config.rl.row_len)
+  pools = {"train": actor.compile(config.rl.row_len)}
+  # The rollouts: the policy's copy in its compute dtype (LoRA merged: the base's shapes) and the drafter. A
+  # reduced head's ids come from the warm-up data; any N ids size the executables alike. One chosen by coverage
+  # (-1) is sized as the whole vocabulary, its largest.
+  copy = _abstract(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)), devices[0])
+  vocab = range(min(max(config.drafter.draft_vocab_size, 0), cfg.vocab_size))
+  drafter = _abstract(lambda: Drafter(cfg, feature_layers=config.drafter.feature_layers, draft_vocab=vocab,
+                                      dtype=dtype, rngs=nnx.Rngs(0)), devices[0]) \
+      if rollouts.uses_drafter(config) else None
+  rollout, held_out = rollouts.make(config, copy, drafter, tok, devices, builders.tool_turns(config, tok, workers=0))
+  held_out = held_out if held_out is not rollout else None
+  for pool in [*rollout.pools().values(), *(held_out.pools().values() if held_out else ())]:
+    pool.keep_going = True
+  r = config.rollout
+  logging.info("dry run: compiling the rollout's executables")
+  rollout.prepare(r.prompts_per_step, r.num_samples, first_group_only=True)
+  pools.update({"rollout" if owner == "engine" else owner: pool for owner, pool in rollout.pools().items()})
+  if held_out is not None:
+    logging.info("dry run: compiling the held-out evaluation's executables")
+    held_out.prepare(config.eval.size, config.eval.num_samples)
+    pools["eval"] = held_out.pools()["engine"]
+  # The run warms a drafter up where it finds none (bootstrap.load_drafter), on the policy as loaded (one device
+  # holds it whole); a pretrained policy's warm-up also samples its responses first, with a plain engine like
+  # the evaluation's (not compiled here).
+  if drafter is not None and config.drafter.distill.steps and not os.path.exists(
+      config.drafter.path or os.path.join(config.workdir, "drafter")):
+    d, pools["warmup"] = config.drafter.distill, ExecutablePool()
+    pools["warmup"].keep_going = True
+    logging.info("dry run: compiling the drafter warm-up's feature pass and training step")
+    drafter_train.compile_warmup(pools["warmup"], _abstract(build_policy, devices[0]), drafter,
+                                 batch_rows=d.batch_rows, row_len=d.row_len,
+                                 draft_steps=drafter_train.sampling_draft_steps(d.draft_steps,
+                                                                               r.sampling.temperature),
+                                 **drafter_train.sampling_loss(r.sampling.temperature))
+  return _Built(policy, actor, rollout, held_out, pools)
+
+
+def _resident(built: _Built) -> dict[str, int]:
+  """Bytes each part of the run keeps on one device (the fullest) between its steps."""
+  actor, engine = built.actor, built.rollout.engines[0]
+  trainer = getattr(built.rollout, "drafter_trainer", None)
+  return {"trainer": _device_bytes((actor.params, actor.frozen, actor.opt_state)),
+          "reference": _device_bytes(actor.params) if actor.uses_ref else 0,
+          "rollout": _device_bytes((engine.params, engine.drafter_params)),
+          "drafter": _device_bytes((trainer.params, trainer.opt_state)) if trainer is not None else 0,
+          "eval": _device_bytes(built.held_out.engines[0].params) if built.held_out is not None else 0}
+
+
+def _beside(state: dict[str, int], moments: int) -> dict[str, int]:
+  """What the run keeps on a device while each kind of executable runs, beyond the executable's own arguments
+  (an update takes the params and moments; a gradient or log-prob pass the params alone)."""
+  rest = lambda *parts: sum(v for k, v in state.items() if k not in parts)
+  return {"train/update": rest("trainer"), "train": rest("trainer") + moments, "rollout": rest("rollout"),
+          "eval": rest("eval"), "drafter": rest("drafter", "rollout"), "warmup": 0}
+
+
 def _run(config) -> dict:
   start = time.perf_counter()
   target = targets.load(config.mesh.target) if config.mesh.target else None
@@ -184,113 +271,46 @@ def _run(config) -> dict:
   if config.rollout.tools and tok is None:
     raise ValueError(f"config.rollout.tools: the dry run renders tool turns with the policy's chat template, and "
                      f"{config.policy.path} is not there")
-  dtype = jnp.dtype(config.policy.dtype)
-  report = {"model": source, "devices": f"{len(devices)} x {devices[0].device_kind}",
-            "target": target and {"name": config.mesh.target, "device": target.name, "memory_gb": round(
-                target.memory_gb, 3), "peak_bf16_tflops": target.peak_bf16_tflops,
-                                  "memory_bandwidth_gbps": target.memory_bandwidth_gbps}}
-  spec = bootstrap.lora_spec(config)
-
-  def build_policy():  # with LoRA: the base in the compute dtype, the adapters in policy.weight_dtype
-    model = CausalLM(cfg, dtype=dtype, param_dtype=config.policy.weight_dtype if spec is None else dtype,
-                     rngs=nnx.Rngs(0))
-    if spec is not None:
-      lora.attach(model, spec, param_dtype=config.policy.weight_dtype)
-    return model
-
-  # The trainer's actor over the trainer mesh, as the run builds it.
-  policy = _abstract(build_policy, devices[0])
-  count = lambda *filters: sum(x.size for x in jax.tree.leaves(nnx.state(policy, *filters)))
+  built = _build(config, cfg, tok, devices)
+  report = {"model": source, "devices": f"{len(devices)} x {devices[0].device_kind}", "target": target and {
+      "name": config.mesh.target, "device": target.name, "memory_gb": round(target.memory_gb, 3),
+      "peak_bf16_tflops": target.peak_bf16_tflops, "memory_bandwidth_gbps": target.memory_bandwidth_gbps}}
+  count = lambda *filters: sum(x.size for x in jax.tree.leaves(nnx.state(built.policy, *filters)))
   report["parameters_b"] = round(count(nnx.Not(nnx.LoRAParam)) / 1e9, 3)
-  if spec is not None:
-    report["lora"] = {"rank": spec.rank, "parameters_m": round(count(nnx.LoRAParam) / 1e6, 3)}
-  actor = trainer_lib.make_actor(config, policy, devices)
+  if built.actor.lora is not None:
+    report["lora"] = {"rank": built.actor.lora.rank, "parameters_m": round(count(nnx.LoRAParam) / 1e6, 3)}
+  actor, engine = built.actor, built.rollout.engines[0]
   report["trainer_mesh"] = dict(actor.mesh.shape) if actor.mesh is not None else {}
-  actor.pool.keep_going = True
-  logging.info("dry run: compiling the trainer's step (%d rows x %d tokens)", actor.micro_batch_rows, config.rl.row_len)
-  pools = {"train": actor.compile(config.rl.row_len)}
-
-  # The rollouts: the policy's copy in its compute dtype (LoRA merged: the base's shapes) and the drafter.
-  copy = _abstract(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)), devices[0])
-  eagle = rollouts.uses_drafter(config)
-  # A reduced head's ids come from the warm-up data; any N ids size the executables alike. One chosen by
-  # coverage (-1) is sized as the whole vocabulary, its largest.
-  vocab = range(min(max(config.drafter.draft_vocab_size, 0), cfg.vocab_size))
-  drafter = _abstract(lambda: Drafter(cfg, feature_layers=config.drafter.feature_layers, draft_vocab=vocab,
-                                      dtype=dtype, rngs=nnx.Rngs(0)), devices[0]) if eagle else None
-  turns = builders.tool_turns(config, tok, workers=0)
-  rollout, held_out = rollouts.make(config, copy, drafter, tok, devices, turns)
-  for pool in rollout.pools().values():
-    pool.keep_going = True
-  r = config.rollout
-  logging.info("dry run: compiling the rollout's executables")
-  rollout.prepare(r.prompts_per_step, r.num_samples, first_group_only=True)
-  pools.update({"rollout" if owner == "engine" else owner: pool for owner, pool in rollout.pools().items()})
-  if held_out is not None and held_out is not rollout:
-    held_out.engine.pool.keep_going = True
-    logging.info("dry run: compiling the held-out evaluation's executables")
-    held_out.prepare(config.eval.size, config.eval.num_samples)
-    pools["eval"] = held_out.engine.pool
-  # The run warms a drafter up where it finds none (bootstrap.load_drafter); a pretrained policy's warm-up also
-  # samples its responses first, with a plain engine like the evaluation's (not compiled here).
-  if eagle and config.drafter.distill.steps and not os.path.exists(config.drafter.path
-                                                                    or os.path.join(config.workdir, "drafter")):
-    d, pools["warmup"] = config.drafter.distill, ExecutablePool()
-    pools["warmup"].keep_going = True
-    logging.info("dry run: compiling the drafter warm-up's feature pass and training step")
-    # The warm-up runs before the trainer's layout, on the policy as loaded: one device holds it whole.
-    drafter_train.compile_warmup(pools["warmup"], _abstract(build_policy, devices[0]), drafter,
-                                 batch_rows=d.batch_rows, row_len=d.row_len,
-                                 draft_steps=drafter_train.sampling_draft_steps(d.draft_steps,
-                                                                               r.sampling.temperature),
-                                 **drafter_train.sampling_loss(r.sampling.temperature))
+  report["rollout_group_mesh"] = dict(engine.mesh.shape)
+  report["rollout_batches"] = batches(config, engine.config.batch_buckets[-1])
+  # Everything built is shapes: a concrete array would be memory on this machine (or a failure on a target).
+  trainer = getattr(built.rollout, "drafter_trainer", None)
+  made = (actor.params, actor.frozen, actor.opt_state, [(e.params, e.drafter_params) for e in built.rollout.engines],
+          (trainer.params, trainer.opt_state) if trainer is not None else (),
+          built.held_out.engines[0].params if built.held_out is not None else ())
+  report["arrays_gb"] = _gb(sum(x.nbytes for x in jax.tree.leaves(made) if isinstance(x, jax.Array)))
   executables = {_name(owner, key): _entry(_name(owner, key), pool, key)
-                 for owner, pool in pools.items() for key in [*pool.keys(), *pool.failures]}
-  report["executables"] = executables
-
-  engine = rollout.engines[0]
-  base = engine.config
-  # Everything built is shapes: a concrete array here would be memory on this machine (or a failure on a target).
-  built = (actor.params, actor.frozen, actor.opt_state, [(e.params, e.drafter_params) for e in rollout.engines],
-           (rollout.drafter_trainer.params, rollout.drafter_trainer.opt_state) if eagle else (),
-           held_out.engine.params if "eval" in pools else ())
-  report["arrays_gb"] = _gb(sum(x.nbytes for x in jax.tree.leaves(built) if isinstance(x, jax.Array)))
-  report["rollout_group_mesh"] = dict(engine.mesh.shape) if engine.mesh is not None else {}
-  report["rollout_batches"] = batches(config, base.batch_buckets[-1])
-  state = {"trainer": _device_bytes((actor.params, actor.frozen, actor.opt_state)),
-           "reference": _device_bytes(actor.params) if actor.uses_ref else 0,
-           "rollout": _device_bytes((engine.params, engine.drafter_params)),
-           "drafter": _device_bytes((rollout.drafter_trainer.params, rollout.drafter_trainer.opt_state))
-                      if eagle else 0,
-           "eval": _device_bytes(held_out.engine.params) if "eval" in pools else 0}
-  report["resident_gb"] = {k: _gb(v) for k, v in state.items()}
-  report["policy_gb"] = _gb(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(policy))))
-  opt_bytes = _device_bytes(actor.opt_state)
-  beside = {  # what the run keeps on a device while each kind of executable runs, beyond its own arguments
-      "train/update": state["reference"] + state["rollout"] + state["drafter"] + state["eval"],
-      "train": opt_bytes + state["reference"] + state["rollout"] + state["drafter"] + state["eval"],
-      "rollout": state["trainer"] + state["reference"] + state["drafter"] + state["eval"],
-      "eval": state["trainer"] + state["reference"] + state["rollout"] + state["drafter"],
-      "drafter": state["trainer"] + state["reference"] + state["eval"],
-      "warmup": 0}
+                 for owner, pool in built.pools.items() for key in [*pool.keys(), *pool.failures]}
+  state = _resident(built)
+  beside = _beside(state, _device_bytes(actor.opt_state))
   for name, entry in executables.items():
     if entry["compiled"]:
-      prefix = max((p for p in beside if name.startswith(p + "/") or name == p), key=len)
-      entry["beside_gb"] = _gb(beside[prefix])
-  if eagle:  # the rollout's captured features: this many bytes per process in each checkpoint at most
-    buffer = BufferConfig(**config.drafter.buffer).state_bytes(
+      entry["beside_gb"] = _gb(beside[max((p for p in beside if name == p or name.startswith(p + "/")), key=len)])
+  report.update(executables=executables, resident_gb={k: _gb(v) for k, v in state.items()},
+                policy_gb=_gb(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(built.policy)))))
+  dtype, r = jnp.dtype(config.policy.dtype), config.rollout
+  if trainer is not None:  # the rollout's captured features: this many bytes per process in each checkpoint at most
+    report["drafter_buffer_checkpoint_gb"] = _gb(BufferConfig(**config.drafter.buffer).state_bytes(
         r.prompts_per_step * r.num_samples, config.data.max_prompt_len + r.sampling.max_new_tokens, cfg.hidden_size,
-        dtype.itemsize)
-    report["drafter_buffer_checkpoint_gb"] = _gb(buffer)
+        dtype.itemsize))
   limit, report["device_memory"] = (targets.usable_gb(target), target.name) if target else (0.0, None)
   if config.mesh.device_memory_gb and (not limit or config.mesh.device_memory_gb < limit):
     limit, report["device_memory"] = config.mesh.device_memory_gb, "config.mesh.device_memory_gb"
   report["device_memory_gb"] = round(limit, 6)
-  report["cache_rows"] = cache_rows(config, cfg, base, dtype.itemsize, eagle, len(engine.mesh.devices.flat)
-                                    if engine.mesh is not None else 1,
-                                    state["rollout"] / GB + beside["rollout"] / GB, limit)
+  report["cache_rows"] = cache_rows(config, cfg, engine.config, dtype.itemsize, trainer is not None,
+                                    engine.mesh.size, (state["rollout"] + beside["rollout"]) / GB, limit)
   if target is not None:
-    report["roofline"] = roofline(config, cfg, base, target, engine.mesh, dtype)
+    report["roofline"] = roofline(config, cfg, engine.config, target, engine.mesh, dtype)
   report.update(check(executables, limit, on_cpu=devices[0].platform == "cpu"))
   report["seconds"] = round(time.perf_counter() - start, 1)
   error = failure(report)
