@@ -419,7 +419,7 @@ def roofline(config, cfg: ModelConfig, engine: EngineConfig, target: targets.Tar
   sd = engine.bucket(min(engine.sd_max_batch, engine.batch_buckets[-1]))
   batches_ = sorted({1, engine.bucket(min(16, engine.batch_buckets[-1])), sd})
   ks = sorted({1, *(s.verify_tokens for s in engine.strategies)})
-  steps, pool = {}, ExecutablePool()
+  steps, seconds, pool = {}, {}, ExecutablePool()
   pool.keep_going = True
   for b in batches_:
     shape = (cfg.num_layers, b, context, cfg.num_kv_heads, cfg.head_dim)
@@ -436,10 +436,11 @@ def roofline(config, cfg: ModelConfig, engine: EngineConfig, target: targets.Tar
         steps[f"{b}/{k}"] = {"error": str(pool.failures[(b, k)]).splitlines()[0]}
         continue
       flops, nbytes = cost(exe)
-      steps[f"{b}/{k}"] = {"tflops": round(flops / 1e12, 6), "gbytes": round(nbytes / 1e9, 6),
-                           "ms": round(1e3 * target.roofline_s(flops, nbytes), 4)}
-  ratios = {str(b): {str(k): round(steps[f"{b}/{k}"]["ms"] / steps[f"{b}/1"]["ms"], 3) for k in ks if k > 1}
-            for b in batches_ if all("ms" in steps[f"{b}/{k}"] for k in ks)}
+      seconds[b, k] = target.roofline_s(flops, nbytes)
+      steps[f"{b}/{k}"] = {"tflops": float(f"{flops / 1e12:.4g}"), "gbytes": float(f"{nbytes / 1e9:.4g}"),
+                           "ms": float(f"{1e3 * seconds[b, k]:.4g}")}
+  ratios = {str(b): {str(k): round(seconds[b, k] / seconds[b, 1], 3) for k in ks if k > 1}
+            for b in batches_ if all((b, k) in seconds for k in ks)}
   return {"estimate": f"forward over k tokens per row at {context} tokens of context on {mesh.size} device(s), at "
                       f"{target.peak_bf16_tflops} bf16 TFLOP/s and {target.memory_bandwidth_gbps} GB/s each",
           "context_tokens": context, "steps": steps, "verify_over_decode": ratios}
