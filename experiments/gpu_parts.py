@@ -438,8 +438,9 @@ def part_compile(work: str, deadline: float, smoke: bool, target: str) -> dict:
   config = "configs/accelerator.py" + (":smoke" if smoke else "")
   folder = os.path.join(work, "compile")
   os.makedirs(folder, exist_ok=True)
+  smoke_flags = ["--config.rollout.strategies=('8_4_16',)"] if smoke else []  # one of the four: the plumbing
   run = run_logged([sys.executable, "-m", "tlt_jax.main", f"--config={config}", "--config.dry_run=True",
-                    f"--config.mesh.target={target}", f"--config.workdir={folder}"],
+                    f"--config.mesh.target={target}", f"--config.workdir={folder}", *smoke_flags],
                    os.path.join(work, "compile.out"), deadline)
   report = read_json(os.path.join(folder, f"dry_run_{target}.json")) or {}
   errors = [line.strip() for line in tail(os.path.join(work, "compile.out"), 3).splitlines()

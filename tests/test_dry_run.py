@@ -123,7 +123,7 @@ def _target_config(target, devices=2):
   c.policy.dtype = "bfloat16"  # what the GPU / TPU configs run
   c.rollout.groups, c.rollout.prompts_per_step, c.rollout.num_samples = devices, devices, 2
   c.rollout.engine.batch_buckets = (1, 2)
-  c.eval.every = 0
+  c.eval.every = c.drafter.distill.steps = 0  # the evaluation's and the warm-up's: the CPU run's
   return c
 
 
@@ -144,8 +144,8 @@ def test_dry_run_compiles_for_a_gpu_and_a_tpu(on_target):
   assert report["arrays_gb"] == 0  # the actor, engines and drafter trainer built on shapes alone
   ex = report["executables"]
   assert {"train/logprobs", "train/gradient", "train/update", "rollout/plain/2", "rollout/speculate/2/3_1_4",
-          "rollout/prefill/2/2/16", "drafter/grad/0", "drafter/apply", "warmup/features"} <= set(ex)
-  assert all(e["compiled"] and e["need_gb"] >= e["resident_gb"] + e["temp_gb"] for e in ex.values())
+          "rollout/prefill/2/2/16", "drafter/grad/0", "drafter/apply", "drafter/eval"} <= set(ex)
+  assert all(e["compiled"] and e["need_gb"] >= e["resident_gb"] + e["temp_gb"] - 1e-5 for e in ex.values())
   roof = report["roofline"]
   assert set(roof["steps"]) == {"1/1", "1/4", "2/1", "2/4"}  # batch 1 and the largest (speculative) bucket 2
   assert all(s["tflops"] > 0 and s["gbytes"] > 0 and s["ms"] > 0 for s in roof["steps"].values())

@@ -100,7 +100,7 @@ def test_an_installed_copy_finds_its_default_config(tmp_path):
          "XLA_FLAGS": FAST_COMPILE_FLAGS}
   logs = tmp_path / "logs"
   logs.mkdir()
-  cases = (["--helpfull"], ["--config.workdir=a_file"], ["--config.dry_run=True"],
+  cases = (["--helpfull"], ["--config.workdir=a_file"], ["--config.dry_run=True", "--config.eval.every=0"],
            ["--config.dry_run=True", f"--config.policy.path={work / 'no_model'}"])
   # Forked from one process that imported the copy's tlt_jax.main.
   helpfull, workdir, dry, missing = run_clis([("tlt_jax.main", args, work) for args in cases], logs, env=env)
