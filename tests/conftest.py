@@ -34,8 +34,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # --durations=0). pytest-xdist (--dist loadfile) hands a worker the next file as it runs out: these
 # first and the many short ones last, so that the two workers finish together (its default order, by
 # number of tests, left a worker alone with a few-test file of minutes at the end).
-COSTLIEST_FIRST = ("rollout/test_engine.py", "test_experiments.py", "test_main.py", "test_bench.py",  # 341-118 s
-                   "test_distributed.py", "rl/test_trainer.py", "test_notebooks.py", "test_setup.py",  # 115-103 s
+COSTLIEST_FIRST = ("rollout/test_engine.py", "test_experiments.py", "test_dry_run.py", "test_main.py",  # 341-120 s
+                   "test_bench.py", "test_distributed.py", "rl/test_trainer.py",  # 118-110 s
+                   "test_notebooks.py", "test_setup.py",  # 105-103 s
                    "test_generate.py", "rollout/test_speculative.py", "models/test_gguf.py",  # 64-54 s
                    "kernels/test_tree_attention.py", "test_train_drafter.py", "rollout/test_tlt.py",  # 49-29 s
                    "models/test_transformer.py", "rl/test_actor.py")
