@@ -240,6 +240,20 @@ def rl(config, out: str, policy_dir: str, drafter_dir: str) -> None:
 
 # ---- figures and the summary ----
 
+def measured_steps(grid_records) -> dict:
+  """Per batch size b of the grid: a plain decode step's milliseconds (b rows at once: b / the plain rollout's
+  tokens per second) and, per verify tokens k, a speculative iteration (draft + verify-k + accept) over that
+  step (the accepted tokens per verify x plain tokens/s over SD tokens/s): the measured side of the roofline."""
+  steps = {}
+  for r in grid_records:
+    b = r["batch_size"]
+    step = steps.setdefault(b, {"plain_step_ms": round(1e3 * b / r["baseline_tokens_per_s"], 3),
+                                "iteration_over_plain": {}})
+    step["iteration_over_plain"][r["verify_tokens"]] = round(
+        r["accept_len"] * r["baseline_tokens_per_s"] / r["tokens_per_s"], 3)
+  return steps
+
+
 def headlines(grid_records, bandit_records, rl_result) -> dict:
   """Each GOALS figure's value (None: its part has not run) and whether it meets its goal."""
   values = dict.fromkeys(GOALS)
@@ -251,6 +265,7 @@ def headlines(grid_records, bandit_records, rl_result) -> dict:
       if r["head"] == grid_records[0]["head"]:
         best[r["batch_size"]] = max(best.get(r["batch_size"], 0.0), r["speedup"])
     details["sd_best_speedup_by_batch"] = best
+    details["measured_steps"] = measured_steps([r for r in grid_records if r["head"] == grid_records[0]["head"]])
     values["sd_batch1"] = best.get(1)
     values["sd_up_to_16"] = min((s for b, s in best.items() if b <= 16), default=None)
   if bandit_records:

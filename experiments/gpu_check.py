@@ -10,8 +10,9 @@ The figures come right after env and take most of the budget: the first hardware
 kernels and parity, and never reached a speculative, bandit or RL figure.
   compile  configs/accelerator.py's dry run for the device's own description (`--target`, else the local
            GPU's), compiled deviceless by its own compiler: what the figures run, checked to compile and fit,
-           and the roofline estimates they are set beside. Run it on a CPU before the device is lent
-           (`--parts=compile --target=h100`) and carry its --out along: there it is done already.
+           and the roofline estimates the figures' measured steps are set beside (`roofline_vs_measured`).
+           Run it on a CPU before the device is lent (`--parts=compile --target=h100`) and carry its --out
+           along: there it is done already.
   env      the device, the versions of what the package needs, what `pip show` says of setup.py's requirements,
            the imports that must work (jax_triton only on a GPU), then the package end to end
            (`python -m tlt_jax.main --config=configs/tiny.py:smoke`; not with --nomain_smoke).
@@ -173,6 +174,24 @@ def goals(parts: dict) -> dict:
   return table
 
 
+def roofline_vs_measured(parts: dict) -> dict:
+  """Per batch size both ran: the compile part's roofline decode step (at the config's mean context) beside
+  the figures part's measured one, and roofline verify-k / decode beside the measured speculative iteration
+  (drafting included) over a plain step."""
+  roof = (parts.get("compile", {}).get("result") or {}).get("roofline") or {}
+  measured = ((parts.get("figures", {}).get("result") or {}).get("accelerator") or {}).get("measured_steps") or {}
+  rows = {}
+  for b, m in measured.items():
+    decode = roof.get("steps", {}).get(f"{b}/1", {}).get("ms")
+    if decode is None:
+      continue
+    ratios = roof.get("verify_over_decode", {}).get(str(b), {})
+    rows[str(b)] = {"decode_ms": {"roofline": decode, "measured": m["plain_step_ms"]},
+                    "verify_over_decode": {str(k): {"roofline": ratios.get(str(k)), "measured": v}
+                                           for k, v in m["iteration_over_plain"].items()}}
+  return rows
+
+
 def copy_outputs(out: str, parts: dict, work: str) -> list[str]:
   """The pictures into --out, and details.tar.gz: the logs and raw results of --work (not its models)."""
   pictures = {}
@@ -230,6 +249,10 @@ def screen(state: dict) -> str:
                        and "ms" in v)
     lines.append(f"roofline of the compile part ({roof['estimate']}): decode {decode}; verify-k / decode "
                  f"{json.dumps(roof['verify_over_decode'])}")
+  for b, row in state.get("roofline_vs_measured", {}).items():
+    ratios = ", ".join(f"k={k} {v['roofline']} / {v['measured']}" for k, v in row["verify_over_decode"].items())
+    lines.append(f"  b={b}, roofline / measured: decode {row['decode_ms']['roofline']} / "
+                 f"{row['decode_ms']['measured']} ms; verify-k / decode (measured: drafting included) {ratios}")
   figures = parts.get("figures", {}).get("result") or {}
   if figures.get("plan"):
     p = figures["plan"]
@@ -292,10 +315,12 @@ def check(out: str) -> None:
     state["parts"][name] = {"status": status, "reason": reason, "seconds": run["seconds"],
                             "deadline_s": round(deadline), "result": result}
     state["goals"] = goals(state["parts"])
+    state["roofline_vs_measured"] = roofline_vs_measured(state["parts"])
     state["files"] = ["summary.json", "summary.txt", "details.tar.gz", *copy_outputs(out, state["parts"], work)]
     write_json(path, state)
     print(f"[gpu_check] {name}: {status} in {run['seconds']:.0f} s" + (f" ({reason})" if reason else ""), flush=True)
   state["goals"] = goals(state["parts"])
+  state["roofline_vs_measured"] = roofline_vs_measured(state["parts"])
   state["files"] = ["summary.json", "summary.txt", "details.tar.gz", *copy_outputs(out, state["parts"], work)]
   write_json(path, state)
   text = screen(state)

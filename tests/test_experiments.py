@@ -100,6 +100,9 @@ def test_gpu_check_smoke_runs_every_part_and_continues(tmp_path, smoke_env):
   compiled = parts["compile"]["result"]  # accelerator.py's smoke config for an H100, by its compiler
   assert compiled["target"] == "h100" and compiled["failed"] == [] and compiled["fits"]
   assert compiled["roofline"]["steps"]["1/1"]["ms"] > 0
+  beside = summary["roofline_vs_measured"]["1"]  # batch 1: the roofline's decode step beside the grid's
+  assert beside["decode_ms"]["roofline"] > 0 and beside["decode_ms"]["measured"] > 0
+  assert all(v["measured"] > 0 for v in beside["verify_over_decode"].values()) and beside["verify_over_decode"]
   env_result = parts["env"]["result"]
   assert "main_smoke" not in env_result and env_result["device"]["backend"] == "cpu"
   assert all(r["ok"] for r in env_result["requirements"]) and env_result["pycosat_solves"]
@@ -119,6 +122,7 @@ def test_gpu_check_smoke_runs_every_part_and_continues(tmp_path, smoke_env):
   assert files == sorted(summary["files"]) and len(files) <= 8 and all(f.is_file() for f in out.iterdir())
   assert {"summary.json", "summary.txt", "details.tar.gz", "kernels.png", "sd_grid.png"} <= set(files)
   assert "env: main smoke not run" in done.stdout and "roofline of the compile part" in done.stdout
+  assert "b=1, roofline / measured: decode " in done.stdout
   with tarfile.open(out / "details.tar.gz") as tar:
     names = set(tar.getnames())
   assert {"env/installed.txt", "kernels/result.json", "parity/reference.json", "figures/plan.json"} <= names
