@@ -278,6 +278,7 @@ def smoke(c: ml_collections.ConfigDict) -> None:
   """Seconds-sized shapes (`get_config("smoke")` of a config file): a 2-layer tiny policy, short prompts
   and responses, one RL step on one device (one rollout group). For notebook smoke runs and tests."""
   c.steps = 1
+  c.workdir = c.workdir.rstrip("/") + "_smoke"  # its policy is not the full config's
   c.model.hidden_size, c.model.num_layers, c.model.intermediate_size = 32, 2, 64
   c.mesh.cpu_devices = 1
   c.task.max_terms = 4

@@ -97,12 +97,29 @@ def load_policy(config) -> tuple[CausalLM, object]:
       logging.info("SFT loss %.3f -> %.3f", losses[0], losses[-1])
       hf.save_pretrained(model, policy_dir, tokenizer=tok)
     distributed.barrier("tiny policy")
+  if not p.path:
+    check_workdir_policy(config, policy_dir)
   spec = lora_spec(config)
   model = hf.from_pretrained(policy_dir, dtype=p.dtype, param_dtype=p.weight_dtype if spec is None else p.dtype,
                              scan_layers=p.scan_layers)
   if spec is not None:
     attach_lora(config, model, spec)
   return model, hf.load_tokenizer(policy_dir)
+
+
+_SHAPE_KEYS = ("architecture", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+
+
+def check_workdir_policy(config, policy_dir: str) -> None:
+  """The tiny world's policy found in the workdir has `config.model`'s shape: ValueError naming the keys
+  that differ (another config, e.g. a smoke variant, trained it there)."""
+  found = hf.read_config(policy_dir)[0]
+  differ = [f"{k}={getattr(found, k)!r}" for k in _SHAPE_KEYS if getattr(found, k) != config.model[k]]
+  if differ:
+    wanted = ", ".join(f"{k.split('=')[0]}={config.model[k.split('=')[0]]!r}" for k in differ)
+    raise ValueError(f"config.workdir={config.workdir!r}: its policy ({policy_dir}) has {', '.join(differ)}; "
+                     f"config.model asks for {wanted} (another config trained it): set config.workdir to another "
+                     "directory or remove this one")
 
 
 def attach_lora(config, model: CausalLM, spec: lora.Spec) -> None:
