@@ -1,7 +1,7 @@
 """The docs hold together: every relative link and `#anchor` in README.md and docs/*.md resolves, every
 command in the README's `bash` blocks names flags its tool defines and config keys that exist, every
 tool line in the configs' docstrings and the notebooks names its tool's flags and keys (required
-ones given), and the README stays short."""
+ones given), the README's reward examples score what the scorer passes them, and the README stays short."""
 
 import ast
 import collections
@@ -14,6 +14,7 @@ import ml_collections
 import pytest
 
 from tlt_jax import config as config_lib
+from tlt_jax.rl import rewards
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md"] + [os.path.join("docs", f) for f in sorted(os.listdir(os.path.join(REPO, "docs")))
@@ -228,3 +229,14 @@ def test_every_readme_result_is_in_the_record_its_section_links():
         value, half = float(number) * scale, 0.5 * 10 ** -len(number.partition(".")[2]) * scale + 1e-12
         assert any(abs(v - value) <= half for r in records for v in _leaves(r)), (
             f"README {text!r}: {number}{unit} is in none of {names}")
+
+
+def test_the_readmes_reward_functions_score_string_and_chat_prompts(tmp_path):
+  """The README's verl and TRL examples, through the scorer's own calls: a TRL completion is the text on a
+  string prompt (the tiny world's) and the assistant's messages on a chat prompt."""
+  block = next(b for b in re.findall(r"```python\n(.*?)```", _read("README.md"), re.S) if "def has_answer" in b)
+  (tmp_path / "r.py").write_text(block)
+  items = [rewards.Item(None, "so #### 4", "4", {}, prompt=prompt) for prompt in
+           ("2 + 2?", [{"role": "user", "content": "2 + 2?"}])]
+  assert rewards.call(f"{tmp_path}/r.py:has_answer", items) == ("ok", [1.0, 1.0], {})
+  assert rewards.call(f"{tmp_path}/r.py:compute_score", items) == ("ok", [1.0, 1.0], {})
