@@ -152,7 +152,7 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.tools = ()
   c.rollout.max_turns = 4  # assistant turns per trajectory at most (the response budget bounds its tokens)
   c.rollout.tool_timeout_s = 10.0  # a call that takes longer is an error message to the model
-  c.rollout.tool_workers = 4  # worker processes running the calls (0: in the trainer's process, no timeout)
+  c.rollout.tool_workers = 4  # worker processes running the calls (0: threads of the trainer's, timed out unkilled)
   c.rollout.tool_max_tokens = 256  # a longer result keeps its first and last 128 tokens (verl's default length)
   c.rollout.sampling = ml_collections.ConfigDict()  # SamplingParams (stop tokens: the tokenizer's EOS)
   c.rollout.sampling.temperature = 1.0

@@ -234,6 +234,16 @@ def test_tools_run_in_workers_with_a_timeout_and_failures_become_messages(tiny, 
   assert time.monotonic() - start < 2 and not multiprocessing.active_children()
 
 
+def test_without_workers_a_hung_call_times_out_too(tiny, user_tools):
+  """`workers=0` (in this process): the hung call is a timeout message after timeout_s, the next call runs."""
+  turns = tools.ToolTurns([user_tools("hang"), user_tools("lookup")], tiny, max_turns=2, timeout_s=0.5, workers=0)
+  start = time.monotonic()
+  calls = turns.submit(_ids(tiny, _call("hang", x=1) + _call("lookup", city="Oslo") + "<eos>")).result().calls
+  assert [(c["error"], c["result"]) for c in calls] == [
+      ("timeout", "Error: the call timed out after 0.5 s"), (None, '{"city": "Oslo", "year": 2024}')]
+  assert time.monotonic() - start < 5
+
+
 @pytest.mark.parametrize("expression, value", [
     ("123 + 456", "579"), ("2 + 3 * 4", "14"), ("(2 + 3) * 4", "20"), ("-3 - -4", "1"), ("-(2 + 3) * 4", "-20"),
     ("+5", "5"), ("7 / 2", "3.5"), ("10 / 4 * 2", "5"), ("1 / 3", "0.3333333333333333"), ("0.1 + 0.2", "0.3"),

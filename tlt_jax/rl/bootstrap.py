@@ -107,7 +107,8 @@ def load_policy(config) -> tuple[CausalLM, object]:
   return model, hf.load_tokenizer(policy_dir)
 
 
-_SHAPE_KEYS = ("architecture", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+_SHAPE_KEYS = ("architecture", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+               "head_dim")
 
 
 def check_workdir_policy(config, policy_dir: str) -> None:

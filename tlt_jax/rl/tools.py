@@ -15,7 +15,8 @@ answered with an error message to the model, never an exception.
 
 Each call runs in a worker process under `timeout_s` (tlt_jax.rl.scorer's `Worker`: spawned, deaf to SIGINT and
 SIGTERM, dead with its parent; a hung one is killed and replaced), driven by one thread of a small pool, so that
-`submit` returns at once while the engine decodes. `workers=0` runs them in this process with no timeout. The
+`submit` returns at once while the engine decodes. `workers=0` runs them in this process, each in a thread of its
+own, waited for `timeout_s` (a hung call's thread is left running, not killed: use workers for tools that hang). The
 model gets a call's return value as text: a string as it is, a number or bool by str(), a dict or list as JSON;
 anything else, an exception ("Error: <Type>: <message>") or a timeout is an error message. A text longer than
 `max_tokens` tokens keeps its first and last halves around a note of how many tokens were cut (verl's "middle"
@@ -315,9 +316,19 @@ class ToolTurns(turns_lib.Turns):
 
   def _call(self, record: dict[str, Any]) -> dict[str, Any]:
     spec, arguments = self._specs[record["name"]], record["arguments"]
-    kind, text, seconds = _run(spec, arguments) if self._pool is None else self._in_worker(spec, arguments)
+    kind, text, seconds = self._in_thread(spec, arguments) if self._pool is None else self._in_worker(spec, arguments)
     record.update(error=kind, result=text, seconds=seconds)
     return record
+
+  def _in_thread(self, spec: str, arguments: dict[str, Any]) -> tuple[str | None, str, float]:
+    """`_run` in this process, in a daemon thread waited for up to the timeout (then left to itself)."""
+    answer = []
+    thread = threading.Thread(target=lambda: answer.append(_run(spec, arguments)), daemon=True, name="tool")
+    thread.start()
+    thread.join(self.timeout_s)
+    if not answer:
+      return "timeout", f"Error: the call timed out after {self.timeout_s:g} s", self.timeout_s
+    return answer[0]
 
   def _in_worker(self, spec: str, arguments: dict[str, Any]) -> tuple[str | None, str, float]:
     """`_run` in an idle worker process (a new one when none is), under the timeout."""
