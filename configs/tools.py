@@ -27,7 +27,7 @@ def get_config(variant: str = ""):
   c = config_lib.get_config("smoke" if variant == "smoke" else "")  # the tiny world (tlt_jax/config.py)
   if variant not in ("", "smoke"):
     raise ValueError(f"the tools config: unknown variant {variant!r} (known: smoke)")
-  c.workdir = "runs/tools"
+  c.workdir = "runs/tools_smoke" if variant == "smoke" else "runs/tools"
   c.rollout.tools = ("calculator",)
   c.rollout.max_turns = 3
   c.rollout.tool_workers = 2

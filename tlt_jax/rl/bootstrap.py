@@ -44,6 +44,8 @@ def load(config) -> Loaded:
   tok = load_tokenizer(config)
   prompts = load_prompts(config, tok)
   eval_sets = load_eval_sets(config, tok) if config.eval.every else {}
+  if rollouts.uses_drafter(config) and _missing(config.drafter.path or os.path.join(config.workdir, "drafter")):
+    check_warmup(config, _warmup_examples(config, tok, prompts))  # before the SFT warm start
   policy, tok = load_policy(config)
   drafter = load_drafter(config, lora.merged(policy), tok, prompts) if rollouts.uses_drafter(config) else None
   return Loaded(policy, tok, drafter, prompts, eval_sets)
@@ -157,15 +159,12 @@ def load_drafter(config, policy: CausalLM, tok, prompts: datasets.Dataset | None
   d = config.drafter.distill
   if config.policy.path:
     prompts = prompts or load_prompts(config, tok)
-    warm_prompts = [e.prompt_ids for e in prompts.examples[:d.prompts]]
+  examples = _warmup_examples(config, tok, prompts)
+  check_warmup(config, examples)
+  if config.policy.path:
+    warm_prompts = [e.prompt_ids for e in examples]
     logging.info("drafter warm-up: sampling the policy's responses to %d training prompts (the first "
                  "drafter.distill.prompts=%d of %d)", len(warm_prompts), d.prompts, len(prompts))
-    shortest = min(map(len, warm_prompts))
-    if shortest >= d.row_len:
-      raise ValueError(f"config.drafter.distill.row_len={d.row_len}: holds none of the warm-up's prompts and a "
-                       f"response token (the shortest prompt has {shortest} tokens); set it to data.max_prompt_len + "
-                       f"rollout.sampling.max_new_tokens ({config.data.max_prompt_len} + "
-                       f"{config.rollout.sampling.max_new_tokens}), as rl.row_len")
     with tqdm(total=len(warm_prompts), desc="drafter warm-up samples", unit="sample") as bar:
       own = warmup.sample(policy, warm_prompts, stop_ids=(tok.eos_token_id,), num_samples=1,
                           temperature=config.rollout.sampling.temperature,
@@ -173,8 +172,6 @@ def load_drafter(config, policy: CausalLM, tok, prompts: datasets.Dataset | None
                           capture_hidden=False, on_progress=lambda done, _: bar.update(done))
     sequences = [(p, s.tokens) for p, s in zip(own.prompts, own.samples)]
   else:
-    examples = datasets.from_tasks(config.task.family, tok, size=2048, seed=config.seed + 3,
-                                   difficulty=sft.difficulty(config), tools=builders.tool_schemas(config))
     sequences = sft.sequences(examples, tok, turns=builders.tool_turns(config, tok, workers=0),
                               tool_share=config.sft.tool_share)  # tool turns' tokens weigh 0
   try:
@@ -201,19 +198,42 @@ def load_drafter(config, policy: CausalLM, tok, prompts: datasets.Dataset | None
   return drafter
 
 
+def _warmup_examples(config, tok, prompts: datasets.Dataset | None) -> datasets.Dataset | list:
+  """What the drafter's warm-up distills on: the first drafter.distill.prompts training prompts (a policy from
+  policy.path answers them), else the tiny world's SFT problems with their worked solutions."""
+  if config.policy.path:
+    return prompts.examples[:config.drafter.distill.prompts]
+  return datasets.from_tasks(config.task.family, tok, size=2048, seed=config.seed + 3,
+                             difficulty=sft.difficulty(config), tools=builders.tool_schemas(config))
+
+
+def check_warmup(config, examples) -> None:
+  """drafter.distill.row_len holds a response token after the shortest of the warm-up's prompts."""
+  d = config.drafter.distill
+  shortest = min(len(e.prompt_ids) for e in examples)
+  if shortest >= d.row_len:
+    schemas = ", rollout.tools' schemas included" if config.rollout.tools else ""
+    raise ValueError(f"config.drafter.distill.row_len={d.row_len}: holds none of the warm-up's prompts and a "
+                     f"response token (the shortest prompt has {shortest} tokens{schemas}); set it to "
+                     f"data.max_prompt_len + rollout.sampling.max_new_tokens ({config.data.max_prompt_len} + "
+                     f"{config.rollout.sampling.max_new_tokens}), as rl.row_len")
+
+
 def _keys(config, prefix: str) -> datasets.Keys:
   return datasets.Keys(**{k: config_lib.config_value(config, f"{prefix}.{k}") for k in
                           ("prompt_key", "answer_key", "answer_regex", "system_prompt")})
 
 
-def _prompt_file(config, prefix: str, tok) -> datasets.Dataset:
+def _prompt_file(config, prefix: str, tok, max_prompt_len: int | None = -1) -> datasets.Dataset:
   """The prompt file config.<prefix>.path names (`data.path`, an evaluation set's path), read with the
-  keys beside it; a missing or unusable one is an error naming the key."""
+  keys beside it (prompts up to `max_prompt_len` tokens: data.max_prompt_len unless given); a missing or
+  unusable one is an error naming the key."""
   key = f"{prefix}.path"
   path = config_lib.config_value(config, key)
   keys_from = "data" if prefix == "eval" else prefix  # the held-out file has the training data's keys
+  max_prompt_len = config.data.max_prompt_len if max_prompt_len == -1 else max_prompt_len
   try:
-    return datasets.from_file(path, tok, keys=_keys(config, keys_from), max_prompt_len=config.data.max_prompt_len,
+    return datasets.from_file(path, tok, keys=_keys(config, keys_from), max_prompt_len=max_prompt_len,
                               reward=reward(config, keys_from), tools=builders.tool_schemas(config))
   except rewards.Unscorable as e:
     spec = config_lib.config_value(config, f"{keys_from}.reward")
@@ -231,17 +251,28 @@ def reward(config, prefix: str = "data") -> rewards.Reward:
 
 
 def load_prompts(config, tok) -> datasets.Dataset:
-  """The training prompts: data.path, or data.size procedural problems; at least a step's."""
-  if config.data.path:
-    prompts = _prompt_file(config, "data", tok)
-  else:
-    prompts = datasets.from_tasks(config.task.family, tok, size=config.data.size, seed=config.seed + 2,
-                                  difficulty=sft.difficulty(config), max_prompt_len=config.data.max_prompt_len,
-                                  reward=reward(config), tools=builders.tool_schemas(config))
-  if len(prompts) < config.rollout.prompts_per_step:
-    raise ValueError(f"{len(prompts)} prompts, fewer than config.rollout.prompts_per_step="
-                     f"{config.rollout.prompts_per_step}")
+  """The training prompts: data.path, or data.size procedural problems; at least a step's, else an error
+  naming the key that would do."""
+  prompts = _training_prompts(config, tok, config.data.max_prompt_len)
+  n = config.rollout.prompts_per_step
+  if len(prompts) < n:
+    message = f"{len(prompts)} prompts, fewer than config.rollout.prompts_per_step={n}"
+    too_long = prompts.skipped.get("prompt_too_long", 0)
+    lengths = sorted(len(e.prompt_ids) for e in _training_prompts(config, tok, None).examples) if too_long else []
+    if len(lengths) >= n:
+      schemas = " with rollout.tools' schemas" if config.rollout.tools else ""
+      message += (f": {too_long} are longer than config.data.max_prompt_len={config.data.max_prompt_len} tokens"
+                  f"{schemas}; {lengths[n - 1]} would keep {n} (rl.row_len grows with it)")
+    raise ValueError(message)
   return prompts
+
+
+def _training_prompts(config, tok, max_prompt_len: int | None) -> datasets.Dataset:
+  if config.data.path:
+    return _prompt_file(config, "data", tok, max_prompt_len)
+  return datasets.from_tasks(config.task.family, tok, size=config.data.size, seed=config.seed + 2,
+                             difficulty=sft.difficulty(config), max_prompt_len=max_prompt_len,
+                             reward=reward(config), tools=builders.tool_schemas(config))
 
 
 def load_eval_sets(config, tok) -> dict[str, datasets.Dataset]:
