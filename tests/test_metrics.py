@@ -22,6 +22,28 @@ def test_a_resume_keeps_the_records_up_to_its_step(tmp_path):
       (1, 0.1), (2, 0.2), (3, 0.7)]
 
 
+def _completions(n):
+  return [{"prompt": i // 2, "sample": i % 2, "prompt_text": "2 + 2?", "completion": f"It is | {i}\nAnswer: 4",
+           "reward": 1.0, "advantage": 0.5 - i, "length": 9, "finish_reason": "stop", "trained": True}
+          for i in range(n)]
+
+
+def test_completions_go_to_jsonl_and_a_tensorboard_table_and_a_resume_keeps_them_to_its_step(tmp_path, monkeypatch):
+  writer = metrics.Writer(str(tmp_path))
+  texts = []
+  monkeypatch.setattr(writer.tensorboard, "add_text", lambda tag, text, step: texts.append((tag, text, step)))
+  for step in (1, 2):
+    writer.write_completions(step, _completions(2))
+  writer.close()
+  [(tag, text, step)] = texts[1:]
+  lines = text.splitlines()
+  assert tag == "completions" and step == 2 and lines[0] == "| " + " | ".join(metrics.COMPLETION_KEYS) + " |"
+  assert lines[3] == "| 0 | 1 | 2 + 2? | It is \\| 1<br>Answer: 4 | 1.000 | -0.500 | 9 | stop | True |"
+  metrics.Writer(str(tmp_path), resume_step=1).close()
+  rows = metrics.read(str(tmp_path / "completions.jsonl"))
+  assert rows == [{"step": 1, **r} for r in _completions(2)]
+
+
 def test_tensorboard_gets_every_finite_scalar_under_a_name_it_takes(tmp_path, monkeypatch):
   tags = []
   writer = metrics.Writer(str(tmp_path))
@@ -49,8 +71,10 @@ def test_a_wandb_run_gets_every_scalar_and_a_resume_continues_it(tmp_path, monke
   run = metrics.wandb_run(str(tmp_path), "tlt_jax_test", config={"steps": 2})
   writer = metrics.Writer(str(tmp_path), wandb=run)
   writer.write(1, {"reward/mean": 0.25, "eval/prompt_rewards": [0.5], "bad": float("nan")})
+  writer.write_completions(2, _completions(3))
   writer.write(2, {"reward/mean": 0.5})
   logged = set(run.summary.keys())
+  assert "completions" in logged  # the table
   assert run.summary["reward/mean"] == 0.5 and "eval/prompt_rewards" not in logged and "bad" not in logged
   assert run.name == tmp_path.name and run.config["steps"] == 2
   writer.close()

@@ -258,6 +258,9 @@ def base() -> ml_collections.ConfigDict:
   # Metrics go to <workdir>/metrics.jsonl and TensorBoard; with `wandb`, to a Weights & Biases run too
   # (pip install 'tlt_jax[wandb]'; WANDB_MODE=offline keeps it on disk). Its name: the workdir's if "".
   c.logging = ml_collections.ConfigDict()
+  # Each step's first responses (whole groups first), as text with their prompt, reward and advantage:
+  # <workdir>/completions.jsonl, a TensorBoard text table, and a W&B table with logging.wandb (0: none).
+  c.logging.completions_per_step = 8
   c.logging.wandb = False
   c.logging.wandb_project = "tlt_jax"
   c.logging.wandb_entity = ""

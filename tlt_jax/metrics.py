@@ -1,6 +1,10 @@
 """Per-step metrics: one JSON line per step in <workdir>/metrics.jsonl, TensorBoard scalars, and with
 `logging.wandb` a Weights & Biases run (the `wandb` extra; `WANDB_MODE=offline` keeps it on disk).
 
+Each step's first `logging.completions_per_step` responses are lines of <workdir>/completions.jsonl (the
+step, prompt and sample, the prompt's and the response's text, reward, advantage, length, why it ended and
+whether it was trained on), a TensorBoard text table and, with W&B, a table.
+
 With tool turns, every tool call of a step's rollout (its name, arguments, result, error and time, with the
 step, prompt and sample) is a line of <workdir>/tool_calls.jsonl.
 
@@ -71,6 +75,10 @@ def wandb_run(workdir: str, project: str, entity: str = "", name: str = "", conf
                     id=run_id, resume="allow", dir=workdir, config=config)
 
 
+COMPLETION_KEYS = ("prompt", "sample", "prompt_text", "completion", "reward", "advantage", "length", "finish_reason",
+                   "trained")
+
+
 def _keep(path: str, resume_step: int) -> None:
   """Drops the records of `path` after `resume_step` (creates it empty)."""
   kept = [r for r in read(path) if r["step"] <= resume_step] if os.path.exists(path) else []
@@ -94,8 +102,9 @@ class Writer:
     """`wandb`: a W&B run (`wandb_run`) the records go to as well; `tools`: keep tool_calls.jsonl."""
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, "metrics.jsonl")
+    self.completions_path = os.path.join(workdir, "completions.jsonl")
     self.calls_path = os.path.join(workdir, "tool_calls.jsonl") if tools else None
-    for path in filter(None, (self.path, self.calls_path)):
+    for path in filter(None, (self.path, self.completions_path, self.calls_path)):
       _keep(path, resume_step)
     self.tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1)
     self.wandb = wandb
@@ -104,6 +113,21 @@ class Writer:
     """The tool calls of a step's rollout `samples` (their prompt index within the step)."""
     _append(self.calls_path, [{"step": step, "prompt": s.prompt_index, "sample": s.sample_index, **call}
                               for s in samples for call in s.tool_calls])
+
+  def write_completions(self, step: int, rows: Sequence[dict]) -> None:
+    """A step's responses (`COMPLETION_KEYS` each) as JSON lines, a TensorBoard text table and a W&B table."""
+    if not rows:
+      return
+    _append(self.completions_path, [{"step": step, **r} for r in rows])
+    cell = lambda v: (f"{v:.3f}" if isinstance(v, float) else str(v)).replace("|", "\\|").replace("\n", "<br>")
+    table = ["| " + " | ".join(COMPLETION_KEYS) + " |", "|" + "---|" * len(COMPLETION_KEYS)]
+    table += ["| " + " | ".join(cell(r[k]) for k in COMPLETION_KEYS) + " |" for r in rows]
+    self.tensorboard.add_text("completions", "\n".join(table), step)
+    if self.wandb is not None:
+      import wandb  # pylint: disable=import-outside-toplevel  (the wandb extra, installed where a run is)
+      self.wandb.log({"completions": wandb.Table(columns=["step", *COMPLETION_KEYS],
+                                                 data=[[step, *(r[k] for k in COMPLETION_KEYS)] for r in rows])},
+                     step=step, commit=False)
 
   def write(self, step: int, record: dict[str, float]) -> None:
     _append(self.path, [{"step": step, **record}])

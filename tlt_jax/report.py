@@ -114,7 +114,8 @@ def summary(records: list[dict], workdir: str, *, figure: str | None = None, wal
   out = {"steps": max(steps, default=0), "wall_s": wall_s, "held_out": held_out(records),
          "eval_sets": eval_sets(records) or None, "rollout": rollout(records),
          "training_reward": training_reward(records), "training": training(records)}
-  paths = {"metrics": os.path.join(workdir, "metrics.jsonl"), "tensorboard": os.path.join(workdir, "tensorboard"),
+  paths = {"metrics": os.path.join(workdir, "metrics.jsonl"), "completions": os.path.join(workdir, "completions.jsonl"),
+           "tensorboard": os.path.join(workdir, "tensorboard"),
            "figure": figure, "export": os.path.join(workdir, "export"),
            "checkpoints": os.path.join(workdir, "checkpoints")}
   out["outputs"] = {k: v for k, v in paths.items() if v and os.path.exists(v)}

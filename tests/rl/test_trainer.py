@@ -50,6 +50,16 @@ def test_resume_continues_exactly(tmp_path, tiny_policy_dir, xla_cache):
   assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 3, 4]
   strip = lambda r: {k: v for k, v in r.items() if not _timing(k)}
   assert [strip(r) for r in a] == [strip(r) for r in b]
+  # Each step's responses as text (all 8 here: 2 prompts x 4 samples), the same after the resume.
+  texts = metrics.read(str(tmp_path / "straight" / "completions.jsonl"))
+  assert texts == metrics.read(str(tmp_path / "resumed" / "completions.jsonl"))
+  assert [(r["step"], r["prompt"], r["sample"]) for r in texts] == [
+      (step, p, s) for step in (1, 2, 3, 4) for p in (0, 1) for s in range(4)]
+  for r in a[1:]:
+    rows = [t for t in texts if t["step"] == r["step"]]
+    assert np.mean([t["reward"] for t in rows]) == pytest.approx(r["reward/mean"])
+    assert np.median([t["length"] for t in rows]) == r["response_length/median"]
+  assert all(t["prompt_text"].startswith("Calculate") and t["finish_reason"] in ("stop", "length") for t in texts)
   # Held-out evaluations before the first step and every 2 steps, identical after the resume.
   assert [r["step"] for r in a if "eval/reward" in r] == [0, 2, 4] and set(a[0]) == {"step", "eval/reward",
       "eval/reward_ci95", "eval/prompt_rewards", "eval/accuracy", "eval/pass@1", "eval/pass@2", "eval/answered",

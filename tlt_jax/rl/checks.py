@@ -31,7 +31,7 @@ _AT_LEAST = {
     "drafter.distill.batch_rows": 1, "drafter.distill.row_len": 2, "drafter.distill.draft_steps": 0,
     "drafter.distill.prompts": 1,
     "rl.mini_batches": 1, "rl.max_skipped_updates": 1, "rl.row_len": 2, "rl.overlong_buffer": 0, "rl.tis_cap": 0,
-    "rl.advantage_eps": 0, "data.reward_workers": 0, "data.reward_max_failures": 0,
+    "rl.advantage_eps": 0, "data.reward_workers": 0, "data.reward_max_failures": 0, "logging.completions_per_step": 0,
     "rl.optimizer.learning_rate": 0, "rl.optimizer.warmup_steps": 0, "rl.optimizer.weight_decay": 0,
     "rl.actor.micro_batch_rows": 1, "rl.actor.logits_chunk": 1, "rl.actor.attention_block": 0,
     "rl.actor.clip_low": 0, "rl.actor.clip_high": 0, "rl.actor.kl_coef": 0,

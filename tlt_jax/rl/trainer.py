@@ -284,6 +284,12 @@ class Trainer:
     if self.checkpoints.due(self.step) and self.checkpoints.save(self.step, *self._state()):
       self.saved_step = self.step
     if self.metrics is not None:
+      self.metrics.write_completions(self.step, [
+          {"prompt": s.prompt_index, "sample": s.sample_index,
+           "prompt_text": self.tok.decode(examples[s.prompt_index].prompt_ids, skip_special_tokens=True),
+           "completion": self.tok.decode(s.tokens, skip_special_tokens=True), "reward": float(scores[i]),
+           "advantage": float(adv[i]), "length": int(lengths[i]), "finish_reason": s.finish_reason,
+           "trained": bool(keep.reshape(-1)[i])} for i, s in enumerate(samples[:c.logging.completions_per_step])])
       self.metrics.write(self.step, record)
       if self.turns is not None:
         self.metrics.write_calls(self.step, samples)
