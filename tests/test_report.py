@@ -70,6 +70,11 @@ def test_summary_leads_with_the_held_out_reward_then_the_rollout_then_the_output
   assert s["training"] == {"reward_failures": 2, "eval_reward_failures": 1, "steps_without_update": 1, "steps": 4}
   assert lines[5] == ("  reward calls failed: 2 in the steps, 1 in the evaluations; steps without a policy update: 1 "
                       "of 4")
+  assert "NEVER UPDATED" not in report.text(s)
+  records = _records([0.1, 0.2, 0.3], [0.2, 0.3, 0.5])
+  never = report.text(report.summary([{**r, "train/updates": 0} for r in records], str(tmp_path))).splitlines()
+  assert never[6] == ("  THE POLICY WAS NEVER UPDATED: no step had a group whose rewards differed (or every update was "
+                      "skipped); it is the policy the run started from")
   assert lines[6] == ("rollout (steps after the first): 300 tokens/s, tail 50% of decode time, acceptance 4.00 "
                       "tokens per verify, drafter v4")
   assert lines[7:] == ["outputs:", f"  metrics:     {tmp_path / 'metrics.jsonl'}"]

@@ -57,11 +57,13 @@ def test_readme_first_command_on_a_fresh_environment(tmp_path, xla_cache):
                        env={**env, "XLA_FLAGS": FAST_COMPILE_FLAGS}, capture_output=True, text=True, timeout=1200)
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
   assert run.stdout.startswith("RL: 1 step ("), run.stdout[-3000:]
-  summary = json.loads((work / "runs" / "tiny" / "summary.json").read_text())
+  assert "steps without a policy update: 0 of 1" in run.stdout  # the smoke runs the update too
+  summary = json.loads((work / "runs" / "tiny_smoke" / "summary.json").read_text())  # its own workdir
   assert summary["steps"] == 1
   for output in ("policy/config.json", "drafter/drafter_config.json", "export/policy/model.safetensors",
-                 "export/drafter/model.safetensors", "metrics.jsonl", "run.png"):  # reasoning-gym brings matplotlib
-    assert (work / "runs" / "tiny" / output).is_file(), output
+                 "export/drafter/model.safetensors", "metrics.jsonl", "completions.jsonl",
+                 "run.png"):  # reasoning-gym brings matplotlib
+    assert (work / "runs" / "tiny_smoke" / output).is_file(), output
 
 
 def test_requirements_admit_the_accelerator_stack():

@@ -295,6 +295,8 @@ def smoke(c: ml_collections.ConfigDict) -> None:
   r.tlt.solo_steps = 2
   c.drafter.trainer.rows_per_device, c.drafter.trainer.warmup_steps, c.drafter.trainer.row_len = 1, 1, 64
   c.rl.row_len, c.rl.actor.micro_batch_rows, c.rl.mini_batches, c.rl.optimizer.warmup_steps = 96, 4, 1, 0
+  # The update runs (a smoke policy's two samples rarely differ in reward), its lengths a signal.
+  c.rl.dynamic_sampling, c.rl.overlong_buffer = False, r.sampling.max_new_tokens
   c.eval.every = 0
 
 

@@ -155,6 +155,9 @@ def text(s: dict) -> str:
   if t:
     lines.append(f"  reward calls failed: {t['reward_failures']} in the steps, {t['eval_reward_failures']} in the "
                  f"evaluations; steps without a policy update: {t['steps_without_update']} of {t['steps']}")
+    if t["steps_without_update"] == t["steps"]:
+      lines.append("  THE POLICY WAS NEVER UPDATED: no step had a group whose rewards differed (or every update was "
+                   "skipped); it is the policy the run started from")
   r = s.get("rollout", {})
   parts = []
   if "tokens_per_s" in r:

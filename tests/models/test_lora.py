@@ -60,8 +60,10 @@ def test_an_exported_adapter_loads_in_peft_with_our_logits(family, hf_dirs, tmp_
   path, reference = hf_dirs[family]
   model = hf.from_pretrained(path)
   lora.attach(model, lora.Spec(4, 32.0, "all-linear"), seed=3)
+  assert lora.is_identity(model)  # fresh: B = 0
   for _, variable in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):  # B non-zero too
     variable.set_value(variable.get_value() + 0.02 * jax.random.normal(jax.random.key(0), variable.get_value().shape))
+  assert not lora.is_identity(model)
   lora.save_peft(model, str(tmp_path), base_model=path)
   assert json.load(open(tmp_path / "adapter_config.json"))["target_modules"] == sorted(lora.ALL_LINEAR)
   loaded = peft.PeftModel.from_pretrained(build_hf_model(family), str(tmp_path)).eval()

@@ -164,6 +164,11 @@ def _tensors(model: CausalLM):
       yield f"{_PEFT_PREFIX}{name}.lora_A.weight", f"{_PEFT_PREFIX}{name}.lora_B.weight", module, layer
 
 
+def is_identity(model: CausalLM) -> bool:
+  """Whether the adapters change nothing (every B zero: fresh, or never updated)."""
+  return not any(bool(jnp.any(module.lora.lora_b.get_value() != 0)) for _, _, module, _ in _tensors(model))
+
+
 def save_peft(model: CausalLM, directory: str, base_model: str = "") -> None:
   """The model's adapters as PEFT writes them: adapter_config.json and adapter_model.safetensors (A as
   `lora_A.weight` [r, in], B as `lora_B.weight` [out, r], float32), loadable by `PeftModel.from_pretrained`

@@ -392,6 +392,9 @@ class Trainer:
     p = self.config.policy
     if self.lora is not None:
       lora.save_peft(policy, os.path.join(out, "adapter"), base_model=self.lora["base"])
+      if lora.is_identity(policy):
+        logging.warning("%s: every lora_B is zero (no update trained the adapter): it equals the base model",
+                        os.path.join(out, "adapter"))
       policy = lora.merged(policy)
     dtype = p.export_dtype or (hf.checkpoint_dtype(p.path) if p.path else p.dtype)
     hf.save_pretrained(policy, os.path.join(out, "policy"), tokenizer=self.tok, dtype=dtype)
