@@ -138,6 +138,9 @@ USER_REWARDS = textwrap.dedent("""
     def needs_a_column(completions, difficulty):
       return [1.0 for _ in completions]
 
+    def typo_prompt(prompt, completions):
+      return [1.0 for _ in completions]
+
     def required_extra(solution_str, ground_truth, threshold):
       return 1.0
     """)
@@ -165,9 +168,13 @@ def test_a_function_no_convention_can_call_is_refused_at_start_up(user_rewards):
     rewards.check(user_rewards("required_extra"))
   rewards.check(user_rewards("needs_a_column"))  # its columns are unknown yet
   with pytest.raises(rewards.RewardError, match=r"required parameter 'difficulty' is neither TRL's .* nor a column of "
-                                                r"the prompts \(answer, prompt\)"):
+                                                r"the prompts passed to it \(answer\)$"):
     rewards.check(user_rewards("needs_a_column"), ["prompt", "answer"])
   rewards.check(user_rewards("needs_a_column"), ["prompt", "difficulty"])
+  # `prompt` (a typo of `prompts`): a column TRL never passes, refused at the check, not at the first scoring.
+  with pytest.raises(rewards.RewardError, match=r"required parameter 'prompt' is neither .* \(answer\) \(TRL passes "
+                                                r"the prompts as 'prompts'\)$"):
+    rewards.check(user_rewards("typo_prompt"), ["prompt", "answer"])
 
 
 def test_reward_specs_and_weights():

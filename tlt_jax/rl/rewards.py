@@ -240,6 +240,7 @@ def load(spec: str) -> RewardFn:
 
 TRL_NAMES = ("prompts", "completions", "completion_ids")
 TRL_EXTRAS = ("trainer_state", "log_metric")
+UNPASSED_COLUMNS = ("prompt", "completion")  # TRL passes every other column of the row
 VERL_BATCH_NAMES = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
 VERL_NAMES = ("data_source", "solution_str", "ground_truth", "extra_info")
 
@@ -298,12 +299,13 @@ def check(reward: str | Sequence[str] | Reward, columns: Sequence[str] | None = 
   for spec in reward.specs:
     sig = signature(spec)
     if sig.convention == "trl" and columns is not None:
-      given = {*TRL_NAMES, *TRL_EXTRAS, *columns}
-      missing = [name for name in sig.required if name not in given]
+      passed = sorted(set(columns) - set(UNPASSED_COLUMNS))  # as TRL: the prompt is `prompts`, never its column
+      missing = [name for name in sig.required if name not in {*TRL_NAMES, *TRL_EXTRAS, *passed}]
       if missing:
+        hint = f" (TRL passes the prompts as {TRL_NAMES[0]!r})" if missing[0] == "prompt" else ""
         raise RewardError(f"reward {spec!r}: its required parameter {missing[0]!r} is neither TRL's "
-                          f"({', '.join(TRL_NAMES + TRL_EXTRAS)}) nor a column of the prompts "
-                          f"({', '.join(sorted(columns))})")
+                          f"({', '.join(TRL_NAMES + TRL_EXTRAS)}) nor a column of the prompts passed to it "
+                          f"({', '.join(passed)}){hint}")
   return reward
 
 
@@ -370,7 +372,7 @@ def _trl_kwargs(items: Sequence[Item], state: TrainerState, metrics: dict[str, l
     metrics.setdefault(name, []).append(float(value))
   completions = [[{"role": "assistant", "content": i.solution_str or ""}] if isinstance(i.prompt, list)
                  else i.solution_str or "" for i in items]
-  columns = dict.fromkeys(k for i in items for k in i.columns if k not in ("prompt", "completion", *TRL_NAMES))
+  columns = dict.fromkeys(k for i in items for k in i.columns if k not in (*UNPASSED_COLUMNS, *TRL_NAMES))
   return {"prompts": [i.prompt for i in items], "completions": completions,
           "completion_ids": [list(i.completion_ids) for i in items],
           **{k: [i.columns.get(k) for i in items] for k in columns}, "trainer_state": state, "log_metric": log_metric}
