@@ -238,5 +238,5 @@ def test_the_readmes_reward_functions_score_string_and_chat_prompts(tmp_path):
   (tmp_path / "r.py").write_text(block)
   items = [rewards.Item(None, "so #### 4", "4", {}, prompt=prompt) for prompt in
            ("2 + 2?", [{"role": "user", "content": "2 + 2?"}])]
-  assert rewards.call(f"{tmp_path}/r.py:has_answer", items) == ("ok", [1.0, 1.0], {})
-  assert rewards.call(f"{tmp_path}/r.py:compute_score", items) == ("ok", [1.0, 1.0], {})
+  assert rewards.call(f"{tmp_path}/r.py:has_answer", items) == ("ok", [1.0, 1.0], {}, {})
+  assert rewards.call(f"{tmp_path}/r.py:compute_score", items) == ("ok", [1.0, 1.0], {}, {})

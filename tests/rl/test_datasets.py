@@ -66,7 +66,7 @@ def test_file_shapes_load(tokenizer, tmp_path, writer, suffix, rows, ground_trut
   for line, (example, row) in enumerate(zip(dataset, rows), start=1):
     assert example.reward == rewards.Reward.of("auto")
     assert (example.where, example.data_source, example.extra_info) == (f"{path}:{line}", row["data_source"], {})
-    assert example.columns == row and example.chat == (rows is VERL_ROWS)  # a TRL reward's columns, its prompt form
+    assert example.columns == row and example.item("x").prompt == row["prompt"]  # what a TRL reward gets
     assert example.item("x").prompt == (row["prompt"] if rows is VERL_ROWS else row["prompt"])
     assert example.prompt.startswith("<bos>") and example.prompt.endswith("<|assistant|>")
     assert tokenizer.decode(example.prompt_ids) == example.prompt
@@ -103,8 +103,11 @@ def test_keys_regex_system_prompt_and_what_reaches_the_reward(tokenizer, tmp_pat
   # TRL's `prompts` entry for a string prompt is the string; its tokens and the row's columns come along.
   assert (item.prompt, item.completion_ids, item.columns) == (GSM8K_ROWS[0]["question"], (5, 6), GSM8K_ROWS[0])
   nested = datasets.from_file(_write_jsonl(tmp_path / "verl.jsonl", VERL_ROWS), tokenizer,
-                              keys=datasets.Keys(answer_key="reward_model.ground_truth"))
+                              keys=datasets.Keys(answer_key="reward_model.ground_truth", system_prompt="Be brief."))
   assert [e.ground_truth for e in nested] == ["42", "\\frac{1}{2}"]
+  # A chat prompt: the model reads data.system_prompt where the row has none; TRL's `prompts` entry is the row's.
+  assert nested[1].messages[0] == {"role": "system", "content": "Be brief."}
+  assert [e.item("x").prompt for e in nested] == [row["prompt"] for row in VERL_ROWS]
   with pytest.raises(ValueError, match=r"answer_regex '\(': missing \)"):
     datasets.Keys(answer_regex="(")
 

@@ -21,6 +21,18 @@ def test_advantages_are_group_normalised():
     grpo.advantages(r, "unbiased")
 
 
+def test_an_unscorable_reward_is_left_out_of_its_group_as_trl_leaves_it():
+  """NaN (every reward function returned None): out of the group's mean and std, advantage 0: TRL 1.16's
+  GRPOTrainer formula with its own nanstd, on the same rewards."""
+  torch = pytest.importorskip("torch")
+  from trl.trainer.utils import nanstd  # pylint: disable=import-outside-toplevel
+  r = np.array([[1.0, np.nan, 0.0, 1.0], [np.nan] * 4, [0.5, np.nan, np.nan, np.nan], [2.0, 0.0, 1.0, 3.0]])
+  t = torch.tensor(r)
+  trl = torch.nan_to_num((t - torch.nanmean(t, dim=1, keepdim=True)) / (nanstd(t, dim=1, keepdim=True) + 1e-4), nan=0.0)
+  np.testing.assert_allclose(grpo.advantages(r, eps=1e-4), trl.numpy(), atol=1e-6)
+  np.testing.assert_array_equal(grpo.keep_groups(r), [True, False, False, True])
+
+
 def test_dynamic_sampling_keeps_groups_with_signal():
   r = np.array([[1, 0, 1], [1, 1, 1], [0, 0, 0], [0.5, 0.5, 0.2]])
   np.testing.assert_array_equal(grpo.keep_groups(r), [True, False, False, True])

@@ -7,6 +7,7 @@ import textwrap
 import threading
 import types
 
+import numpy as np
 import pytest
 
 from tlt_jax.rl import rewards
@@ -119,13 +120,16 @@ USER_REWARDS = textwrap.dedent("""
     def verl_subset(ground_truth, solution_str):
       return float(solution_str.strip() == ground_truth)
 
-    def verl_batch(solution_strs, ground_truths, extra_infos=None, **kwargs):
+    def verl_batch(solution_strs, ground_truths, extra_infos=None, data_sources=None):
+      assert all(type(x).__name__ == "ndarray" and x.dtype == object for x in (solution_strs, ground_truths,
+                                                                               extra_infos, data_sources))
       return [float(s.strip() == g) * e.get("weight", 1.0)
               for s, g, e in zip(solution_strs, ground_truths, extra_infos)]
 
     def trl_accuracy(completions, answer, **kwargs):
       texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
       kwargs["log_metric"]("step_seen", kwargs["trainer_state"].global_step)
+      kwargs["log_extra"]("answer_seen", list(answer))
       return [None if t == "skip" else float(t.strip() == a) for t, a in zip(texts, answer)]
 
     async def trl_length(prompts, completions, completion_ids, **kwargs):
@@ -210,11 +214,12 @@ def test_verl_functions_are_called_as_verl_calls_them(user_rewards):
                                          extra_info=r["extra_info"]).items()
                   if name == "verl_reordered" or k in ("solution_str", "ground_truth")})
             for r, text in zip(ROWS, RESPONSES)]
-    assert rewards.call(user_rewards(name), _items()) == ("ok", verl, {})
-  fn = rewards.load(user_rewards("verl_batch"))
-  verl = fn(data_sources=[r["data_source"] for r in ROWS], solution_strs=RESPONSES,
-            ground_truths=[r["answer"] for r in ROWS], extra_infos=[r["extra_info"] for r in ROWS])
-  assert rewards.call(user_rewards("verl_batch"), _items()) == ("ok", verl, {}) and verl == [0.5, 0.0, 0.0]
+    assert rewards.call(user_rewards(name), _items()) == ("ok", verl, {}, {})
+  fn = rewards.load(user_rewards("verl_batch"))  # verl's non-tensor batch: NumPy object arrays
+  objects = lambda values: np.array(values + [None], dtype=object)[:-1]
+  verl = fn(data_sources=objects([r["data_source"] for r in ROWS]), solution_strs=objects(RESPONSES),
+            ground_truths=objects([r["answer"] for r in ROWS]), extra_infos=objects([r["extra_info"] for r in ROWS]))
+  assert rewards.call(user_rewards("verl_batch"), _items()) == ("ok", verl, {}, {}) and verl == [0.5, 0.0, 0.0]
 
 
 def test_trl_functions_get_what_trls_grpo_trainer_passes(user_rewards):
@@ -226,13 +231,13 @@ def test_trl_functions_get_what_trls_grpo_trainer_passes(user_rewards):
   from trl.trainer.grpo_trainer import GRPOTrainer
   names = ("trl_accuracy", "trl_length")
   fns = [rewards.load(user_rewards(n)) for n in names]
-  logged = []
+  logged, extras = [], []
   loop = asyncio.new_event_loop()
   threading.Thread(target=loop.run_forever, daemon=True).start()
   trainer = types.SimpleNamespace(
       accelerator=types.SimpleNamespace(device="cpu", is_main_process=True), reward_funcs=fns,
       reward_processing_classes=[None, None], reward_func_names=list(names), args=types.SimpleNamespace(report_to=[]),
-      state=types.SimpleNamespace(global_step=3), _log_completion_extra=lambda *_: None,
+      state=types.SimpleNamespace(global_step=3), _log_completion_extra=lambda *extra: extras.append(extra),
       _log_metric=lambda *metric: logged.append(metric), environments=None, async_loop=loop)
   completions = [[{"role": "assistant", "content": text}] for text in RESPONSES]  # chat prompts: chat completions
   try:
@@ -243,16 +248,18 @@ def test_trl_functions_get_what_trls_grpo_trainer_passes(user_rewards):
   state = rewards.TrainerState(global_step=3, max_steps=10)
   ours = [rewards.call(user_rewards(n), _items(), state) for n in names]
   assert [kind for kind, *_ in ours] == ["ok", "ok"]
-  got = torch.tensor([[math.nan if v is None else v for v in values] for _, values, _ in ours]).T
+  got = torch.tensor([[math.nan if v is None else v for v in values] for _, values, *_ in ours]).T
   torch.testing.assert_close(got, theirs, equal_nan=True)
   assert ours[0][2] == {"step_seen": 3.0} and logged == [("step_seen", 3)]
+  assert ours[0][3] == {"answer_seen": [r["answer"] for r in ROWS]}  # log_extra's column, as TRL's gets it
+  assert extras == [("answer_seen", ours[0][3]["answer_seen"])]
 
 
 def test_trl_completions_are_strings_for_string_prompts(user_rewards):
   items = [rewards.Item(None, "4", "4", {}, prompt="2 + 2?", columns={"answer": "4"})]
-  assert rewards.call(user_rewards("trl_accuracy"), items) == ("ok", [1.0], {"step_seen": 0.0})
+  assert rewards.call(user_rewards("trl_accuracy"), items) == ("ok", [1.0], {"step_seen": 0.0}, {"answer_seen": ["4"]})
 
 
 def test_a_call_that_raises_is_an_error_result(user_rewards):
-  kind, why, _ = rewards.call(user_rewards("trl_accuracy"), [rewards.Item(None, "4", "4", {}, prompt="?")])
+  kind, why, *_ = rewards.call(user_rewards("trl_accuracy"), [rewards.Item(None, "4", "4", {}, prompt="?")])
   assert kind == "error" and why.startswith("TypeError: trl_accuracy() missing 1 required positional argument")

@@ -193,6 +193,14 @@ def test_several_functions_are_summed_with_their_weights_as_trl_sums_them(user_r
   assert stats["four"] == 4.0 and stats["mean"] == pytest.approx(float(scores.mean()))
 
 
+def test_a_sample_no_function_applies_to_scores_nan_out_of_the_mean_as_in_trl(user_reward):
+  """Every function returned None: NaN (TRL marks the row unscorable), left out of the logged mean."""
+  s = scorer.Scorer(workers=0)
+  scores, stats = s.score(user_reward("has_answer"), _items(["4", "skip", "five"]))
+  np.testing.assert_array_equal(scores, [1.0, np.nan, 0.0])
+  assert stats["mean"] == 0.5
+
+
 def test_workers_outlive_a_signal_to_the_process_group_until_closed(user_reward, tmp_path):
   """A Ctrl-C (SIGINT) or a scheduler's SIGTERM reaches every process of the group: the workers ignore it, so
   the trainer can finish its step's scoring; close() then stops them at once, leaving none behind."""

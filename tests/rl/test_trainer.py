@@ -247,6 +247,7 @@ import asyncio
 def has_number(completions, **kwargs):
   texts = [c[0]["content"] for c in completions]
   kwargs["log_metric"]("batch", len(texts))
+  kwargs["log_extra"]("digits", [sum(ch.isdigit() for ch in t) for t in texts])
   return [None if i % 2 else float(any(ch.isdigit() for ch in t)) for i, t in enumerate(texts)]
 
 async def short(completion_ids, reward_model, **kwargs):
@@ -306,6 +307,8 @@ def test_a_task_of_your_own_in_verls_shape_with_verl_and_trl_rewards(tmp_path, t
   summary = report.summary(metrics.read(str(tmp_path / "run" / "metrics.jsonl")), c.workdir)
   assert set(summary["eval_sets"]) == {"greedy", "pass8"} and "pass@2" in summary["eval_sets"]["pass8"]["last"]
   assert summary["training"]["reward_failures"] == 0 and "  pass8: reward " in report.text(summary)
+  texts = metrics.read(str(tmp_path / "run" / "completions.jsonl"))  # log_extra's column beside each response
+  assert texts and all(t["digits"] == sum(ch.isdigit() for ch in t["completion"]) for t in texts)
 
 
 class ToolEveryTurn(Turns):

@@ -78,13 +78,14 @@ class Example:
   where: str  # its file:line (or task and number), named in errors
   solution: str | None = None  # a worked solution (procedural tasks), the SFT target
   messages: Messages = dataclasses.field(default_factory=list)  # the conversation prompt_ids encode
-  chat: bool = True  # the row's prompt was chat messages (TRL's conversational format), not a string
   columns: dict[str, Any] = dataclasses.field(default_factory=dict)  # the row as read (TRL rewards get them)
+  row_prompt: Any = None  # the row's prompt as read (None: its user turn): TRL's `prompts` entry
 
   def item(self, response: str | None, response_ids: Sequence[int] = (), extra: dict | None = None) -> rewards.Item:
     """`response` (its tokens: `response_ids`) to this prompt, as the reward scores it; `extra` joins
-    `extra_info` (a trajectory's turns and tool calls)."""
-    prompt = self.messages if self.chat else self.messages[-1]["content"]  # a string prompt: its user turn
+    `extra_info` (a trajectory's turns and tool calls). TRL-style functions get the row's own prompt
+    (without data.system_prompt, which TRL never adds)."""
+    prompt = self.messages[-1]["content"] if self.row_prompt is None else self.row_prompt
     return rewards.Item(self.data_source, response, self.ground_truth, {**self.extra_info, **(extra or {})},
                         self.where, prompt, tuple(response_ids), self.columns)
 
@@ -160,7 +161,7 @@ def from_tasks(
     source = problem.entry["metadata"]["source_dataset"]
     extra_info = {"entry": problem.entry, "num_terms": problem.num_terms}
     examples.append(Example(prompt_ids, prompt, problem.answer, reward, source, extra_info, f"{family} #{number}",
-                            problem.solution, messages, chat=False,
+                            problem.solution, messages,
                             columns=dict(zip(_TASK_COLUMNS, (problem.prompt, problem.answer, source, extra_info)))))
   if skipped:
     logging.warning("%s: skipped %d of %d problems: %s", family, sum(skipped.values()), size,
@@ -218,9 +219,10 @@ def from_file(
         logging.warning("%s:%d: skipped (%s): %s", path, line, skip.reason, skip)
       continue
     extra_info = row.get("extra_info")
+    row_prompt = _get(row, _prompt_key(row, keys))
     example = Example(prompt_ids, prompt, ground_truth, reward, row.get("data_source"),
                       dict(extra_info) if isinstance(extra_info, dict) else {}, f"{path}:{line}", messages=messages,
-                      chat=not isinstance(_get(row, _prompt_key(row, keys)), str), columns=row)
+                      columns=row, row_prompt=row_prompt)
     why = rewards.cannot_score(reward, example.item(None))
     if why:
       raise rewards.Unscorable(f"{path}:{line}: {why}")

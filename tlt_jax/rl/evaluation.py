@@ -89,12 +89,14 @@ def evaluate(s: EvalSet, scorer: scorer_lib.Scorer, tok, state: rewards.TrainerS
   rows = sorted(r for part, _, _ in parts for r in part)
   failed = sum(f for _, f, _ in parts)
   prompt, score, answered, length = (np.asarray(column) for column in zip(*rows))
-  per_prompt = metrics_lib.group_means(score, prompt.tolist())
+  scored = ~np.isnan(score)  # NaN: no reward function applies (TRL's None), out of the means
+  per_prompt = metrics_lib.group_means(score[scored], prompt[scored].tolist())
   correct = [int((score[prompt == i] >= 1.0).sum()) for i in sorted(set(prompt.tolist()))]
   k = s.k or s.num_samples
-  return {s.key("reward"): float(score.mean()), s.key("reward_ci95"): metrics_lib.ci95(per_prompt),
+  return {s.key("reward"): float(score[scored].mean()) if scored.any() else math.nan,
+          s.key("reward_ci95"): metrics_lib.ci95(per_prompt),
           s.key("prompt_rewards"): [round(x, 4) for x in per_prompt],
-          s.key("accuracy"): float((score >= 1.0).mean()),
+          s.key("accuracy"): float((score[scored] >= 1.0).mean()) if scored.any() else math.nan,
           s.key("pass@1"): float(np.mean([c / s.num_samples for c in correct])),
           s.key(f"pass@{k}"): float(np.mean([pass_at_k(s.num_samples, c, k) for c in correct])),
           s.key("answered"): float(answered.mean()), s.key("response_length"): float(np.median(length)),

@@ -27,22 +27,27 @@ ADVANTAGE_STDS = ("sample", "population", "none")
 def advantages(rewards_GxN: np.ndarray, std: str = "sample", eps: float = 1e-6) -> np.ndarray:
   """(r - group mean) / (group std + eps): the sample std (N - 1 degrees of freedom, as verl and TRL
   take it; a group of one has none: 0), the population std (N), or no std at all, the mean removed only
-  (`std="none"`, Dr. GRPO)."""
+  (`std="none"`, Dr. GRPO). A NaN reward (no reward function applies) is left out of its group's mean and
+  std and gets advantage 0, as TRL does."""
   if std not in ADVANTAGE_STDS:
     raise ValueError(f"advantage std must be one of {ADVANTAGE_STDS}, got {std!r}")
   r = np.asarray(rewards_GxN, np.float64)
-  centred = r - r.mean(axis=1, keepdims=True)
+  valid = ~np.isnan(r)
+  n = valid.sum(axis=1, keepdims=True)
+  centred = np.where(valid, r, 0.0) - np.where(valid, r, 0.0).sum(axis=1, keepdims=True) / np.maximum(n, 1)
+  centred = np.where(valid, centred, 0.0)
   if std != "none":
     ddof = int(std == "sample")
-    spread = r.std(axis=1, keepdims=True, ddof=ddof) if r.shape[1] > ddof else np.zeros((r.shape[0], 1))
+    spread = np.sqrt((centred ** 2).sum(axis=1, keepdims=True) / np.maximum(n - ddof, 1)) * (n > ddof)
     centred = centred / (spread + eps)
   return centred.astype(np.float32)
 
 
 def keep_groups(rewards_GxN: np.ndarray) -> np.ndarray:
-  """[G] bool: groups whose rewards are not all equal (DAPO dynamic sampling keeps only these)."""
-  r = np.asarray(rewards_GxN)
-  return r.max(axis=1) > r.min(axis=1)
+  """[G] bool: groups whose rewards (NaN ones left out) are not all equal (DAPO dynamic sampling keeps only these)."""
+  r = np.asarray(rewards_GxN, np.float64)
+  valid = ~np.isnan(r)
+  return np.where(valid, r, -np.inf).max(axis=1) > np.where(valid, r, np.inf).min(axis=1)
 
 
 def trained_samples(rewards_GxN: np.ndarray, truncated_GxN: np.ndarray, dynamic_sampling: bool,

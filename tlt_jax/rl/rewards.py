@@ -14,11 +14,13 @@ A function's calling convention is read from its parameter names (`signature`):
   * TRL: it names `prompts`, `completions` or `completion_ids`. Called once per batch by keyword, as TRL's
     GRPOTrainer calls one: `prompts` (a row's chat messages when its prompt was a chat list, else the prompt
     string), `completions` (then `[{"role": "assistant", "content": text}]`, else the text), `completion_ids`,
-    every column of the rows as a list, `trainer_state` (`global_step`, `max_steps`) and `log_metric(name,
-    value)` (logged as `reward/<name>`). It returns one float per completion, or None where it does not
-    apply (left out of the sum; a completion no function applies to scores 0).
+    every column of the rows as a list (but `prompt` and `completion`), `trainer_state` (`global_step`,
+    `max_steps`), `log_metric(name, value)` (logged as `reward/<name>`) and `log_extra(column, values)` (a
+    value per completion: columns of completions.jsonl). It returns one float per completion, or None where
+    it does not apply (left out of the sum; a completion no function applies to scores NaN, as in TRL: out
+    of the logged mean and its group's baseline, advantage 0).
   * verl batch: it names `data_sources`, `solution_strs`, `ground_truths` or `extra_infos`: called once per
-    batch with those lists, as verl's BatchRewardManager; it returns a list of floats or dicts.
+    batch with those as NumPy object arrays, as verl's BatchRewardManager; it returns a list of floats or dicts.
   * verl: called per response by keyword, `data_source=, solution_str=, ground_truth=, extra_info=`, as
     verl's NaiveRewardManager calls `compute_score`; it returns a float or a dict.
 A function gets the keywords it names, or all of them when it takes `**kwargs`; a required parameter its
@@ -45,6 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import math_verify
+import numpy as np
 import reasoning_gym
 
 from tlt_jax.rl import tasks
@@ -239,7 +242,7 @@ def load(spec: str) -> RewardFn:
 
 
 TRL_NAMES = ("prompts", "completions", "completion_ids")
-TRL_EXTRAS = ("trainer_state", "log_metric")
+TRL_EXTRAS = ("trainer_state", "log_metric", "log_extra")
 UNPASSED_COLUMNS = ("prompt", "completion")  # TRL passes every other column of the row
 VERL_BATCH_NAMES = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
 VERL_NAMES = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -346,33 +349,45 @@ def _plain(value: Any) -> Any:
   return value
 
 
-def call(spec: str, items: Sequence[Item], state: TrainerState | None = None) -> tuple[str, Any, dict]:
-  """("ok", one value per item, metrics the function logged) or ("error", what it raised, {}). A per-response
-  (verl) function is called once per item, a batch one once."""
+def call(spec: str, items: Sequence[Item], state: TrainerState | None = None) -> tuple[str, Any, dict, dict]:
+  """("ok", one value per item, metrics the function logged, columns it logged with `log_extra`) or ("error",
+  what it raised, {}, {}). A per-response (verl) function is called once per item, a batch one once."""
   metrics: dict[str, list[float]] = {}
+  columns: dict[str, list] = {}
   try:
     fn, sig = load(spec), signature(spec)
     if sig.convention == "verl":
       values = [_plain(_resolved(fn(**sig.kwargs(dict(zip(VERL_NAMES, (i.data_source, i.solution_str, i.ground_truth,
                                                                         dict(i.extra_info)))))))) for i in items]
-    elif sig.convention == "verl_batch":
-      values = _plain(_resolved(fn(**sig.kwargs(dict(zip(VERL_BATCH_NAMES, (
+    elif sig.convention == "verl_batch":  # numpy object arrays, as verl's non-tensor batch holds them
+      values = _plain(_resolved(fn(**sig.kwargs(dict(zip(VERL_BATCH_NAMES, (_objects(column) for column in (
           [i.data_source for i in items], [i.solution_str for i in items], [i.ground_truth for i in items],
-          [dict(i.extra_info) for i in items])))))))
+          [dict(i.extra_info) for i in items]))))))))
     else:
-      values = _plain(_resolved(fn(**sig.kwargs(_trl_kwargs(items, state or TrainerState(), metrics)))))
-    return "ok", values, {k: sum(v) / len(v) for k, v in metrics.items()}
+      values = _plain(_resolved(fn(**sig.kwargs(_trl_kwargs(items, state or TrainerState(), metrics, columns)))))
+    return "ok", values, {k: sum(v) / len(v) for k, v in metrics.items()}, columns
   except Exception as e:  # pylint: disable=broad-exception-caught  (a bad sample must not stop a step)
-    return "error", f"{type(e).__name__}: {e}", {}
+    return "error", f"{type(e).__name__}: {e}", {}, {}
 
 
-def _trl_kwargs(items: Sequence[Item], state: TrainerState, metrics: dict[str, list[float]]) -> dict[str, Any]:
+def _objects(values: list) -> np.ndarray:
+  array = np.empty(len(values), dtype=object)
+  array[:] = values
+  return array
+
+
+def _trl_kwargs(items: Sequence[Item], state: TrainerState, metrics: dict[str, list[float]],
+                columns: dict[str, list]) -> dict[str, Any]:
   """What TRL's GRPOTrainer passes a reward function for this batch (module docstring)."""
   def log_metric(name: str, value: float) -> None:
     metrics.setdefault(name, []).append(float(value))
+
+  def log_extra(column: str, values: Sequence) -> None:
+    columns.setdefault(column, []).extend(_plain(list(values)))
   completions = [[{"role": "assistant", "content": i.solution_str or ""}] if isinstance(i.prompt, list)
                  else i.solution_str or "" for i in items]
-  columns = dict.fromkeys(k for i in items for k in i.columns if k not in (*UNPASSED_COLUMNS, *TRL_NAMES))
+  row_columns = dict.fromkeys(k for i in items for k in i.columns if k not in (*UNPASSED_COLUMNS, *TRL_NAMES))
   return {"prompts": [i.prompt for i in items], "completions": completions,
           "completion_ids": [list(i.completion_ids) for i in items],
-          **{k: [i.columns.get(k) for i in items] for k in columns}, "trainer_state": state, "log_metric": log_metric}
+          **{k: [i.columns.get(k) for i in items] for k in row_columns}, "trainer_state": state,
+          "log_metric": log_metric, "log_extra": log_extra}

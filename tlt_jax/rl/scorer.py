@@ -100,13 +100,13 @@ def kill_all(workers: list[Worker]) -> None:
   workers.clear()
 
 
-def _load(spec: str) -> tuple[str, Any, dict]:
+def _load(spec: str) -> tuple[str, Any, dict, dict]:
   """In a worker: imports the reward `spec` names, as `rewards.call` answers."""
   try:
     rewards.signature(spec)
-    return "ok", None, {}
+    return "ok", None, {}, {}
   except rewards.RewardError as e:
-    return "error", str(e), {}
+    return "error", str(e), {}, {}
 
 
 def _number(value: Any) -> float | None:
@@ -129,7 +129,7 @@ class Scorer:
   # ---- running calls ----
 
   def _run(self, tasks: list[tuple[str, list[rewards.Item], rewards.TrainerState | None]]) -> list[tuple]:
-    """Each task's `rewards.call` result, or ("timeout", why, {}), in the workers."""
+    """Each task's `rewards.call` result, or ("timeout", why, {}, {}), in the workers."""
     if not self.workers:
       return [rewards.call(*task) for task in tasks]
     while len(self._workers) < self.workers:
@@ -166,7 +166,7 @@ class Scorer:
         try:
           result = conn.recv()
         except (EOFError, OSError):  # it died: a reward that crashed the interpreter, or a kill from outside
-          result = ("error", f"the reward's {w.died()}", {})
+          result = ("error", f"the reward's {w.died()}", {}, {})
           self._replace(w)
         if isinstance(job, str):  # loaded a spec
           if result[0] != "ok":
@@ -180,7 +180,7 @@ class Scorer:
           self._replace(w)
           if isinstance(job, str):
             raise rewards.RewardError(f"reward {job!r}: its worker process did not start in {load_s:g} s")
-          results[job] = ("timeout", f"no result in {self.timeout_s:g} s", {})
+          results[job] = ("timeout", f"no result in {self.timeout_s:g} s", {}, {})
 
   def _replace(self, worker: Worker) -> None:
     worker.kill()
@@ -189,10 +189,12 @@ class Scorer:
   # ---- scoring ----
 
   def score(self, reward: str | Sequence[str] | rewards.Reward, items: Sequence[rewards.Item], *, what: str = "",
-            state: rewards.TrainerState | None = None) -> tuple[np.ndarray, dict[str, float]]:
+            state: rewards.TrainerState | None = None,
+            columns: dict[str, list] | None = None) -> tuple[np.ndarray, dict[str, float]]:
     """(scores [N], stats): the mean, `failures` and `timeouts` (calls that raised or timed out, each
     scoring 0), each function's mean when there are several, and the mean of every other numeric key the
-    functions return in dicts or log. `what` (e.g. "in step 3") goes into errors."""
+    functions return in dicts or log. `what` (e.g. "in step 3") goes into errors. `columns` gets what TRL
+    functions log with `log_extra`: a list of N per column (None where a call logged none)."""
     reward = rewards.check(reward)
     n, k = len(items), len(reward.specs)
     calls = []  # (function, the samples it scores)
@@ -203,8 +205,13 @@ class Scorer:
     values = np.zeros((k, n), np.float64)  # NaN: does not apply (None, TRL's convention)
     failed: list[tuple[int, int, str, str]] = []  # (function, sample, kind, why)
     extras: dict[str, list[float]] = {}
-    for (f, chunk), (kind, value, logged) in zip(calls, results):
+    for (f, chunk), (kind, value, logged, logged_columns) in zip(calls, results):
       spec = reward.specs[f]
+      if columns is not None:
+        for name, column in logged_columns.items():
+          row = columns.setdefault(name, [None] * n)
+          for i, x in zip(chunk, column):
+            row[i] = x
       if kind != "ok":
         failed += [(f, i, kind, value) for i in chunk]
         continue
@@ -219,11 +226,12 @@ class Scorer:
     self._check_failures(reward, items, failed, what)
     weights = np.asarray(reward.weights)[:, None]
     scores = np.nansum(weights * values, axis=0).astype(np.float32)
-    unscored = int(np.isnan(values).all(axis=0).sum())
-    if unscored:
-      logging.warning("reward %s: no function applies to %d of %d samples (each returned None); they score 0",
-                      reward, unscored, n)
-    stats = {"mean": float(scores.mean()) if n else 0.0,
+    unscored = np.isnan(values).all(axis=0)
+    scores[unscored] = np.nan  # TRL's: out of the logged mean and the group's baseline, advantage 0
+    if unscored.any():
+      logging.warning("reward %s: no function applies to %d of %d samples (each returned None); they score NaN, as "
+                      "in TRL: left out of the mean and their group's baseline, advantage 0", reward, unscored.sum(), n)
+    stats = {"mean": float(np.nanmean(scores)) if n and not unscored.all() else math.nan if n else 0.0,
              "failures": float(sum(kind == "error" for *_, kind, _ in failed)),
              "timeouts": float(sum(kind == "timeout" for *_, kind, _ in failed))}
     if k > 1:

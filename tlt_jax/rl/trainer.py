@@ -31,6 +31,7 @@ checkpoints.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Callable, Sequence
@@ -253,10 +254,11 @@ class Trainer:
     self._rolled_out = True
 
     texts = [self.tok.decode(s.answer, skip_special_tokens=True) for s in samples]  # the last turn, with tools
+    logged_columns = {}  # what TRL-style reward functions log with log_extra: columns of completions.jsonl
     scores, reward_stats = self.scorer.score(
         examples[0].reward, [examples[s.prompt_index].item(t, s.answer.tolist(), tools.trajectory(s))
                              for s, t in zip(samples, texts)],
-        what=f"in step {self.step + 1}", state=rewards.TrainerState(self.step, c.steps))
+        what=f"in step {self.step + 1}", state=rewards.TrainerState(self.step, c.steps), columns=logged_columns)
     lengths = np.asarray([len(s.tokens) for s in samples])
     shaped = scores + grpo.overlong_penalty(lengths, c.rollout.sampling.max_new_tokens, c.rl.overlong_buffer)
     adv = grpo.advantages(shaped.reshape(-1, g), c.rl.advantage_std, c.rl.advantage_eps).reshape(-1)
@@ -270,7 +272,9 @@ class Trainer:
     train_s = time.perf_counter() - t_train
 
     self.step += 1
-    record = {"reward/mean": float(scores.mean()), "reward/accuracy": float((scores >= 1.0).mean()),
+    scored = scores[~np.isnan(scores)]  # NaN: no reward function applies (TRL's None), out of the means
+    record = {"reward/mean": reward_stats["mean"],
+              "reward/accuracy": float((scored >= 1.0).mean()) if len(scored) else math.nan,
               **{f"reward/{k}": v for k, v in reward_stats.items() if k != "mean"},
               "response_length/median": float(np.median(lengths)),
               "response_length/p90": float(np.percentile(lengths, 90)), "response_length/max": int(lengths.max()),
@@ -285,9 +289,11 @@ class Trainer:
       self.saved_step = self.step
     if self.metrics is not None:
       self.metrics.write_completions(self.step, [
-          {"prompt": s.prompt_index, "sample": s.sample_index,
+          {**{name: column[i] for name, column in logged_columns.items()}, "prompt": s.prompt_index,
+           "sample": s.sample_index,
            "prompt_text": self.tok.decode(examples[s.prompt_index].prompt_ids, skip_special_tokens=True),
-           "completion": self.tok.decode(s.tokens, skip_special_tokens=True), "reward": float(scores[i]),
+           "completion": self.tok.decode(s.tokens, skip_special_tokens=True),
+           "reward": None if np.isnan(scores[i]) else float(scores[i]),
            "advantage": float(adv[i]), "length": int(lengths[i]), "finish_reason": s.finish_reason,
            "trained": bool(keep.reshape(-1)[i])} for i, s in enumerate(samples[:c.logging.completions_per_step])])
       self.metrics.write(self.step, record)
