@@ -240,3 +240,17 @@ def test_the_readmes_reward_functions_score_string_and_chat_prompts(tmp_path):
            ("2 + 2?", [{"role": "user", "content": "2 + 2?"}])]
   assert rewards.call(f"{tmp_path}/r.py:has_answer", items) == ("ok", [1.0, 1.0], {}, {})
   assert rewards.call(f"{tmp_path}/r.py:compute_score", items) == ("ok", [1.0, 1.0], {}, {})
+
+
+def test_the_sections_code_and_configs_cite_exist():
+  """`docs/BENCHMARKS.md, "Section"` in a config or module names a heading that is there."""
+  headings = {m.group(1) for m in re.finditer(r"^#+ (.+)$", _read("docs/BENCHMARKS.md"), re.M)}
+  cited = []
+  for folder in ("configs", "tlt_jax", "experiments"):
+    for dirpath, _, files in os.walk(os.path.join(REPO, folder)):
+      for name in files:
+        if name.endswith(".py"):
+          path = os.path.join(dirpath, name)
+          text = re.sub(r"\s*\n\s*#?\s*", " ", open(path, encoding="utf-8").read())  # citations wrap lines
+          cited += [(os.path.relpath(path, REPO), c) for c in re.findall(r'docs/BENCHMARKS\.md, "([^"]+)"', text)]
+  assert cited and all(c in headings for _, c in cited), [x for x in cited if x[1] not in headings]
