@@ -13,7 +13,7 @@ from flax import nnx
 from tests.conftest import float_order_mismatches, tiny_rl_config
 from tlt_jax import metrics
 from tlt_jax.models import hf, lora
-from tlt_jax.rl import bootstrap, builders, grpo
+from tlt_jax.rl import bootstrap, builders, evaluation, grpo
 from tlt_jax.rl import tokenizer as tokenizer_lib
 from tlt_jax.rl.trainer import NonFiniteUpdates, Trainer
 from tlt_jax.rollout.tools import Turn, Turns
@@ -256,7 +256,8 @@ async def short(completion_ids, reward_model, **kwargs):
 """
 
 
-def test_a_task_of_your_own_in_verls_shape_with_verl_and_trl_rewards(tmp_path, tiny_policy_dir, xla_cache):
+def test_a_task_of_your_own_in_verls_shape_with_verl_and_trl_rewards(tmp_path, tiny_policy_dir, xla_cache,
+                                                                     monkeypatch):
   """configs/gsm8k_style.py:smoke on verl-shaped GSM8K files (chat prompts with verl's instruction, bare ground
   truths, data_source, extra_info; Parquet to train on, JSONL held out) with no data keys set, scored by
   functions in verl's, verl's batch and TRL's conventions, weighted: each function's mean is logged, the sum
@@ -285,6 +286,15 @@ def test_a_task_of_your_own_in_verls_shape_with_verl_and_trl_rewards(tmp_path, t
   c.data.reward_weights = (1.0, 0.1, 0.2, 0.3)
   c.rollout.speculative = False  # the plain rollout: this test follows the task's data, not the drafter
   c.rollout.compilation_cache_dir = xla_cache
+  bars = []
+
+  class Bar(evaluation.tqdm):
+    def close(self):
+      if not self.disable:  # closed once (tqdm closes again when collected)
+        bars.append((self.desc, self.n, self.total))
+      super().close()
+
+  monkeypatch.setattr(evaluation, "tqdm", Bar)
   trainer = Trainer(c, *bootstrap.load(c), devices=jax.devices()[:1])
   try:
     assert [e.ground_truth for e in trainer.prompts][:3] == ["2", "3", "3"]
@@ -307,6 +317,9 @@ def test_a_task_of_your_own_in_verls_shape_with_verl_and_trl_rewards(tmp_path, t
   summary = report.summary(metrics.read(str(tmp_path / "run" / "metrics.jsonl")), c.workdir)
   assert set(summary["eval_sets"]) == {"greedy", "pass8"} and "pass@2" in summary["eval_sets"]["pass8"]["last"]
   assert summary["training"]["reward_failures"] == 0 and "  pass8: reward " in report.text(summary)
+  # Each evaluation's progress bar counted every response (2 evaluations of 3 sets).
+  assert sorted(bars) == sorted(2 * [("evaluation held-out", 8, 8), ("evaluation greedy", 2, 2),
+                                     ("evaluation pass8", 4, 4)])
   texts = metrics.read(str(tmp_path / "run" / "completions.jsonl"))  # log_extra's column beside each response
   assert texts and all(t["digits"] == sum(ch.isdigit() for ch in t["completion"]) for t in texts)
 

@@ -22,6 +22,7 @@ import time
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 from tlt_jax import distributed
 from tlt_jax import metrics as metrics_lib
@@ -66,8 +67,10 @@ def evaluate(s: EvalSet, scorer: scorer_lib.Scorer, tok, state: rewards.TrainerS
   examples = s.examples[start:end]
   local, failed, error = [], 0.0, None
   if examples:
-    samples, _ = s.rollout.generate([ex.prompt_ids for ex in examples], num_samples=s.num_samples,
-                                    prompt_offset=OFFSET + start)
+    with tqdm(total=len(examples) * s.num_samples, desc=f"evaluation {s.name or 'held-out'}", unit="response",
+              leave=False, disable=not distributed.primary()) as bar:
+      samples, _ = s.rollout.generate([ex.prompt_ids for ex in examples], num_samples=s.num_samples,
+                                      prompt_offset=OFFSET + start, on_progress=lambda rows, _: bar.update(rows))
     texts = [tok.decode(x.answer, skip_special_tokens=True) for x in samples]  # the last turn, with tools
     try:
       scores, stats = scorer.score(

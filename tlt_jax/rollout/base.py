@@ -9,7 +9,7 @@ evaluations and never asks which kind.
 from __future__ import annotations
 
 import abc
-from typing import Sequence
+from typing import Callable, Sequence
 
 from flax import nnx
 
@@ -44,8 +44,8 @@ class BaseRollout(abc.ABC):
     return self._history
 
   def generate(self, prompts: Sequence[Sequence[int]], num_samples: int = 1,
-               max_total_len: Sequence[int] | int | None = None,
-               prompt_offset: int = 0) -> tuple[list[Sample], dict[str, float]]:
+               max_total_len: Sequence[int] | int | None = None, prompt_offset: int = 0,
+               on_progress: Callable[[int, int], None] | None = None) -> tuple[list[Sample], dict[str, float]]:
     """Samples `num_samples` responses to each prompt (token ids); with a `history`, each prompt's
     earlier responses are in its bank (drafts change, samples do not) and its new ones join them.
 
@@ -56,6 +56,8 @@ class BaseRollout(abc.ABC):
         sampling's max_new_tokens alone.
       prompt_offset: the prompts' index in the whole run (an RL loop passes the number of prompts
         sampled so far): each sample's RNG keys depend on it, never on the batching.
+      on_progress: called by the engines as they go with (rows finished, tokens emitted) since the last call
+        (from several threads when there are several engines).
 
     Returns:
       The samples in (prompt_index, sample_index) order, `prompt_index` counted from 0 within
@@ -63,7 +65,7 @@ class BaseRollout(abc.ABC):
     """
     history = self.history
     banked = None if history is None else [history.get(p) for p in prompts]
-    samples, metrics = self._generate(prompts, num_samples, max_total_len, prompt_offset, banked)
+    samples, metrics = self._generate(prompts, num_samples, max_total_len, prompt_offset, banked, on_progress)
     if history is not None:
       responses = [[] for _ in prompts]
       for s in samples:
@@ -87,8 +89,10 @@ class BaseRollout(abc.ABC):
 
   @abc.abstractmethod
   def _generate(self, prompts: Sequence[Sequence[int]], num_samples: int, max_total_len, prompt_offset: int,
-                history: list | None) -> tuple[list[Sample], dict[str, float]]:
-    """`generate` without the history's upkeep: `history` (per prompt, or None) goes to the engines."""
+                history: list | None,
+                on_progress: Callable[[int, int], None] | None) -> tuple[list[Sample], dict[str, float]]:
+    """`generate` without the history's upkeep: `history` (per prompt, or None) and `on_progress` go to the
+    engines."""
 
   @abc.abstractmethod
   def set_policy_params(self, params: nnx.State) -> None:

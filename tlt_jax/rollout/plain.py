@@ -43,10 +43,11 @@ class PlainRollout(BaseRollout):
     self.engine.prepare(num_prompts * num_samples)
 
   def _generate(self, prompts: Sequence[Sequence[int]], num_samples: int, max_total_len, prompt_offset: int,
-                history) -> tuple[list[Sample], dict[str, float]]:
+                history, on_progress) -> tuple[list[Sample], dict[str, float]]:
     """See `BaseRollout.generate`; the metrics are the engine's `RolloutMetrics.summary()`."""
     self.prepare(len(prompts), num_samples)
-    out = self.engine.generate(prompts, num_samples, max_total_len, prompt_offset=prompt_offset, history=history)
+    out = self.engine.generate(prompts, num_samples, max_total_len, prompt_offset=prompt_offset, history=history,
+                               on_progress=on_progress)
     samples = [dataclasses.replace(s, prompt_index=s.prompt_index - prompt_offset) for s in out.samples]
     return samples, out.metrics.summary()
 

@@ -166,7 +166,7 @@ class TLTRollout(BaseRollout):
   # ---- one RL step ----
 
   def _generate(self, prompts: Sequence[Sequence[int]], num_samples: int, max_total_len, prompt_offset: int,
-                history) -> tuple[list[Sample], dict[str, float]]:
+                history, on_progress) -> tuple[list[Sample], dict[str, float]]:
     """`BaseRollout.generate` on the group engines while idle groups train the drafter (module
     docstring); the metrics are the module docstring's."""
     G = len(self.meshes)
@@ -186,7 +186,7 @@ class TLTRollout(BaseRollout):
     def work(g):
       a, b = bounds[g], bounds[g + 1]
       out = self._engine[g].generate(prompts[a:b], num_samples, limit(a, b), prompt_offset=int(prompt_offset + a),
-                                     history=None if history is None else history[a:b])
+                                     history=None if history is None else history[a:b], on_progress=on_progress)
       local = [dataclasses.replace(s, prompt_index=s.prompt_index - prompt_offset) for s in out.samples]
       return dataclasses.replace(out, samples=local)
 
