@@ -87,8 +87,11 @@ def test_a_fresh_adapter_leaves_the_model_bit_identical(hf_dirs):
   assert a.shape == (2, 32, 8) and 0 < float(jnp.abs(a).max()) <= 1 / np.sqrt(32)  # PEFT's kaiming-uniform A
 
 
-def test_bad_targets_and_adapters_are_refused_by_name(hf_dirs, tmp_path):
+def test_bad_targets_and_adapters_are_refused_by_name(hf_dirs, tmp_path, caplog):
   model = hf.from_pretrained(hf_dirs["llama3"][0])
+  # One misspelled name among good ones: PEFT adapts the rest in silence; here it is one line.
+  assert len(lora.attach(hf.from_pretrained(hf_dirs["llama3"][0]), lora.Spec(2, 4.0, ("q_proj", "v_prj")))) == 2
+  assert "LoRA target_modules ['v_prj'] match no module of the decoder (adapting ['q_proj'])" in caplog.text
   with pytest.raises(lora.AdapterError, match=r"matches no module; the decoder's linear modules are "
                      r"model.layers.<i>.\{self_attn,mlp\}.\{down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj\}"):
     lora.attach(model, lora.Spec(2, 4.0, ("qkv",)))

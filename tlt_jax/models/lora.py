@@ -27,6 +27,7 @@ import os
 import re
 from typing import Sequence
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,6 +106,11 @@ def attach(model: CausalLM, spec: Spec, *, param_dtype=jnp.float32, seed: int = 
   if spec.rank < 1:
     raise AdapterError(f"rank {spec.rank}: a LoRA rank is at least 1 (0 turns LoRA off)")
   chosen = set(module_names(model, spec.target_modules))
+  if not isinstance(spec.target_modules, str):  # PEFT adapts the names that match in silence; a typo is worth a line
+    unmatched = [t for t in spec.target_modules if not any(n == t or n.endswith("." + t) for n in chosen)]
+    if unmatched:
+      logging.warning("LoRA target_modules %s match no module of the decoder (adapting %s)", unmatched,
+                      sorted({n.split(".")[-1] for n in chosen}))
   key = jax.random.key(seed)
   for i, (names, module) in enumerate(_decoder_linears(model)):
     if names[0] not in chosen:
