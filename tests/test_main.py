@@ -82,8 +82,9 @@ def main_runs(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("main")
   cache = str(tmp / "cache")
   start_up = [f"--config.workdir={tmp / 'run'}", f"--config.rollout.compilation_cache_dir={cache}"]
-  runs = run_clis([("tlt_jax.main", args, REPO) for args, _ in BAD_CONFIGS] + [("tlt_jax.main", start_up, REPO)],
-                  tmp, prelude=_REPORT_START_UP)
+  keys = ["--config=configs/r1_7b.py", "--config.rollout.num_samples=4", "--keys"]
+  runs = run_clis([("tlt_jax.main", args, REPO) for args, _ in BAD_CONFIGS]
+                  + [("tlt_jax.main", keys, REPO), ("tlt_jax.main", start_up, REPO)], tmp, prelude=_REPORT_START_UP)
   return runs, cache
 
 
@@ -93,6 +94,29 @@ def test_bad_config_is_rejected_by_name(index, main_runs):
   assert code != 0
   assert BAD_CONFIGS[index][1] in stderr
   assert "Traceback" not in stderr
+
+
+def test_keys_lists_every_key_with_its_value_default_and_comment(main_runs):
+  from tlt_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  code, stdout, _ = main_runs[0][len(BAD_CONFIGS)]
+  lines = stdout.splitlines()
+  assert code == 0 and [line.split(" = ")[0] for line in lines] == [k for k, _ in config_lib.leaves(tiny.get_config())]
+  assert "rollout.num_samples = 4  (default 8)  # responses per prompt (the GRPO group)" in lines
+  assert "mesh.fsdp = 8  (default 1)" in stdout and sum("  # " in line for line in lines) > 0.8 * len(lines)
+
+
+def test_the_workdir_keeps_the_config_and_a_resume_names_what_changed(tmp_path, caplog):
+  from tlt_jax import main  # pylint: disable=import-outside-toplevel
+  c = tiny.get_config()
+  c.workdir = str(tmp_path)
+  main._write_config(c)  # pylint: disable=protected-access
+  written = json.loads((tmp_path / "config.json").read_text())
+  assert written["rollout.strategies"] == list(c.rollout.strategies) and written["steps"] == 20 and not caplog.text
+  c.steps, c.rl.optimizer.learning_rate = 40, 1e-3
+  main._write_config(c)  # pylint: disable=protected-access
+  assert ("config changed since the workdir's last run: rl.optimizer.learning_rate: 0.0001 -> 0.001; steps: 20 -> 40"
+          in caplog.text)
+  assert json.loads((tmp_path / "config.json").read_text())["steps"] == 40
 
 
 def test_start_up_sets_the_compilation_cache(main_runs):

@@ -20,6 +20,8 @@ the key). Tuples are tuples; on the command line they are Python literals, strin
 
 from __future__ import annotations
 
+import re
+
 import ml_collections
 
 
@@ -379,6 +381,47 @@ def renamed(key: str) -> str | None:
   if key in RENAMED:
     return f"config.{key} is now config.{RENAMED[key].replace(' and ', ' and config.')} (tlt_jax/config.py)"
   return None
+
+
+def comments() -> dict[str, str]:
+  """Each key's comment in this file (its line's, else the comment lines just above it); an evaluation set's
+  keys as `eval.sets.*.<key>`."""
+  found, block, where, after_comment = {}, [], "", False
+  with open(__file__, encoding="utf-8") as f:
+    for line in f:
+      text = line.strip()
+      if line.startswith("def "):
+        where = line[4:].split("(")[0]
+      if where not in ("base", "eval_set"):  # the defaults' own lines
+        continue
+      if text.startswith("#"):  # a block's comment: its keys' until a blank line
+        block = (block if after_comment else []) + [text.lstrip("# ")]
+        after_comment = True
+        continue
+      after_comment = False
+      if not text:
+        block = []
+      match = re.match(r"((?:[cs]\.[\w.]+,\s*)*[cs]\.[\w.]+)\s*=[^#]*(?:#\s*(.*))?$", text)
+      if match:
+        comment = match.group(2) or " ".join(block)
+        for target in re.split(r",\s*", match.group(1)):
+          key = target[2:] if target.startswith("c.") else "eval.sets.*." + target[2:]
+          if comment:
+            found.setdefault(key, comment)
+  return found
+
+
+def describe(config) -> str:
+  """Every key of `config` with its value, its default where that differs, and its comment (`comments`)."""
+  notes, defaults = comments(), dict(leaves(base()))
+  lines = []
+  for key, value in leaves(config):
+    note = notes.get(key) or notes.get(re.sub(r"^eval\.sets\.[^.]+\.", "eval.sets.*.", key), "")
+    line = f"{key} = {value!r}"
+    if key in defaults and defaults[key] != value:
+      line += f"  (default {defaults[key]!r})"
+    lines.append(line + (f"  # {note}" if note else ""))
+  return "\n".join(lines)
 
 
 def leaves(config, prefix=""):

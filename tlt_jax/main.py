@@ -3,10 +3,11 @@
   python -m tlt_jax.main                                        # the tiny default on a CPU
   python -m tlt_jax.main --config=configs/r1_7b.py [--config.key=value ...]
   python -m tlt_jax.main --config=configs/r1_7b.py --config.dry_run=True   # size it, read no weights
+  python -m tlt_jax.main --config=configs/r1_7b.py --keys       # every key: value, default, what it does
 
-Every key is listed with its default in tlt_jax/config.py; an unknown, ill-typed or non-finite
-key, a config file that does not load, a prompt file that does not parse or a workdir that
-cannot be written is one line `error: ...` naming it, before any work. Resumes from
+A run writes the config it runs with to <workdir>/config.json (a resume logs the keys changed since). An
+unknown, ill-typed or non-finite key, a config file that does not load, a prompt file that does not parse
+or a workdir that cannot be written is one line `error: ...` naming it, before any work. Resumes from
 <workdir>/checkpoints when there are any.
 
 SIGTERM or Ctrl-C (to the process or its whole group, as a terminal or a scheduler sends them): the
@@ -36,6 +37,8 @@ from tlt_jax import files
 # this module again, as multiprocessing prepares every worker of a `python -m` program, and needs none of it.
 _CONFIG = cli.define_config(config_lib.__file__)  # its get_config(): the tiny world, found in an installed copy too
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Same as --config.dry_run=True.")
+_KEYS = flags.DEFINE_bool("keys", False, "Print every config key with its value (and the default where the config "
+                          "changes it) and what it does, then exit.")
 
 
 class _StopSignal:
@@ -113,6 +116,9 @@ def main(argv):
   config = cli.config_value(_CONFIG)
   if _DRY_RUN.value:
     config.dry_run = True
+  if _KEYS.value:
+    print(config_lib.describe(config))
+    return
   try:
     checks.check(config)
   except ValueError as e:
@@ -154,14 +160,36 @@ def _dry_run(config) -> None:
   print(json.dumps(report, indent=2))
 
 
+def _write_config(config) -> None:
+  """<workdir>/config.json: every key's value this run has; a resume logs those that differ from the last run's."""
+  path = os.path.join(config.workdir, "config.json")
+  values = json.loads(json.dumps(dict(config_lib.leaves(config)), default=str))  # tuples as lists
+  try:
+    with open(path, encoding="utf-8") as f:
+      before = json.load(f)
+  except (OSError, ValueError):
+    before = None
+  if before is not None:
+    changed = [f"{k}: {before.get(k, '(absent)')!r} -> {v!r}" for k, v in values.items() if before.get(k) != v]
+    if changed:
+      logging.warning("config changed since the workdir's last run: %s", "; ".join(changed))
+  try:
+    with files.atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+      json.dump(values, f, indent=1)
+  except (OSError, files.OutputError) as e:
+    cli.fail(f"config.workdir={config.workdir!r}: {e}")
+
+
 def _train(config, start: float) -> None:
   """The run, on a workdir this process holds: its inputs read, RL steps, the summary."""
-  from tlt_jax import metrics, report  # pylint: disable=import-outside-toplevel
+  from tlt_jax import distributed, metrics, report  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl import bootstrap  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl.rewards import RewardError  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl.trainer import NonFiniteUpdates, Trainer  # pylint: disable=import-outside-toplevel
   resume = _STOP.resume
   _STOP.checkpoints = os.path.join(os.path.abspath(config.workdir), "checkpoints")
+  if distributed.primary():
+    _write_config(config)
   try:  # prompt files, the policy and the drafter are read (and checked) before SFT or a rollout starts
     trainer = Trainer(config, *bootstrap.load(config))
   except (OSError, ValueError) as e:
