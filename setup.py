@@ -9,7 +9,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_packages(include=["tlt_jax", "tlt_jax.*"]),
+    packages=[*find_packages(include=["tlt_jax", "tlt_jax.*"]), "tlt_jax.configs"],
+    package_dir={"tlt_jax.configs": "configs"},  # the shipped configs, `--config=configs/<name>.py` from anywhere
     package_data={"tlt_jax.targets": ["*.toml"]},  # the hardware a dry run compiles for
     install_requires=[
         "jax>=0.7,<0.12",

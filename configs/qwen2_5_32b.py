@@ -8,7 +8,7 @@
 Trainer: FSDP over all 32 GPUs. Rollout: 8 groups of 4 GPUs (tensor-parallel inside a group).
 """
 
-from configs import r1_7b
+from tlt_jax.configs import r1_7b  # the installed copy: from any directory
 
 
 def get_config():

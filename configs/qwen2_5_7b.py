@@ -8,7 +8,7 @@ responses, max response 32k, temperature 0.9, low-variance KL 0.001, lr 1e-6, Eu
 Same shape and settings as configs/r1_7b.py except the checkpoint (RoPE base 1e6).
 """
 
-from configs import r1_7b
+from tlt_jax.configs import r1_7b  # the installed copy: from any directory
 
 
 def get_config():

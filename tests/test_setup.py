@@ -80,13 +80,15 @@ def test_requirements_admit_the_accelerator_stack():
 
 
 def test_an_installed_copy_finds_its_default_config(tmp_path):
-  """`pip install .` (not editable) copies the package alone: `python -m tlt_jax.main` run from
+  """`pip install .` (not editable) copies the package and its configs: `python -m tlt_jax.main` run from
   elsewhere with only that copy importable defaults to the copy's config file, and loads and
-  checks it (then fails on the workdir it is given, a file). The default config's dry run sizes it
+  checks it (then fails on the workdir it is given, a file); `--config=configs/<name>.py` is the shipped
+  config (one that imports another too). The default config's dry run sizes it
   there (its vocabulary is its procedural tokenizer's); a dry run of a policy directory that is not
   there and no vocabulary size is one line naming the key."""
   source = tmp_path / "source"  # a copy: building in the checkout would leave build/ and *.egg-info there
-  shutil.copytree(os.path.join(REPO, "tlt_jax"), source / "tlt_jax", ignore=shutil.ignore_patterns("__pycache__"))
+  for folder in ("tlt_jax", "configs"):
+    shutil.copytree(os.path.join(REPO, folder), source / folder, ignore=shutil.ignore_patterns("__pycache__"))
   for name in ("setup.py", "README.md"):
     shutil.copy(os.path.join(REPO, name), source / name)
   site = tmp_path / "site"
@@ -103,9 +105,11 @@ def test_an_installed_copy_finds_its_default_config(tmp_path):
   logs = tmp_path / "logs"
   logs.mkdir()
   cases = (["--helpfull"], ["--config.workdir=a_file"], ["--config.dry_run=True", "--config.eval.every=0"],
-           ["--config.dry_run=True", f"--config.policy.path={work / 'no_model'}"])
+           ["--config.dry_run=True", f"--config.policy.path={work / 'no_model'}"],
+           ["--config=configs/qwen2_5_32b.py", "--keys"])  # a shipped config that imports another, from here
   # Forked from one process that imported the copy's tlt_jax.main.
-  helpfull, workdir, dry, missing = run_clis([("tlt_jax.main", args, work) for args in cases], logs, env=env)
+  helpfull, workdir, dry, missing, shipped = run_clis([("tlt_jax.main", args, work) for args in cases], logs, env=env)
+  assert shipped[0] == 0 and "mesh.dry_run_devices = 32  (default 8)" in shipped[1], shipped[2][-3000:]
   # absl wraps the help text, also at the path's hyphens.
   assert f"(default:'{site / 'tlt_jax' / 'config.py'}')" in "".join(helpfull[1].split()), helpfull[2][-3000:]
   assert workdir[0] == 1 and workdir[2].strip().endswith("error: config.workdir='a_file': not a directory"), \

@@ -120,7 +120,9 @@ def run(main: Callable[[list[str]], None]) -> None:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing with one-line errors, and every float flag checked to be finite."""
+  """absl's flag parsing with one-line errors, and every float flag checked to be finite. `--config=configs/
+  <name>.py` (or `<name>.py`) that is not there is the package's own copy of the shipped config."""
+  argv = [_shipped_config(arg) for arg in argv]
   try:
     rest = flags.FLAGS(argv)
   except (KeyError, AttributeError) as e:  # an unknown key in an override of a --config=FILE
@@ -140,6 +142,18 @@ def parse_flags(argv: list[str]) -> list[str]:
     if isinstance(value, float) and not math.isfinite(value):
       fail(f"--{name}={value}: must be a finite number")
   return rest
+
+
+def _shipped_config(arg: str) -> str:
+  """`arg`, a `--config=configs/<name>.py[:variant]` that is not here replaced by the installed package's copy."""
+  if not arg.startswith("--config="):
+    return arg
+  path, colon, variant = arg.removeprefix("--config=").partition(":")
+  if os.path.exists(path) or os.path.dirname(path) not in ("", "configs"):
+    return arg
+  import tlt_jax.configs  # pylint: disable=import-outside-toplevel
+  shipped = os.path.join(os.path.dirname(tlt_jax.configs.__file__), os.path.basename(path))
+  return f"--config={shipped}{colon}{variant}" if os.path.isfile(shipped) else arg
 
 
 def define_config(default: str) -> flags.FlagHolder:
@@ -206,7 +220,7 @@ def _unknown_key(e: Exception, argv: list[str]) -> str:
   suggestion = re.search(r'Did you mean "([^"]+)"', " ".join(rest))
   return (f"unknown config key {key!r} in {', '.join(bad) or 'the --config overrides'}"
           + (f" (did you mean {suggestion.group(1)!r}?)" if suggestion else "")
-          + "; every key and its default is listed in tlt_jax/config.py")
+          + "; every key and its default: --keys, or tlt_jax/config.py")
 
 
 def _dotted(source: str) -> list[str]:

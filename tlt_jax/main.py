@@ -188,12 +188,12 @@ def _train(config, start: float) -> None:
   from tlt_jax.rl.trainer import NonFiniteUpdates, Trainer  # pylint: disable=import-outside-toplevel
   resume = _STOP.resume
   _STOP.checkpoints = os.path.join(os.path.abspath(config.workdir), "checkpoints")
-  if distributed.primary():
-    _write_config(config)
   try:  # prompt files, the policy and the drafter are read (and checked) before SFT or a rollout starts
     trainer = Trainer(config, *bootstrap.load(config))
   except (OSError, ValueError) as e:
     cli.fail(str(e))
+  if distributed.primary():  # once the inputs are read: bad input writes nothing
+    _write_config(config)
   _STOP.armed = True
   expected = (NonFiniteUpdates, RewardError, OSError)  # diverged; rewards failed; a write failed (a full disk)
   try:
