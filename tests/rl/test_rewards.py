@@ -260,6 +260,15 @@ def test_trl_completions_are_strings_for_string_prompts(user_rewards):
   assert rewards.call(user_rewards("trl_accuracy"), items) == ("ok", [1.0], {"step_seen": 0.0}, {"answer_seen": ["4"]})
 
 
+def test_a_multi_turn_completion_is_the_whole_conversation(user_rewards):
+  """With tools TRL passes every message after the prompt (`tools.conversation`), not the last turn's text."""
+  call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 2"}}}
+  conversation = [{"role": "assistant", "content": "", "tool_calls": [call]},
+                  {"role": "tool", "name": "calculator", "content": "4"}, {"role": "assistant", "content": "4"}]
+  items = [rewards.Item(None, "4", "4", {}, prompt="2 + 2?", conversation=conversation)]
+  assert rewards._trl_kwargs(items, rewards.TrainerState(), {}, {})["completions"] == [conversation]  # pylint: disable=protected-access
+
+
 def test_a_call_that_raises_is_an_error_result(user_rewards):
   kind, why, *_ = rewards.call(user_rewards("trl_accuracy"), [rewards.Item(None, "4", "4", {}, prompt="?")])
   assert kind == "error" and why.startswith("TypeError: trl_accuracy() missing 1 required positional argument")

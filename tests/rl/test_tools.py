@@ -15,6 +15,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tlt_jax.rl import tools
 from tlt_jax.rl import tokenizer as tokenizer_lib
+from tlt_jax.rollout.state import Sample
 
 USER_TOOLS = textwrap.dedent('''
     import time
@@ -152,6 +153,30 @@ def test_a_conversation_with_tool_turns_is_the_templates_token_for_token(which, 
   assert tokenizer.decode(full[len(ids):]) == ("" if which == "tiny" else "\n")  # the template's end after a turn
   if which == "tiny":
     assert tokenizer.decode(turn.tokens) == '<|tool|>579<|tool|>{"city": "Paris", "year": 2024}<|assistant|>'
+
+
+@pytest.mark.parametrize("which", ["tiny", "chatml"])
+def test_a_multi_turn_response_is_the_conversation_trl_passes_a_reward(which, request, user_tools):
+  """The whole trajectory after the prompt, as TRL's GRPOTrainer builds a tool rollout's completion: each
+  assistant turn's text and its calls ("tool_calls"), then a "tool" message per call with its result."""
+  tokenizer = request.getfixturevalue(which)
+  stop = tokenizer.eos_token
+  turns = tools.ToolTurns(["calculator", user_tools("lookup")], tokenizer, max_turns=2, timeout_s=5, workers=0)
+  content = "Let me compute. " + _call("calculator", expression="123 + 456") + _call("lookup", city="Paris")
+  first, answer = _ids(tokenizer, content + stop), _ids(tokenizer, "The answer is 579." + stop)
+  turn = turns.submit(first).result()
+  tokens = np.asarray(first + turn.tokens.tolist() + answer, np.int32)
+  mask = np.zeros(len(tokens), bool)
+  mask[len(first):len(first) + len(turn.tokens)] = True
+  sample = Sample(0, 0, tokens, np.zeros(len(tokens), np.float32), "stop", tool_mask=mask, tool_calls=turn.calls)
+  assert tools.conversation(sample, tokenizer) == [
+      {"role": "assistant", "content": "Let me compute.", "tool_calls": [
+          {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "123 + 456"}}},
+          {"type": "function", "function": {"name": "lookup", "arguments": {"city": "Paris"}}}]},
+      {"role": "tool", "name": "calculator", "content": "579"},
+      {"role": "tool", "name": "lookup", "content": '{"city": "Paris", "year": 2024}'},
+      {"role": "assistant", "content": "The answer is 579."}]
+  assert tools.conversation(Sample(0, 0, tokens, tokens * 0.0, "stop"), tokenizer) is None  # no tools: no turns
 
 
 def test_the_tiny_worlds_prompt_names_the_tools(tiny, user_tools):

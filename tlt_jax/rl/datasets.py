@@ -81,13 +81,15 @@ class Example:
   columns: dict[str, Any] = dataclasses.field(default_factory=dict)  # the row as read (TRL rewards get them)
   row_prompt: Any = None  # the row's prompt as read (None: its user turn): TRL's `prompts` entry
 
-  def item(self, response: str | None, response_ids: Sequence[int] = (), extra: dict | None = None) -> rewards.Item:
+  def item(self, response: str | None, response_ids: Sequence[int] = (), extra: dict | None = None,
+           conversation: list[dict] | None = None) -> rewards.Item:
     """`response` (its tokens: `response_ids`) to this prompt, as the reward scores it; `extra` joins
-    `extra_info` (a trajectory's turns and tool calls). TRL-style functions get the row's own prompt
-    (without data.system_prompt, which TRL never adds)."""
+    `extra_info` (a trajectory's turns and tool calls), `conversation` is a multi-turn response's messages
+    (`tools.conversation`). TRL-style functions get the row's own prompt (without data.system_prompt, which
+    TRL never adds)."""
     prompt = self.messages[-1]["content"] if self.row_prompt is None else self.row_prompt
     return rewards.Item(self.data_source, response, self.ground_truth, {**self.extra_info, **(extra or {})},
-                        self.where, prompt, tuple(response_ids), self.columns)
+                        self.where, prompt, tuple(response_ids), self.columns, conversation)
 
 
 @dataclasses.dataclass(frozen=True)

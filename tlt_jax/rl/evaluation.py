@@ -72,11 +72,11 @@ def evaluate(s: EvalSet, scorer: scorer_lib.Scorer, tok, state: rewards.TrainerS
       samples, _ = s.rollout.generate([ex.prompt_ids for ex in examples], num_samples=s.num_samples,
                                       prompt_offset=OFFSET + start, on_progress=lambda rows, _: bar.update(rows))
     texts = [tok.decode(x.answer, skip_special_tokens=True) for x in samples]  # the last turn, with tools
+    items = [examples[x.prompt_index].item(t, x.answer.tolist(), tools.trajectory(x), tools.conversation(x, tok))
+             for x, t in zip(samples, texts)]
     try:
-      scores, stats = scorer.score(
-          examples[0].reward, [examples[x.prompt_index].item(t, x.answer.tolist(), tools.trajectory(x))
-                              for x, t in zip(samples, texts)],
-          what=f"in evaluation {s.name or 'held-out'!r}", state=state)
+      scores, stats = scorer.score(examples[0].reward, items, what=f"in evaluation {s.name or 'held-out'!r}",
+                                   state=state)
     except rewards.RewardError as e:  # raised on every process below (the others would wait for this one)
       error = e
     else:

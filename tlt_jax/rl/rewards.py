@@ -13,7 +13,8 @@
 A function's calling convention is read from its parameter names (`signature`):
   * TRL: it names `prompts`, `completions` or `completion_ids`. Called once per batch by keyword, as TRL's
     GRPOTrainer calls one: `prompts` (a row's chat messages when its prompt was a chat list, else the prompt
-    string), `completions` (then `[{"role": "assistant", "content": text}]`, else the text), `completion_ids`,
+    string), `completions` (then `[{"role": "assistant", "content": text}]`, else the text; with tools the whole
+    conversation after the prompt: assistant turns with their "tool_calls" and the "tool" messages), `completion_ids`,
     every column of the rows as a list (but `prompt` and `completion`), `trainer_state` (`global_step`,
     `max_steps`), `log_metric(name, value)` (logged as `reward/<name>`) and `log_extra(column, values)` (a
     value per completion: columns of completions.jsonl). It returns one float per completion, or None where
@@ -196,6 +197,7 @@ class Item:
   prompt: str | list[dict[str, str]] | None = None  # TRL's `prompts` entry: chat messages, or the prompt string
   completion_ids: Sequence[int] = ()
   columns: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # every column of the row
+  conversation: list[dict[str, Any]] | None = None  # a multi-turn response's messages (TRL's completion)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,7 +386,8 @@ def _trl_kwargs(items: Sequence[Item], state: TrainerState, metrics: dict[str, l
 
   def log_extra(column: str, values: Sequence) -> None:
     columns.setdefault(column, []).extend(_plain(list(values)))
-  completions = [[{"role": "assistant", "content": i.solution_str or ""}] if isinstance(i.prompt, list)
+  completions = [i.conversation if i.conversation is not None
+                 else [{"role": "assistant", "content": i.solution_str or ""}] if isinstance(i.prompt, list)
                  else i.solution_str or "" for i in items]
   row_columns = dict.fromkeys(k for i in items for k in i.columns if k not in (*UNPASSED_COLUMNS, *TRL_NAMES))
   return {"prompts": [i.prompt for i in items], "completions": completions,

@@ -136,6 +136,28 @@ def trajectory(sample) -> dict[str, Any]:
   return {} if sample.tool_mask is None else {"turns": sample.turns, "tool_calls": sample.tool_calls}
 
 
+def conversation(sample, tokenizer) -> list[dict[str, Any]] | None:
+  """What TRL's GRPOTrainer passes a reward as a multi-turn response's completion: each assistant turn (its text
+  without the tool-call blocks, and its calls as "tool_calls") followed by a "tool" message per call with the
+  result the model read; None for a response of a rollout without tools."""
+  if sample.tool_mask is None:
+    return None
+  messages, calls = [], iter(sample.tool_calls)
+  own = ~np.asarray(sample.tool_mask, bool)
+  starts = np.flatnonzero(own & ~np.concatenate([[False], own[:-1]]))
+  ends = np.flatnonzero(own & ~np.concatenate([own[1:], [False]])) + 1
+  for a, b in zip(starts, ends):
+    ids = sample.tokens[a:b].tolist()
+    made = [next(calls, None) for _ in _CALL.finditer(tokenizer.decode(ids, skip_special_tokens=False))]
+    turn = {"role": "assistant", "content": _CALL.sub("", tokenizer.decode(ids, skip_special_tokens=True)).strip()}
+    if made:
+      turn["tool_calls"] = [{"type": "function", "function": {"name": r["name"], "arguments": r["arguments"]}}
+                            for r in made if r is not None]
+    messages.append(turn)
+    messages += [{"role": "tool", "name": r["name"], "content": r["result"]} for r in made if r is not None]
+  return messages
+
+
 def stats(samples) -> dict[str, float]:
   """A step's tool metrics: calls and turns per response, the share of calls that failed, the share of
   the response tokens tools appended; {} without tools."""

@@ -255,10 +255,10 @@ class Trainer:
 
     texts = [self.tok.decode(s.answer, skip_special_tokens=True) for s in samples]  # the last turn, with tools
     logged_columns = {}  # what TRL-style reward functions log with log_extra: columns of completions.jsonl
-    scores, reward_stats = self.scorer.score(
-        examples[0].reward, [examples[s.prompt_index].item(t, s.answer.tolist(), tools.trajectory(s))
-                             for s, t in zip(samples, texts)],
-        what=f"in step {self.step + 1}", state=rewards.TrainerState(self.step, c.steps), columns=logged_columns)
+    items = [examples[s.prompt_index].item(t, s.answer.tolist(), tools.trajectory(s), tools.conversation(s, self.tok))
+             for s, t in zip(samples, texts)]
+    scores, reward_stats = self.scorer.score(examples[0].reward, items, what=f"in step {self.step + 1}",
+                                             state=rewards.TrainerState(self.step, c.steps), columns=logged_columns)
     lengths = np.asarray([len(s.tokens) for s in samples])
     shaped = scores + grpo.overlong_penalty(lengths, c.rollout.sampling.max_new_tokens, c.rl.overlong_buffer)
     adv = grpo.advantages(shaped.reshape(-1, g), c.rl.advantage_std, c.rl.advantage_eps).reshape(-1)
