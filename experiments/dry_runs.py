@@ -6,9 +6,10 @@
 Each pair is `python -m tlt_jax.main --config=configs/<config>.py --config.dry_run=True
 --config.mesh.target=<target>` in a process of its own (the `gpu` and `tpu` extras installed), its report
 kept in <out>/<config>_<target>.json (a pair whose report is there is not run again: a killed run
-continues). The table, printed and written to <out>/summary.json: per pair, the executables compiled, the
-largest per-device need against the device's memory (and the executable), and the roofline's decode
-step and verify-k / decode ratios at batch 1 and 16 (or the largest speculative bucket below).
+continues). The table, printed and written to <out>/summary.json (with the command, machine, commit and
+date): per pair, the executables compiled, the largest per-device need against the device's memory (and the
+executable; the five largest needs in the record), and the roofline's decode step and verify-k / decode ratios
+at batch 1 and 16 (or the largest speculative bucket below).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import sys
 import time
 
 from absl import app, flags
+
+from tlt_jax import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAIRS = ("r1_7b:h100", "r1_7b:h200", "r1_7b:a100-80gb", "r1_7b:tpu-v5p", "qwen2_5_7b:h100", "qwen2_5_7b:tpu-v5p",
@@ -37,11 +40,15 @@ def row(pair: str, report: dict, seconds: float | None, error: str) -> dict:
   ratios = roof.get("verify_over_decode", {})
   decode = {b: s["ms"] for b, s in ((k.split("/")[0], v) for k, v in roof.get("steps", {}).items() if k.endswith("/1"))
             if "ms" in s}
+  largest = sorted(ex.items(), key=lambda kv: -kv[1].get("need_gb", 0.0))[:5]
   return {"pair": pair, "devices": report.get("devices"), "compiled": sum(e["compiled"] for e in ex.values()),
           "executables": len(ex), "failed": report.get("failed", []), "fits": report.get("fits"),
           "max_per_device_gb": report.get("max_per_device_gb"), "device_memory_gb": report.get("device_memory_gb"),
           "largest": report.get("max_per_device_executable"), "decode_ms": decode, "verify_over_decode": ratios,
-          "context_tokens": roof.get("context_tokens"), "seconds": seconds, "error": error}
+          "context_tokens": roof.get("context_tokens"), "seconds": seconds, "error": error,
+          "resident_gb": report.get("resident_gb"), "cache_rows": report.get("cache_rows"),
+          "roofline_steps": roof.get("steps"), "largest_needs": {name: {k: e.get(k) for k in (
+              "need_gb", "resident_gb", "temp_gb", "beside_gb")} for name, e in largest}}
 
 
 def table(rows: list[dict]) -> str:
@@ -92,7 +99,7 @@ def main(argv):
     print(f"[dry_runs] {pair}: {rows[-1]['compiled']} of {rows[-1]['executables']} compiled, fits: "
           f"{rows[-1]['fits']} ({rows[-1]['seconds']} s){'; ' + error if error else ''}", flush=True)
   with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
-    json.dump({"command": "python experiments/dry_runs.py --out=" + _OUT.value, "rows": rows}, f, indent=1)
+    json.dump({**cli.provenance(), "rows": rows}, f, indent=1)
   print(table(rows))
 
 
