@@ -53,7 +53,7 @@ def test_prompts_the_tool_schemas_push_past_max_prompt_len_name_the_key_and_a_le
 def test_a_warm_up_row_too_short_for_the_prompts_stops_before_the_sft_warm_start(tmp_path, monkeypatch):
   c = _tools_smoke(tmp_path, monkeypatch)
   c.drafter.distill.row_len = 24
-  with pytest.raises(ValueError, match=r"^config\.drafter\.distill\.row_len=24: holds none of the warm-up's prompts "
-                                       r"and a response token \(the shortest prompt has \d+ tokens, rollout\.tools' "
-                                       r"schemas included\); set it to data\.max_prompt_len \+ "):
+  with pytest.raises(ValueError, match=r"^config\.drafter\.distill\.row_len=24: holds none of the warm-up's \d+ "
+                                       r"prompts and a response token \(the shortest prompt has \d+ tokens, "
+                                       r"rollout\.tools' schemas included\); set it to data\.max_prompt_len \+ "):
     bootstrap.load(c)

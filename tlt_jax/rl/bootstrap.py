@@ -213,8 +213,8 @@ def check_warmup(config, examples) -> None:
   shortest = min(len(e.prompt_ids) for e in examples)
   if shortest >= d.row_len:
     schemas = ", rollout.tools' schemas included" if config.rollout.tools else ""
-    raise ValueError(f"config.drafter.distill.row_len={d.row_len}: holds none of the warm-up's prompts and a "
-                     f"response token (the shortest prompt has {shortest} tokens{schemas}); set it to "
+    raise ValueError(f"config.drafter.distill.row_len={d.row_len}: holds none of the warm-up's {len(examples)} "
+                     f"prompts and a response token (the shortest prompt has {shortest} tokens{schemas}); set it to "
                      f"data.max_prompt_len + rollout.sampling.max_new_tokens ({config.data.max_prompt_len} + "
                      f"{config.rollout.sampling.max_new_tokens}), as rl.row_len")
 
