@@ -101,7 +101,8 @@ def test_keys_lists_every_key_with_its_value_default_and_comment(main_runs):
   code, stdout, _ = main_runs[0][len(BAD_CONFIGS)]
   lines = stdout.splitlines()
   assert code == 0 and [line.split(" = ")[0] for line in lines] == [k for k, _ in config_lib.leaves(tiny.get_config())]
-  assert "rollout.num_samples = 4  (default 8)  # responses per prompt (the GRPO group)" in lines
+  assert ("rollout.num_samples = 4  (default 8)  # responses per prompt (the GRPO group; TRL num_generations, verl "
+          "rollout.n)") in lines  # a TRL or verl user finds their key's name
   assert "mesh.fsdp = 8  (default 1)" in stdout and sum("  # " in line for line in lines) > 0.8 * len(lines)
 
 

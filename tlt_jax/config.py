@@ -29,7 +29,7 @@ def base() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.workdir = "runs/tiny"
   c.seed = 0
-  c.steps = 20  # RL steps
+  c.steps = 20  # RL steps (TRL max_steps; verl trainer.total_training_steps)
   c.dry_run = False  # compile and size everything for the mesh, read no weights, run nothing
 
   c.mesh = ml_collections.ConfigDict()
@@ -69,7 +69,7 @@ def base() -> ml_collections.ConfigDict:
   # LoRA (tlt_jax.models.lora): adapters trained on the frozen base model (in policy.dtype; the adapters and
   # their AdamW moments in policy.weight_dtype); rollouts and exports read the merged weights W + alpha/r B A.
   c.policy.lora = ml_collections.ConfigDict()
-  c.policy.lora.rank = 0  # 0: off (full fine-tuning)
+  c.policy.lora.rank = 0  # 0: off (full fine-tuning); TRL peft_config.r; verl actor_rollout_ref.model.lora_rank
   c.policy.lora.alpha = 32.0  # scale alpha / rank (TRL's GRPO LoRA recipe: rank 1, alpha 32, lr 10x full)
   # PEFT's target_modules: "all-linear" (q/k/v/o, gate/up/down), a tuple of module names, or a regex matched
   # against the Hugging Face module names (model.layers.3.self_attn.q_proj).
@@ -102,7 +102,7 @@ def base() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.path = ""  # "" = procedural tasks (task.*); a .jsonl / .parquet file or a datasets.save_to_disk directory
   c.data.size = 4096  # procedural prompts
-  c.data.max_prompt_len = 128
+  c.data.max_prompt_len = 128  # tokens of a templated prompt; longer ones are skipped (verl data.max_prompt_length)
   # Where a file's rows hold what a prompt needs (tlt_jax.rl.datasets.Keys): "" = the usual names
   # (prompt / question / problem; reward_model.ground_truth, ground_truth / answer / solution).
   c.data.prompt_key = ""
@@ -114,7 +114,7 @@ def base() -> ml_collections.ConfigDict:
   # in verl's convention (compute_score(data_source, solution_str, ground_truth, extra_info), or its batch one)
   # or TRL's (reward(completions, **kwargs) -> list); a tuple of them is summed with `reward_weights`.
   c.data.reward = _any("auto")
-  c.data.reward_weights = ()  # one per function of data.reward (() = 1 each)
+  c.data.reward_weights = ()  # one per function of data.reward (() = 1 each; TRL reward_weights)
   c.data.reward_workers = 4  # worker processes scoring rewards (0: in the trainer's process, no timeout)
   c.data.reward_timeout_s = 60.0  # a call that takes longer scores 0 and is counted
   # More failed (raised or timed out) reward calls than this share of a step's or an evaluation's, or all of
@@ -138,8 +138,8 @@ def base() -> ml_collections.ConfigDict:
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.speculative = True  # False: the plain-rollout baseline, everything else equal
-  c.rollout.prompts_per_step = 16
-  c.rollout.num_samples = 8  # responses per prompt (the GRPO group)
+  c.rollout.prompts_per_step = 16  # prompts a step samples (verl data.train_batch_size)
+  c.rollout.num_samples = 8  # responses per prompt (the GRPO group; TRL num_generations, verl rollout.n)
   c.rollout.groups = 1  # data-parallel rollout groups (each its devices' share of the prompts)
   # Draft strategies depth_topk_verify (bandit arms beside SD off). With drafter "eagle" (the EAGLE
   # drafter, warmed up, trained online), 's'-strategies (e.g. "s4_1_5") are suffix arms beside its
@@ -160,7 +160,7 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.sampling.temperature = 1.0
   c.rollout.sampling.top_p = 1.0
   c.rollout.sampling.top_k = 0
-  c.rollout.sampling.max_new_tokens = 384
+  c.rollout.sampling.max_new_tokens = 384  # TRL max_completion_length; verl data.max_response_length
   c.rollout.engine = ml_collections.ConfigDict()  # EngineConfig of each rollout group
   c.rollout.engine.batch_buckets = (1, 2, 4, 8, 16, 32, 64, 128)  # rows at once: 1, 2, 4, ... up to the largest
   c.rollout.engine.refill = True  # more rows than the largest bucket: refill finished rows' slots (False: waves)
@@ -213,16 +213,16 @@ def base() -> ml_collections.ConfigDict:
   c.drafter.buffer.max_pairs = 1 << 18
 
   c.rl = ml_collections.ConfigDict()
-  c.rl.mini_batches = 2  # optimizer updates per step (later ones are off-policy: the ratio clips)
+  c.rl.mini_batches = 2  # optimizer updates per step, later ones off-policy (verl train_batch / ppo_mini_batch_size)
   c.rl.row_len = 512  # packed row length; must hold the longest prompt + response
-  c.rl.loss_aggregation = "token"  # grpo.AGGREGATIONS: token (DAPO), sequence (GRPO), constant (Dr. GRPO)
+  c.rl.loss_aggregation = "token"  # token (DAPO), sequence (GRPO), constant (Dr. GRPO): TRL loss_type, verl's agg_mode
   # Group advantages (r - mean) / (std + eps): the sample std as verl and TRL take it, the population
   # std, or none (Dr. GRPO). TRL's eps is 1e-4, verl's 1e-6.
   c.rl.advantage_std = "sample"
   c.rl.advantage_eps = 1e-6
-  c.rl.dynamic_sampling = True  # drop groups whose rewards are all equal
-  c.rl.overlong_filter = False  # truncated responses do not enter the loss
-  c.rl.overlong_buffer = 0  # DAPO soft overlong penalty over the last this-many tokens (0: off)
+  c.rl.dynamic_sampling = True  # drop groups whose rewards are all equal (verl algorithm.filter_groups.enable)
+  c.rl.overlong_filter = False  # truncated responses do not enter the loss (TRL mask_truncated_completions)
+  c.rl.overlong_buffer = 0  # DAPO's soft overlong penalty over the last this-many tokens (verl overlong_buffer.len)
   # Updates with a non-finite loss or gradient are skipped; this many in a row stop the run (diverged).
   c.rl.max_skipped_updates = 3
   # Truncated importance sampling for the training-inference mismatch (verl's TIS): each token's policy
@@ -234,22 +234,22 @@ def base() -> ml_collections.ConfigDict:
   # no top-k / top-p), else recomputed (bfloat16 compute, whose rollout rounds differently).
   c.rl.old_logp = "auto"
   c.rl.optimizer = ml_collections.ConfigDict()  # actor.make_optimizer: AdamW after global-norm clipping
-  c.rl.optimizer.learning_rate = 1e-4
+  c.rl.optimizer.learning_rate = 1e-4  # TRL learning_rate; verl actor.optim.lr
   c.rl.optimizer.warmup_steps = 0  # learning-rate warm-up
   c.rl.optimizer.weight_decay = 0.0
   c.rl.optimizer.max_grad_norm = 1.0
   c.rl.actor = ml_collections.ConfigDict()  # actor.Actor
-  c.rl.actor.micro_batch_rows = 8  # packed rows per forward/backward (gradient accumulation)
-  c.rl.actor.clip_low = 0.2
-  c.rl.actor.clip_high = 0.28  # DAPO clip-higher
-  c.rl.actor.kl_coef = 0.0  # > 0: low-variance KL to the frozen initial policy
+  c.rl.actor.micro_batch_rows = 8  # packed rows per forward/backward (verl ppo_micro_batch_size_per_gpu)
+  c.rl.actor.clip_low = 0.2  # TRL epsilon; verl actor.clip_ratio_low
+  c.rl.actor.clip_high = 0.28  # DAPO clip-higher (TRL epsilon_high; verl actor.clip_ratio_high)
+  c.rl.actor.kl_coef = 0.0  # > 0: low-variance KL to the frozen initial policy (TRL beta; verl actor.kl_loss_coef)
   c.rl.actor.remat = False  # recompute each layer in the backward pass (long rows)
   c.rl.actor.logits_chunk = 1024  # LM-head positions at a time in the loss (bounds the [T, vocab] logits)
   c.rl.actor.attention_block = 0  # > 0: attention over this many queries at a time (bounds [T, T] scores)
 
   # Held-out evaluation: the same prompts and sampling keys every time, so evaluations compare.
   c.eval = ml_collections.ConfigDict()
-  c.eval.every = 0  # > 0: before the first step, every this many steps and after the last (0: off)
+  c.eval.every = 0  # > 0: before the first step, every this many steps and after the last (0: off; verl test_freq)
   c.eval.path = ""  # held-out prompt file; "" = eval.size procedural problems of another seed
   c.eval.size = 128  # prompts (the first this many of eval.path)
   c.eval.num_samples = 4  # responses per prompt, sampled like the rollout's (pass@k: k = this)
@@ -260,16 +260,17 @@ def base() -> ml_collections.ConfigDict:
   # Metrics go to <workdir>/metrics.jsonl and TensorBoard; with `wandb`, to a Weights & Biases run too
   # (pip install 'tlt_jax[wandb]'; WANDB_MODE=offline keeps it on disk). Its name: the workdir's if "".
   c.logging = ml_collections.ConfigDict()
-  # Each step's first responses (whole groups first), as text with their prompt, reward and advantage:
-  # <workdir>/completions.jsonl, a TensorBoard text table, and a W&B table with logging.wandb (0: none).
-  c.logging.completions_per_step = 8
   c.logging.wandb = False
   c.logging.wandb_project = "tlt_jax"
   c.logging.wandb_entity = ""
   c.logging.wandb_run = ""
+  # Each step's first responses (whole groups first), as text with their prompt, reward and advantage:
+  # <workdir>/completions.jsonl, a TensorBoard text table, and a W&B table with logging.wandb (0: none).
+  # TRL: log_completions, num_completions_to_print; verl: trainer.log_val_generations (held-out ones).
+  c.logging.completions_per_step = 8
 
   c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.every = 5  # steps
+  c.checkpoint.every = 5  # steps (TRL save_steps; verl trainer.save_freq)
   c.checkpoint.keep = 2
   return c
 
