@@ -163,7 +163,7 @@ def test_an_executable_that_does_not_fit_its_target_is_named(on_target):
   small["device_memory_gb"] = 1e-4
   name = small["max_per_device_executable"]
   assert dry_run.failure(small) == (
-      f"{name} needs {small['max_per_device_gb']} GB per device > 0.0001 GB ({targets.load(target).name}): "
+      f"{name} needs {small['max_per_device_gb']:.4g} GB per device > 0.0001 GB ({targets.load(target).name}): "
       + dry_run._REMEDIES[name.split("/")[0]])  # pylint: disable=protected-access
 
 

@@ -331,7 +331,7 @@ def failure(report: dict) -> str | None:
             f"{', '.join('config.' + k for k in e['shaped_by'])}): {e['error']}{more}")
   if not report["fits"]:
     name = report["max_per_device_executable"]
-    return (f"{name} needs {report['max_per_device_gb']} GB per device > {report['device_memory_gb']} GB "
+    return (f"{name} needs {report['max_per_device_gb']:.4g} GB per device > {report['device_memory_gb']:.4g} GB "
             f"({report['device_memory']}): {_REMEDIES[name.split('/')[0]]}")
   return None
 
