@@ -24,7 +24,7 @@ def get_config():
   m.hidden_size, m.intermediate_size, m.num_layers = 5120, 27648, 64
   m.num_heads, m.num_kv_heads, m.head_dim = 40, 8, 128
   m.rope_theta, m.max_position_embeddings = 1e6, 131072
-  c.rollout.groups = 8
+  c.rollout.groups = 8  # of 4 GPUs: 16 rows fit an H100 with 0.13 GB to spare (docs/BENCHMARKS.md, "Dry runs")
   c.rl.actor.micro_batch_rows = 32  # one row per GPU
   # Attention over 256 queries at a time: at 1024 a GPU's 33k-token row needs 81.2 GB in the gradient step
   # beside the resident state, 8 GB more than at 256 (docs/BENCHMARKS.md, "Dry runs").

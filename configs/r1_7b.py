@@ -50,6 +50,8 @@ def get_config():
   r.sampling.max_new_tokens = 32768
   r.mean_response_len = 8192  # an assumption for sizing a paged cache (the dry run's cache_rows); set yours
   r.engine.batch_buckets = (1, 2, 4, 8, 16)  # rows per group at once: each row's 33k-token KV cache takes 1.9 GB
+  # On a TPU (v5p) the 16-row decode does not fit: XLA:TPU copies the cache inside a decode segment (up to 8
+  # rows fit there; docs/BENCHMARKS.md, "Dry runs").
   r.engine.segment_steps = 32
   r.engine.kv_block = 512
   r.engine.sd_max_batch = 32
