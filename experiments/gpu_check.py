@@ -1,6 +1,6 @@
-"""The GPU check: everything a lent GPU has to show, in one command, part by part, each under its own deadline.
+"""The GPU check: everything a GPU host has to show, in one command, part by part, each under its own deadline.
 
-  python3 experiments/gpu_check.py --out=$OUT/check --budget_s=540   # on the GPU host (docs/GPU.md: the wheels first)
+  python3 experiments/gpu_check.py --out=runs/gpu_check --budget_s=900  # on the GPU host (docs/GPU.md: wheels first)
   python experiments/gpu_check.py --out=/tmp/gpu_check --smoke       # any CPU: seconds-sized, checks the plumbing
   python experiments/gpu_check.py --download=.whl                     # the wheels the GPU host lacks (docs/GPU.md)
 
@@ -11,8 +11,8 @@ kernels and parity, and never reached a speculative, bandit or RL figure.
   compile  configs/accelerator.py's dry run for the device's own description (`--target`, else the local
            GPU's), compiled deviceless by its own compiler: what the figures run, checked to compile and fit,
            and the roofline estimates the figures' measured steps are set beside (`roofline_vs_measured`).
-           Run it on a CPU before the device is lent (`--parts=compile --target=h100`) and carry its --out
-           along: there it is done already.
+           Run it on a CPU before the GPU host is at hand (`--parts=compile --target=h100`) and copy its
+           --out to the host: there it is done already.
   env      the device, the versions of what the package needs, what `pip show` says of setup.py's requirements,
            the imports that must work (jax_triton only on a GPU), then the package end to end
            (`python -m tlt_jax.main --config=configs/tiny.py:smoke`; not with --nomain_smoke).

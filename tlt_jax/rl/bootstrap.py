@@ -9,7 +9,7 @@ read them).
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from absl import logging
 from flax import nnx
@@ -44,10 +44,12 @@ def load(config) -> Loaded:
   tok = load_tokenizer(config)
   prompts = load_prompts(config, tok)
   eval_sets = load_eval_sets(config, tok) if config.eval.every else {}
+  warm = None  # the drafter warm-up's examples, checked before the SFT warm start
   if rollouts.uses_drafter(config) and _missing(config.drafter.path or os.path.join(config.workdir, "drafter")):
-    check_warmup(config, _warmup_examples(config, tok, prompts))  # before the SFT warm start
+    warm = _warmup_examples(config, tok, prompts)
+    check_warmup(config, warm)
   policy, tok = load_policy(config)
-  drafter = load_drafter(config, lora.merged(policy), tok, prompts) if rollouts.uses_drafter(config) else None
+  drafter = load_drafter(config, lora.merged(policy), tok, prompts, warm) if rollouts.uses_drafter(config) else None
   return Loaded(policy, tok, drafter, prompts, eval_sets)
 
 
@@ -145,11 +147,13 @@ def _missing(path: str) -> bool:
   return distributed.allgather(not os.path.exists(path))[0]
 
 
-def load_drafter(config, policy: CausalLM, tok, prompts: datasets.Dataset | None = None) -> Drafter:
+def load_drafter(config, policy: CausalLM, tok, prompts: datasets.Dataset | None = None,
+                 examples: Sequence[datasets.Example] | None = None) -> Drafter:
   """`drafter.path` or <workdir>/drafter; else a new drafter distilled (the warm-up), saved there: on
   the tiny world's SFT data, or, for a pretrained policy, on its own responses to the first
   `drafter.distill.prompts` training prompts (`prompts`, else `load_prompts`), sampled at the rollout's
-  temperature and token budget (no top-k / top-p)."""
+  temperature and token budget (no top-k / top-p). `examples`: the warm-up's (`_warmup_examples`), already
+  checked, where the caller has them."""
   path = config.drafter.path or os.path.join(config.workdir, "drafter")
   if not _missing(path):
     return drafter_checkpoint.load_drafter(path, policy.config)
@@ -159,8 +163,9 @@ def load_drafter(config, policy: CausalLM, tok, prompts: datasets.Dataset | None
   d = config.drafter.distill
   if config.policy.path:
     prompts = prompts or load_prompts(config, tok)
-  examples = _warmup_examples(config, tok, prompts)
-  check_warmup(config, examples)
+  if examples is None:
+    examples = _warmup_examples(config, tok, prompts)
+    check_warmup(config, examples)
   if config.policy.path:
     warm_prompts = [e.prompt_ids for e in examples]
     logging.info("drafter warm-up: sampling the policy's responses to %d training prompts (the first "
@@ -198,7 +203,7 @@ def load_drafter(config, policy: CausalLM, tok, prompts: datasets.Dataset | None
   return drafter
 
 
-def _warmup_examples(config, tok, prompts: datasets.Dataset | None) -> datasets.Dataset | list:
+def _warmup_examples(config, tok, prompts: datasets.Dataset | None) -> Sequence[datasets.Example]:
   """What the drafter's warm-up distills on: the first drafter.distill.prompts training prompts (a policy from
   policy.path answers them), else the tiny world's SFT problems with their worked solutions."""
   if config.policy.path:

@@ -231,7 +231,8 @@ class Scorer:
     if unscored.any():
       logging.warning("reward %s: no function applies to %d of %d samples (each returned None); they score NaN, as "
                       "in TRL: left out of the mean and their group's baseline, advantage 0", reward, unscored.sum(), n)
-    stats = {"mean": float(np.nanmean(scores)) if n and not unscored.all() else math.nan if n else 0.0,
+    scored = scores[~unscored]
+    stats = {"mean": float(scored.mean()) if len(scored) else math.nan if n else 0.0,  # NaN: none scorable
              "failures": float(sum(kind == "error" for *_, kind, _ in failed)),
              "timeouts": float(sum(kind == "timeout" for *_, kind, _ in failed))}
     if k > 1:
