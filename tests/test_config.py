@@ -352,3 +352,16 @@ def test_evaluation_sets_are_checked_key_by_key():
     checks.check(c)
   with pytest.raises(ValueError, match="eval_set: unknown key 'samples'"):
     config_lib.eval_set(samples=4)
+
+
+def test_each_key_gets_its_own_comment_or_its_block_s():
+  """`--keys`' comments: a block above a key stops at the next commented key or subtree (the optimizer's
+  keys are not described as the old log-probs above them); a block above a subtree covers its keys."""
+  notes = config_lib.comments()
+  assert notes["rl.optimizer.max_grad_norm"] == "TRL max_grad_norm; verl actor.grad_clip"
+  assert notes["rl.old_logp"].startswith("The ratio's old log-probs") and notes["rl.advantage_eps"].startswith(
+      "Group advantages")
+  assert "rl.optimizer.learning_rate" in notes and not notes["rollout.sampling.temperature"].startswith("Multi-turn")
+  assert notes["model.hidden_size"].startswith("Architecture of the tiny policy")  # past model.vocab_size's own
+  assert notes["rollout.engine.num_pages"] == notes["rollout.engine.page_size"]
+  assert "sft.steps" not in notes

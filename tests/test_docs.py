@@ -153,7 +153,32 @@ def test_tool_lines_in_configs_and_notebooks_name_flags_and_keys_that_exist_and_
 
 def test_readme_is_short_and_the_docs_are_a_results_page():
   assert len(_read("README.md").encode()) <= 10 * 1024
-  assert sum(len(_read(d).encode()) for d in DOCS if d.startswith("docs")) < 72 * 1024
+  pages = ("docs/BENCHMARKS.md", "docs/GPU.md", "docs/STATUS.md")
+  assert sum(len(_read(d).encode()) for d in pages) < 72 * 1024
+  assert all(len(_read(d).encode()) < 8 * 1024 for d in DOCS if d.startswith("docs") and d not in pages)
+
+
+def test_the_key_table_names_trls_keys_and_ours():
+  """docs/KEYS.md: each TRL name is a GRPOConfig field, a GRPOTrainer argument or a ModelConfig / PEFT LoraConfig
+  field of the installed TRL 1.16 and PEFT; each of ours (`a.b`, and `a.b`, `c` for its sibling a.c) is a key."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  import inspect  # pylint: disable=import-outside-toplevel
+  import peft  # pylint: disable=import-outside-toplevel
+  import trl  # pylint: disable=import-outside-toplevel
+  trl_names = ({f.name for c in (trl.GRPOConfig, trl.ModelConfig) for f in dataclasses.fields(c)}
+               | set(inspect.signature(trl.GRPOTrainer.__init__).parameters)
+               | {f.name for f in dataclasses.fields(peft.LoraConfig)})
+  keys = {k for k, _ in config_lib.leaves(config_lib.base())}
+  rows = [line.split(" | ") for line in _read("docs/KEYS.md").splitlines() if line.startswith("| `")
+          or line.startswith("| -") and not line.startswith("|---")]
+  assert len(rows) > 25
+  for trl_cell, _, ours in rows:
+    for name in re.findall(r"`(\w+)`", trl_cell.removeprefix("| ")):
+      assert name in trl_names or name in ("dapo", "grpo", "dr_grpo", "_cap"), f"TRL has no {name!r}"
+    for first, siblings in re.findall(r"`([a-z_]+(?:\.[a-z_]+)*)`((?:, `[a-z_]+`)*)", ours):
+      parent = first.rpartition(".")[0]
+      for key in [first] + [f"{parent}.{s}" for s in re.findall(r"`(\w+)`", siblings)]:
+        assert key in keys or first in ("token", "sequence", "constant", "sample", "none"), f"KEYS.md: no {key}"
 
 
 def test_the_tiny_defaults_figures_are_those_recorded():

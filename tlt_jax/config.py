@@ -27,16 +27,16 @@ import ml_collections
 
 def base() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.workdir = "runs/tiny"
-  c.seed = 0
+  c.workdir = "runs/tiny"  # checkpoints, metrics, responses, exports (TRL output_dir; verl trainer.default_local_dir)
+  c.seed = 0  # sampling, data order and initialisation
   c.steps = 20  # RL steps (TRL max_steps; verl trainer.total_training_steps)
   c.dry_run = False  # compile and size everything for the mesh, read no weights, run nothing
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.cpu_devices = 0  # > 0: simulate this many CPU devices (tests, laptops); 0: the real devices
   c.mesh.data = -1  # trainer mesh axes (sharding.MESH_AXES); one may be -1 (the rest)
-  c.mesh.fsdp = 1
-  c.mesh.tensor = 1
+  c.mesh.fsdp = 1  # parameters and optimizer state sharded over this many devices
+  c.mesh.tensor = 1  # tensor parallelism (heads and MLP columns split over this many devices)
   # The hardware a dry run compiles for, deviceless, with its own compiler (tlt_jax/targets: h100, h200,
   # a100-80gb, l4, tpu-v5e, tpu-v5p, tpu-v6e; `pip install 'tlt_jax[gpu]'` or '[tpu]'); "": simulated CPU devices.
   c.mesh.target = ""
@@ -48,8 +48,8 @@ def base() -> ml_collections.ConfigDict:
   c.distributed = ml_collections.ConfigDict()
   c.distributed.enabled = False  # jax.distributed.initialize(); also when the environment says multi-host
   c.distributed.coordinator_address = ""  # "" = from the environment (Slurm, Kubernetes, Cloud TPU)
-  c.distributed.num_processes = 0
-  c.distributed.process_id = -1
+  c.distributed.num_processes = 0  # hosts (0: from the environment)
+  c.distributed.process_id = -1  # this host's index (-1: from the environment)
 
   # The policy: a local Hugging Face directory. Empty: the tiny world's policy (model/sft below),
   # trained by SFT into <workdir>/policy unless it is already there.
@@ -157,15 +157,15 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.tool_workers = 4  # worker processes running the calls (0: threads of the trainer's, timed out unkilled)
   c.rollout.tool_max_tokens = 256  # a longer result keeps its first and last 128 tokens (verl's default length)
   c.rollout.sampling = ml_collections.ConfigDict()  # SamplingParams (stop tokens: the tokenizer's EOS)
-  c.rollout.sampling.temperature = 1.0
-  c.rollout.sampling.top_p = 1.0
-  c.rollout.sampling.top_k = 0
+  c.rollout.sampling.temperature = 1.0  # TRL temperature; verl rollout.temperature
+  c.rollout.sampling.top_p = 1.0  # TRL top_p; verl rollout.top_p
+  c.rollout.sampling.top_k = 0  # 0: off (TRL top_k; verl rollout.top_k, -1 there)
   c.rollout.sampling.max_new_tokens = 384  # TRL max_completion_length; verl data.max_response_length
   c.rollout.engine = ml_collections.ConfigDict()  # EngineConfig of each rollout group
   c.rollout.engine.batch_buckets = (1, 2, 4, 8, 16, 32, 64, 128)  # rows at once: 1, 2, 4, ... up to the largest
   c.rollout.engine.refill = True  # more rows than the largest bucket: refill finished rows' slots (False: waves)
-  c.rollout.engine.segment_steps = 16
-  c.rollout.engine.kv_block = 64
+  c.rollout.engine.segment_steps = 16  # decode steps between host checks (finished rows, refill, the bandit)
+  c.rollout.engine.kv_block = 64  # attention block; a cache's capacity is a multiple of it
   c.rollout.engine.sd_max_batch = 32  # speculate only while at most this many rows are active
   c.rollout.engine.suffix_bank_len = 4096  # tokens banked per prompt in flight at most
   c.rollout.engine.suffix_ngram = 4  # the longest suffix of a row's tokens matched in its bank
@@ -181,8 +181,8 @@ def base() -> ml_collections.ConfigDict:
   c.rollout.engine.num_pages = 0
   c.rollout.bandit = ml_collections.ConfigDict()  # Bandit over the strategies and SD off
   c.rollout.bandit.thresholds = (1, 2, 5, 21)  # active-row buckets: 1, 2-4, 5-20, 21+
-  c.rollout.bandit.epsilon = 0.1
-  c.rollout.bandit.window = 300
+  c.rollout.bandit.epsilon = 0.1  # the share of plays that explore a random arm
+  c.rollout.bandit.window = 300  # each arm's reward: over its last this-many plays in a bucket
   c.rollout.tlt = ml_collections.ConfigDict()  # TLTConfig: the TLT rollout's schedule of rollout groups
   c.rollout.tlt.enabled = True  # idle groups train the drafter (False: it stays frozen)
   c.rollout.tlt.solo_steps = 8  # one rollout group: drafter steps in the gap after each rollout
@@ -236,8 +236,8 @@ def base() -> ml_collections.ConfigDict:
   c.rl.optimizer = ml_collections.ConfigDict()  # actor.make_optimizer: AdamW after global-norm clipping
   c.rl.optimizer.learning_rate = 1e-4  # TRL learning_rate; verl actor.optim.lr
   c.rl.optimizer.warmup_steps = 0  # learning-rate warm-up
-  c.rl.optimizer.weight_decay = 0.0
-  c.rl.optimizer.max_grad_norm = 1.0
+  c.rl.optimizer.weight_decay = 0.0  # AdamW's (TRL weight_decay; verl actor.optim.weight_decay)
+  c.rl.optimizer.max_grad_norm = 1.0  # TRL max_grad_norm; verl actor.grad_clip
   c.rl.actor = ml_collections.ConfigDict()  # actor.Actor
   c.rl.actor.micro_batch_rows = 8  # packed rows per forward/backward (verl ppo_micro_batch_size_per_gpu)
   c.rl.actor.clip_low = 0.2  # TRL epsilon; verl actor.clip_ratio_low
@@ -271,7 +271,7 @@ def base() -> ml_collections.ConfigDict:
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 5  # steps (TRL save_steps; verl trainer.save_freq)
-  c.checkpoint.keep = 2
+  c.checkpoint.keep = 2  # the newest this many checkpoints are kept
   return c
 
 
@@ -310,7 +310,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   `variant="smoke"`: the same pipeline at seconds-sized shapes (notebook smoke runs, tests).
   """
   c = base()
-  c.workdir = "runs/tiny"
+  c.workdir = "runs/tiny"  # checkpoints, metrics, responses, exports (TRL output_dir; verl trainer.default_local_dir)
   c.steps = 20
   # 0.8M parameters: on a 2-core CPU training is compute-bound, and in the 3-minute budget this
   # size learns the task far better than a 1.5M one (31-48% vs 7% held-out accuracy).
@@ -385,9 +385,10 @@ def renamed(key: str) -> str | None:
 
 
 def comments() -> dict[str, str]:
-  """Each key's comment in this file (its line's, else the comment lines just above it); an evaluation set's
-  keys as `eval.sets.*.<key>`."""
-  found, block, where, after_comment = {}, [], "", False
+  """Each key's comment in this file: its line's, else the comment block above it. A block above a subtree
+  covers the subtree's uncommented keys (to a blank line); a block above a key covers it and the uncommented
+  keys after it, up to a commented key or a subtree. An evaluation set's keys as `eval.sets.*.<key>`."""
+  found, block, where, scope = {}, [], "", ""  # scope: "" just after a block, then "subtree" or "keys"
   with open(__file__, encoding="utf-8") as f:
     for line in f:
       text = line.strip()
@@ -395,14 +396,15 @@ def comments() -> dict[str, str]:
         where = line[4:].split("(")[0]
       if where not in ("base", "eval_set"):  # the defaults' own lines
         continue
-      if text.startswith("#"):  # a block's comment: its keys' until a blank line
-        block = (block if after_comment else []) + [text.lstrip("# ")]
-        after_comment = True
+      if text.startswith("#"):  # a block's comment
+        block = (block if scope == "" else []) + [text.lstrip("# ")]
+        scope = ""
         continue
-      after_comment = False
-      if not text:
-        block = []
       match = re.match(r"((?:[cs]\.[\w.]+,\s*)*[cs]\.[\w.]+)\s*=[^#]*(?:#\s*(.*))?$", text)
+      subtree = "ConfigDict()" in text
+      if not text or (scope == "keys" and (subtree or (match and match.group(2)))):
+        block = []
+      scope = scope or ("subtree" if subtree else "keys")
       if match:
         comment = match.group(2) or " ".join(block)
         for target in re.split(r",\s*", match.group(1)):
