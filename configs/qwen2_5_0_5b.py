@@ -42,7 +42,7 @@ def get_config(variant: str = ""):
   c.rl.actor.micro_batch_rows = 2  # 4 needs 15.9 GB in the gradient step beside the AdamW state: over a T4's 15
   c.rl.row_len = 256 + 1024
   c.rl.actor.remat = True
-  c.rl.actor.kl_coef = 0.001
+  c.rl.loss.kl_coef = 0.001
   if variant == "smoke":
     config_lib.smoke(c)
     c.policy.dtype = "float32"

@@ -68,8 +68,8 @@ def get_config():
   rl.actor.remat = True
   rl.actor.logits_chunk = 1024
   rl.actor.attention_block = 1024
-  rl.actor.kl_coef = 0.001  # low-variance KL to the initial policy
-  rl.loss_aggregation = "token"
+  rl.loss.kl_coef = 0.001  # low-variance KL to the initial policy
+  rl.loss.aggregation = "token"
   c.checkpoint.every = 10
   c.lock()
   return c

@@ -46,7 +46,7 @@ def _best_of(fn, repeats: int = 3) -> float:
 def main(_):
   model = hf.from_pretrained(_MODEL.value, scan_layers=_SCAN.value)
   lora.attach(model, lora.Spec(_RANK.value, 2.0 * _RANK.value, "all-linear"))
-  actor = actor_lib.Actor(model, optax.sgd(0.0), micro_batch_rows=1, clip_low=0.2, clip_high=0.28)
+  actor = actor_lib.Actor(model, optax.sgd(0.0), micro_batch_rows=1)
   forms = {"adapters": model, "merged": lora.merged(model)}
   merge_s = _best_of(lambda: actor.rollout_params(model.dtype))
   out = {"model": _MODEL.value, "rank": _RANK.value, "scan_layers": _SCAN.value, "context": _CONTEXT.value,

@@ -23,7 +23,7 @@ from tlt_jax.rl import actor as actor_lib
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.tlt import TLTConfig
 from tlt_jax.kernels import tree_attention
-from tlt_jax.rl import builders, checks, grpo
+from tlt_jax.rl import builders, checks, corrections, grpo
 from tlt_jax.rl import rewards
 
 COUNTS = (  # must be >= 1
@@ -45,12 +45,13 @@ NON_NEGATIVE_INTS = (
 NON_NEGATIVE_FLOATS = (
     "mesh.device_memory_gb", "sft.learning_rate", "sft.weight_decay", "rollout.sampling.temperature",
     "drafter.distill.learning_rate", "drafter.trainer.learning_rate", "rl.optimizer.learning_rate",
-    "rl.optimizer.weight_decay", "rl.actor.clip_high", "rl.actor.kl_coef")
+    "rl.optimizer.weight_decay", "rl.loss.clip_high", "rl.loss.kl_coef")
 POSITIVE_FLOATS = ("model.rope_theta", "task.tail_alpha", "rl.optimizer.max_grad_norm", "rollout.sampling.top_p")
-CHOICES = ("policy.dtype", "policy.weight_dtype", "data.reward", "rollout.engine.attention", "rl.loss_aggregation",
-           "rl.advantage_std", "rollout.drafter")
+CHOICES = ("policy.dtype", "policy.weight_dtype", "data.reward", "rollout.engine.attention", "rl.loss.aggregation",
+           "rl.advantage_std", "rollout.drafter", "rl.loss.kind", "rl.loss.importance_level",
+           "rl.rollout_correction.preset", "rl.rollout_correction.is_mode")
 VALID_CHOICES = {"float32", "bfloat16", *rewards.REWARDS, *tree_attention.IMPLEMENTATIONS, *grpo.AGGREGATIONS,
-                 *grpo.ADVANTAGE_STDS, "eagle", "suffix"}
+                 *grpo.ADVANTAGE_STDS, "eagle", "suffix", *grpo.LOSSES, *corrections.PRESETS, "", "truncate", "mask"}
 
 negative = st.floats(max_value=-1e-9) | st.just(-math.inf) | st.just(math.nan)
 word = st.text("abcdefghijklmnopqrstuvwxyz0123456789_-", max_size=10)
@@ -83,8 +84,8 @@ def bad_settings(config, cli: bool = False):
       same(NON_NEGATIVE_FLOATS, negative),
       same(POSITIVE_FLOATS, negative | st.just(0.0)),
       same(("rollout.sampling.top_p", "rollout.bandit.epsilon"), st.floats(min_value=1, exclude_min=True)),
-      same(("rollout.bandit.epsilon", "rl.actor.clip_low"), negative),
-      same(("rl.actor.clip_low",), st.floats(min_value=1)),
+      same(("rollout.bandit.epsilon", "rl.loss.clip_low"), negative),
+      same(("rl.loss.clip_low",), st.floats(min_value=1)),
       same(CHOICES, word.filter(lambda w: w not in VALID_CHOICES)),
       same(("data.reward",),
            st.lists(word.filter(lambda w: w not in VALID_CHOICES), min_size=1, max_size=2).map(tuple)),
@@ -180,8 +181,9 @@ def test_subtrees_build_the_dataclasses_they_mirror(name):
   assert BufferConfig(**c.drafter.buffer).max_pairs == c.drafter.buffer.max_pairs
   assert set(c.rl.optimizer) == set(inspect.signature(actor_lib.make_optimizer).parameters)
   actor_kwargs = inspect.signature(actor_lib.Actor).parameters
-  assert set(c.rl.actor) == {k for k, p in actor_kwargs.items() if p.kind == p.KEYWORD_ONLY} - {"mesh", "temperature",
-                                                                                                 "seed"}
+  assert set(c.rl.actor) == {k for k, p in actor_kwargs.items() if p.kind == p.KEYWORD_ONLY} - {
+      "mesh", "temperature", "seed", "loss"}
+  assert builders.objective(c) == grpo.Objective(**c.rl.loss)
 
 
 @pytest.mark.parametrize("old", sorted(config_lib.RENAMED))
@@ -190,10 +192,13 @@ def test_old_keys_are_refused_with_their_new_name(old):
   names a key base() has (it would mean something else now)."""
   config = config_lib.base()
   assert old not in dict(config_lib.leaves(config))
-  section, name = old.split(".")
-  if section not in config:
-    config[section] = ml_collections.ConfigDict()
-  config[section][name] = 1
+  *sections, name = old.split(".")
+  tree = config
+  for section in sections:
+    if section not in tree:
+      tree[section] = ml_collections.ConfigDict()
+    tree = tree[section]
+  tree[name] = 1
   new = config_lib.RENAMED[old].split(" and ")
   assert all(key in dict(config_lib.leaves(config)) for key in new)
   with pytest.raises(ValueError, match=f"^config.{re.escape(old)} is now config.{re.escape(new[0])}"):

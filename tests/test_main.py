@@ -398,7 +398,7 @@ def test_sigkill_and_sigterm_at_random_points_resume_exactly(tmp_path, straight,
   # The training-inference mismatch of bfloat16 rollouts, logged every step.
   gaps = [r["mismatch/logp_abs_diff"] for r in records[1:]]
   print(f"bfloat16 mismatch, mean |rollout - trainer log p| per step: {gaps}")
-  assert all(0 < g < 0.1 for g in gaps) and all(r["mismatch/kl_k3"] >= 0 for r in records[1:])
+  assert all(0 < g < 0.1 for g in gaps) and all(r["mismatch/k3_kl"] >= 0 for r in records[1:])
   drafter = lambda d: (d / "export" / "drafter" / "model.safetensors").read_bytes()
   assert drafter(workdir) == drafter(straight_dir)
 

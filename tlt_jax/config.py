@@ -215,7 +215,6 @@ def base() -> ml_collections.ConfigDict:
   c.rl = ml_collections.ConfigDict()
   c.rl.mini_batches = 2  # optimizer updates per step, later ones off-policy (verl train_batch / ppo_mini_batch_size)
   c.rl.row_len = 512  # packed row length; must hold the longest prompt + response
-  c.rl.loss_aggregation = "token"  # token (DAPO), sequence (GRPO), constant (Dr. GRPO): TRL loss_type, verl's agg_mode
   # Group advantages (r - mean) / (std + eps): the sample std as verl and TRL take it, the population
   # std, or none (Dr. GRPO). TRL's eps is 1e-4, verl's 1e-6.
   c.rl.advantage_std = "sample"
@@ -225,14 +224,40 @@ def base() -> ml_collections.ConfigDict:
   c.rl.overlong_buffer = 0  # DAPO's soft overlong penalty over the last this-many tokens (verl overlong_buffer.len)
   # Updates with a non-finite loss or gradient are skipped; this many in a row stop the run (diverged).
   c.rl.max_skipped_updates = 3
-  # Truncated importance sampling for the training-inference mismatch (verl's TIS): each token's policy
-  # loss weighed by min(p_trainer / p_rollout, tis_cap) of the rollout's own log-probs (0: off).
-  c.rl.tis_cap = 0.0
+  # Rollout correction (tlt_jax.rl.corrections; docs/KEYS.md): importance weights p_trainer / p_rollout of the
+  # rollout's own log-probs per token or sequence, truncated to or masked outside [is_min, is_max], and verl's
+  # rejection filters (rs: token_k1..k3, seq_sum_*, seq_mean_*, seq_max_k2/k3); `preset`: a verl preset by name
+  # (decoupled_token_is, decoupled_seq_is, decoupled_token_icepop, decoupled_geo_rs, ...), which sets the keys
+  # left at their defaults here. Logged: verl's mismatch metrics (mismatch/*) whenever the trainer recomputes.
+  c.rl.rollout_correction = ml_collections.ConfigDict()
+  c.rl.rollout_correction.preset = ""
+  c.rl.rollout_correction.is_level = ""  # "" off, token, sequence (verl rollout_is)
+  c.rl.rollout_correction.is_mode = "truncate"  # truncate (TIS) or mask (IcePop; TRL's *_mask modes)
+  c.rl.rollout_correction.is_min = 0.0  # TRL vllm_importance_sampling_clip_min
+  c.rl.rollout_correction.is_max = 2.0  # verl rollout_is_threshold; TRL vllm_importance_sampling_clip_max (3.0)
+  c.rl.rollout_correction.is_batch_normalize = False  # weights divided by their batch mean (verl's)
+  c.rl.rollout_correction.rs = ""  # verl rollout_rs: rejection options, comma separated
+  c.rl.rollout_correction.rs_threshold = ""  # verl rollout_rs_threshold: "lo_hi" for k1 options, else an upper bound
   # The ratio's old log-probs: "rollout" (the rollout's own: no forward pass), "recompute" (the trainer's
   # forward pass over the responses before the first update; logs the mismatch/* gap to the rollout's), or
   # "auto": the rollout's where they are the trainer's numbers up to float32 rounding (policy.dtype float32,
   # no top-k / top-p), else recomputed (bfloat16 compute, whose rollout rounds differently).
   c.rl.old_logp = "auto"
+  # The policy loss (grpo.Objective; docs/KEYS.md maps TRL's loss_type and verl's loss_mode to these keys).
+  c.rl.loss = ml_collections.ConfigDict()
+  c.rl.loss.kind = "clip"  # clip (PPO: GRPO, DAPO, GSPO), cispo, sapo, vespo
+  c.rl.loss.aggregation = "token"  # token (DAPO), sequence (GRPO), constant (Dr. GRPO), sequence_sum (TRL luspo)
+  c.rl.loss.importance_level = "token"  # token, or sequence (GSPO: a ratio per sequence; TRL importance_sampling_level)
+  c.rl.loss.clip_low = 0.2  # TRL epsilon; verl actor.clip_ratio_low
+  c.rl.loss.clip_high = 0.28  # DAPO clip-higher (TRL epsilon_high; verl actor.clip_ratio_high)
+  c.rl.loss.dual_clip = 0.0  # > 0: the ratio's cap where the advantage is negative (TRL delta; verl clip_ratio_c)
+  c.rl.loss.cispo_max = 5.0  # cispo: the importance weight's cap (TRL's epsilon_high under cispo)
+  c.rl.loss.sapo_temperatures = (1.0, 1.05)  # sapo: (positive, negative advantages) (TRL sapo_temperature_pos/neg)
+  c.rl.loss.vespo = (2.0, 3.0, 3.0, 2.0)  # vespo: (k+, lambda+, k-, lambda-) (TRL vespo_k_pos, ...)
+  c.rl.loss.off_policy_mask = 0.0  # > 0: DeepSeek-V3.2's off-policy sequence mask (TRL off_policy_mask_threshold)
+  c.rl.loss.top_entropy_quantile = 1.0  # < 1: only the highest-entropy share of tokens trains (TRL's; 0.2 in the paper)
+  c.rl.loss.kl_coef = 0.0  # > 0: low-variance KL to the frozen initial policy (TRL beta; verl actor.kl_loss_coef)
+  c.rl.loss.kl_is_correction = False  # the KL weighed by the ratio (TRL use_bias_correction_kl)
   c.rl.optimizer = ml_collections.ConfigDict()  # actor.make_optimizer: AdamW after global-norm clipping
   c.rl.optimizer.learning_rate = 1e-4  # TRL learning_rate; verl actor.optim.lr
   c.rl.optimizer.warmup_steps = 0  # learning-rate warm-up
@@ -240,9 +265,6 @@ def base() -> ml_collections.ConfigDict:
   c.rl.optimizer.max_grad_norm = 1.0  # TRL max_grad_norm; verl actor.grad_clip
   c.rl.actor = ml_collections.ConfigDict()  # actor.Actor
   c.rl.actor.micro_batch_rows = 8  # packed rows per forward/backward (verl ppo_micro_batch_size_per_gpu)
-  c.rl.actor.clip_low = 0.2  # TRL epsilon; verl actor.clip_ratio_low
-  c.rl.actor.clip_high = 0.28  # DAPO clip-higher (TRL epsilon_high; verl actor.clip_ratio_high)
-  c.rl.actor.kl_coef = 0.0  # > 0: low-variance KL to the frozen initial policy (TRL beta; verl actor.kl_loss_coef)
   c.rl.actor.remat = False  # recompute each layer in the backward pass (long rows)
   c.rl.actor.logits_chunk = 1024  # LM-head positions at a time in the loss (bounds the [T, vocab] logits)
   c.rl.actor.attention_block = 0  # > 0: attention over this many queries at a time (bounds [T, T] scores)
@@ -372,8 +394,10 @@ RENAMED = {
     "drafter.buffer_pairs": "drafter.buffer.max_pairs",
     "rl.normalize_std": "rl.advantage_std",
     **{f"rl.{k}": f"rl.optimizer.{k}" for k in ("learning_rate", "warmup_steps", "weight_decay", "max_grad_norm")},
-    **{f"rl.{k}": f"rl.actor.{k}" for k in ("micro_batch_rows", "clip_low", "clip_high", "kl_coef", "remat",
-                                            "logits_chunk", "attention_block")},
+    **{f"rl.{k}": f"rl.actor.{k}" for k in ("micro_batch_rows", "remat", "logits_chunk", "attention_block")},
+    **{f"{p}.{k}": f"rl.loss.{k}" for k in ("clip_low", "clip_high", "kl_coef") for p in ("rl", "rl.actor")},
+    "rl.loss_aggregation": "rl.loss.aggregation",
+    "rl.tis_cap": "rl.rollout_correction.is_level and rl.rollout_correction.is_max",
 }
 
 

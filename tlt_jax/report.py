@@ -76,7 +76,7 @@ def rollout(records: list[dict]) -> dict:
          "sd_share": pick("rollout/sd_share"),
          "accept_len": _mean([r.get("rollout/accept_len") for r in later if (r.get("rollout/sd_share") or 0) > 0]),
          "compilations_after_first_step": sum(r.get("rollout/compilations", 0) for r in steps[1:])}
-  gap = {k: _mean([r.get(f"mismatch/{k}") for r in steps]) for k in ("logp_abs_diff", "kl_k3")}
+  gap = {k: _mean([r.get(f"mismatch/{k}") for r in steps]) for k in ("logp_abs_diff", "k3_kl")}
   if gap["logp_abs_diff"] is not None:
     out["mismatch"] = gap
   versions = [r["drafter/version"] for r in steps if "drafter/version" in r]
@@ -173,7 +173,7 @@ def text(s: dict) -> str:
   if "mismatch" in r:
     m = r["mismatch"]
     lines.append(f"training-inference mismatch (every step): mean |rollout - trainer log p| {m['logp_abs_diff']:.2e}, "
-                 f"KL {m['kl_k3']:.2e}")
+                 f"KL {m['k3_kl']:.2e}")
   lines.append("outputs:")
   for name, path in s.get("outputs", {}).items():
     lines.append(f"  {name + ':':13s}{path}")

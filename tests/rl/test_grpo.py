@@ -68,14 +68,14 @@ def test_policy_loss_clips_per_sign_of_the_advantage():
   old = jnp.zeros((1, 5))
   adv = jnp.array([[1.0, -1.0, 1.0, -1.0, 2.0]])
   w = jnp.full((1, 5), 0.2)
-  loss, stats = grpo.policy_loss(logp, old, adv, w, clip_low=0.2, clip_high=0.28)
+  loss, stats = grpo.policy_loss(logp, old, adv, w, grpo.Objective(clip_low=0.2, clip_high=0.28))
   r_hi, r_lo = np.exp(0.5), np.exp(-0.5)
   per_token = [-1.28, r_hi, -r_lo, 0.8, -2.0]  # -min(r A, clip(r) A)
   np.testing.assert_allclose(loss, 0.2 * sum(per_token), rtol=1e-6)
   np.testing.assert_allclose(stats["clip_frac"], 0.4, rtol=1e-6)  # tokens 0 and 3 clipped
   # Truncated importance sampling weighs each token's policy-gradient term (not the KL).
   is_w = jnp.array([[2.0, 1.0, 0.5, 1.0, 0.0]])
-  weighted, _ = grpo.policy_loss(logp, old, adv, w, clip_low=0.2, clip_high=0.28, is_weights_BxT=is_w)
+  weighted, _ = grpo.policy_loss(logp, old, adv, w, grpo.Objective(clip_low=0.2, clip_high=0.28), is_weights_BxT=is_w)
   np.testing.assert_allclose(weighted, 0.2 * np.dot(per_token, is_w[0]), rtol=1e-6)
 
 
@@ -83,7 +83,7 @@ def test_low_variance_kl():
   logp = jnp.array([[-1.0, -2.0]])
   ref = jnp.array([[-1.5, -2.0]])
   w = jnp.array([[0.5, 0.5]])
-  loss, stats = grpo.policy_loss(logp, logp, jnp.zeros((1, 2)), w, 0.2, 0.2, ref_logp_BxT=ref, kl_coef=0.1)
+  loss, stats = grpo.policy_loss(logp, logp, jnp.zeros((1, 2)), w, grpo.Objective(kl_coef=0.1), ref_logp_BxT=ref)
   kl = 0.5 * (np.exp(-0.5) + 0.5 - 1.0)
   np.testing.assert_allclose(stats["kl"], kl, rtol=1e-6)
   np.testing.assert_allclose(loss, 0.1 * kl, rtol=1e-6)
@@ -101,66 +101,122 @@ def test_trained_samples_dynamic_sampling_and_overlong_filter():
                                 [1, 0, 1, 1, 1, 1, 0, 1, 1])
 
 
-# TRL's GRPOTrainer._compute_loss on the same model, sequences, advantages and old / reference log-probs,
-# by loss type: ours, by the aggregation and KL that match it.
-TRL_CASES = [("grpo", "sequence", 0.0), ("dapo", "token", 0.0), ("dr_grpo", "constant", 0.04)]
+# TRL 1.16's GRPOTrainer._compute_loss against ours on the same model, sequences, advantages and log-probs: (TRL's
+# GRPOConfig keywords, TRL's extra inputs, our Objective's keywords). is: the rollout correction's weights as TRL's
+# importance_sampling_ratio; sampled: the rollout's log-probs as TRL's sampling_per_token_logps.
+TRL_CASES = {
+    "grpo": (dict(loss_type="grpo"), (), dict(aggregation="sequence")),
+    "dapo": (dict(loss_type="dapo"), (), dict(aggregation="token")),
+    "bnpo": (dict(loss_type="bnpo"), (), dict(aggregation="token")),
+    "dr_grpo+kl": (dict(loss_type="dr_grpo", beta=0.04), (), dict(aggregation="constant", kl_coef=0.04)),
+    "gspo": (dict(loss_type="dapo", importance_sampling_level="sequence"), (), dict(importance_level="sequence")),
+    "gspo-grpo": (dict(loss_type="grpo", importance_sampling_level="sequence"), (),
+                  dict(aggregation="sequence", importance_level="sequence")),
+    "luspo": (dict(loss_type="luspo", importance_sampling_level="sequence"), (),
+              dict(aggregation="sequence_sum", importance_level="sequence")),
+    "cispo": (dict(loss_type="cispo", epsilon_high=1.1), (), dict(kind="cispo", cispo_max=1.1)),
+    "cispo-sequence": (dict(loss_type="cispo", epsilon_high=1.1, importance_sampling_level="sequence"), (),
+                       dict(kind="cispo", cispo_max=1.1, importance_level="sequence")),
+    "sapo": (dict(loss_type="sapo"), (), dict(kind="sapo", aggregation="sequence")),
+    "sapo-temperatures": (dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0), (),
+                          dict(kind="sapo", aggregation="sequence", sapo_temperatures=(0.5, 2.0))),
+    "vespo+is": (dict(loss_type="vespo"), ("is",), dict(kind="vespo")),
+    "vespo-params": (dict(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=0.5, vespo_k_neg=4.0,
+                          vespo_lambda_neg=1.0), (), dict(kind="vespo", vespo=(1.0, 0.5, 4.0, 1.0))),
+    "delta": (dict(loss_type="dapo", epsilon_high=0.1, delta=1.15), (), dict(clip_high=0.1, dual_clip=1.15)),
+    "off-policy mask": (dict(loss_type="dapo", off_policy_mask_threshold=0.02), ("sampled",),
+                        dict(off_policy_mask=0.02)),
+    "top entropy": (dict(loss_type="dapo", top_entropy_quantile=0.2), (), dict(top_entropy_quantile=0.2)),
+    "grpo+is": (dict(loss_type="grpo"), ("is",), dict(aggregation="sequence")),
+    "gspo+is+kl bias": (dict(loss_type="dapo", importance_sampling_level="sequence", beta=0.04,
+                             use_bias_correction_kl=True), ("is",),
+                        dict(importance_level="sequence", kl_coef=0.04, kl_is_correction=True)),
+}
 
 
-def test_the_loss_and_its_gradient_equal_trls_grpo_trainer(hf_dirs, tmp_path):
-  """TRL's own loss (GRPO, DAPO token-level, Dr. GRPO with the k3 KL: TRL's bias correction off, float32,
-  evaluation mode: no gradient accumulation) against `policy_loss` over our packed rows and log-probs:
-  the values and the LM head's gradients agree to float32 rounding."""
+@pytest.fixture(scope="module")
+def trl_batch(hf_dirs):
+  """The sequences, as TRL holds them and packed as ours, and their current (TRL's float32 model's),
+  old, reference and rollout log-probs, advantages of both signs and rollout-correction weights."""
+  torch = pytest.importorskip("torch")
+  from tlt_jax import packing
+  from tlt_jax.rl import actor as actor_lib
+  path, torch_model = hf_dirs["qwen2_untied"]
+  rng = np.random.default_rng(0)
+  b, p, t, lengths = 6, 3, 6, [6, 4, 5, 2, 6, 3]
+  prompts = rng.integers(2, 96, (b, p))  # one length: TRL left-pads prompts, and positions would shift
+  completions = np.zeros((b, t), np.int64)
+  mask = np.arange(t)[None] < np.asarray(lengths)[:, None]
+  completions[mask] = rng.integers(2, 96, mask.sum())
+  with torch.no_grad():
+    logits = torch_model(torch.tensor(np.concatenate([prompts, completions], 1))).logits[:, p - 1:-1].float()
+    current = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completions)[..., None])[..., 0].numpy()
+  near = lambda spread: np.where(mask, current + rng.uniform(-spread, spread, (b, t)), 0.0).astype(np.float32)
+  old, ref, sampled = near(0.3), near(0.5), near(0.4)  # some ratios clip, some sequences drift
+  is_weights = np.where(mask, np.clip(np.exp(old - sampled), 0.0, 1.3), 1.0).astype(np.float32)
+  rows = packing.pack([(prompts[i].tolist(), completions[i, :n].tolist()) for i, n in enumerate(lengths)], 32,
+                      index=True)
+  plane = lambda x: actor_lib.response_plane(rows, [x[i, :n] for i, n in enumerate(lengths)])
+  return dict(path=path, prompts=prompts, completions=completions, mask=mask, lengths=lengths, rows=rows, plane=plane,
+              advantages=np.array([1.2, -0.7, 0.4, -1.5, 0.9, -0.2], np.float32), old=old, ref=ref, sampled=sampled,
+              is_weights=is_weights)
+
+
+@pytest.mark.parametrize("case", TRL_CASES)
+def test_the_loss_and_its_gradient_equal_trls_grpo_trainer(trl_batch, case, tmp_path):
+  """TRL 1.16's own loss (float32, evaluation mode: no gradient accumulation; TRL's KL bias correction off unless
+  asked) against `policy_loss` over our packed rows and log-probs, for each loss type, importance-sampling level
+  and mask or clip option: the values and the LM head's gradients agree to float32 rounding."""
   torch = pytest.importorskip("torch")
   trl = pytest.importorskip("trl")
   hf_datasets = pytest.importorskip("datasets")
   import jax
   from flax import nnx
 
-  from tlt_jax import packing
   from tlt_jax.models import hf
   from tlt_jax.rl import actor as actor_lib
   from tlt_jax.rl import tokenizer as tokenizer_lib
-  path, torch_model = hf_dirs["qwen2_untied"]
-  rng = np.random.default_rng(0)
-  b, p, t, lengths = 4, 3, 6, [6, 4, 5, 2]
-  prompts = rng.integers(2, 96, (b, p))  # one length: TRL left-pads prompts, and positions would shift
-  completions = np.zeros((b, t), np.int64)
-  mask = np.arange(t)[None] < np.asarray(lengths)[:, None]
-  completions[mask] = rng.integers(2, 96, mask.sum())
-  advantages = rng.standard_normal(b).astype(np.float32)
-  with torch.no_grad():
-    logits = torch_model(torch.tensor(np.concatenate([prompts, completions], 1))).logits[:, p - 1:-1].float()
-    current = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completions)[..., None])[..., 0].numpy()
-  old = np.where(mask, current + rng.uniform(-0.3, 0.3, (b, t)), 0.0).astype(np.float32)  # some ratios clip
-  ref = np.where(mask, current + rng.uniform(-0.5, 0.5, (b, t)), 0.0).astype(np.float32)
-  rows = packing.pack([(prompts[i].tolist(), completions[i, :n].tolist()) for i, n in enumerate(lengths)], 16,
-                      index=True)
-  plane = lambda x: actor_lib.response_plane(rows, [x[i, :n] for i, n in enumerate(lengths)])
-  graphdef, params = nnx.split(hf.from_pretrained(path))
-  for loss_type, aggregation, beta in TRL_CASES:
-    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=b, num_generations=b,
-                          max_completion_length=t, loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, beta=beta,
-                          use_bias_correction_kl=False, bf16=False, use_cpu=True, report_to="none")
-    trainer = trl.GRPOTrainer(model=path, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
-                              train_dataset=hf_datasets.Dataset.from_dict({"prompt": ["a"] * b}),
-                              processing_class=tokenizer_lib.build_tokenizer())
-    trainer.model.eval()
-    inputs = dict(prompt_ids=torch.tensor(prompts), prompt_mask=torch.ones(b, p, dtype=torch.long),
-                  completion_ids=torch.tensor(completions), completion_mask=torch.tensor(mask.astype(np.int64)),
-                  advantages=torch.tensor(advantages), old_per_token_logps=torch.tensor(old),
-                  ref_per_token_logps=torch.tensor(ref), num_items_in_batch=torch.tensor(float(mask.sum())))
-    theirs = trainer._compute_loss(trainer.model, inputs)  # pylint: disable=protected-access
-    theirs.backward()
-    batch = actor_lib.training_batch(rows, advantages, np.ones(b, bool), aggregation, plane(old),
-                                     plane(ref) if beta else None, max_len=t)
+  d = trl_batch
+  theirs_args, extra, ours_args = TRL_CASES[case]
+  b, p = d["prompts"].shape
+  t = d["completions"].shape[1]
+  args = trl.GRPOConfig(**{"epsilon": 0.2, "epsilon_high": 0.28, "beta": 0.0, "use_bias_correction_kl": False,
+                           **theirs_args}, output_dir=str(tmp_path), per_device_train_batch_size=b,
+                        num_generations=b, max_completion_length=t, bf16=False, use_cpu=True, report_to="none")
+  trainer = trl.GRPOTrainer(model=d["path"], reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                            train_dataset=hf_datasets.Dataset.from_dict({"prompt": ["a"] * b}),
+                            processing_class=tokenizer_lib.build_tokenizer())
+  trainer.model.eval()
+  inputs = dict(prompt_ids=torch.tensor(d["prompts"]), prompt_mask=torch.ones(b, p, dtype=torch.long),
+                completion_ids=torch.tensor(d["completions"]),
+                completion_mask=torch.tensor(d["mask"].astype(np.int64)), advantages=torch.tensor(d["advantages"]),
+                old_per_token_logps=torch.tensor(d["old"]), ref_per_token_logps=torch.tensor(d["ref"]),
+                num_items_in_batch=torch.tensor(float(d["mask"].sum())))
+  if "is" in extra:  # TRL weighs by it where vLLM generated (its ratio is computed while generating)
+    inputs["importance_sampling_ratio"] = torch.tensor(d["is_weights"])
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+  if "sampled" in extra:
+    inputs["sampling_per_token_logps"] = torch.tensor(d["sampled"])
+  theirs = trainer._compute_loss(trainer.model, inputs)  # pylint: disable=protected-access
+  theirs.backward()
 
-    def loss(params):
-      logp, _ = actor_lib.token_logprobs(nnx.merge(graphdef, params), batch["tokens"], batch["positions"],
-                                         batch["segments"])
-      return grpo.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["weights"], 0.2, 0.28,
-                              ref_logp_BxT=batch["ref_logp"] if beta else None, kl_coef=beta)[0]
+  objective = grpo.Objective(**{"clip_low": 0.2, "clip_high": 0.28, **ours_args})
+  plane = d["plane"]
+  batch = actor_lib.training_batch(d["rows"], d["advantages"], np.ones(b, bool), objective.aggregation,
+                                   plane(d["old"]), plane(d["ref"]),
+                                   plane(d["is_weights"]) + (d["rows"][3] == 0) if "is" in extra else None, t,
+                                   plane(d["sampled"]) if "sampled" in extra else None)
+  graphdef, params = nnx.split(hf.from_pretrained(d["path"]))
 
-    ours, grads = jax.value_and_grad(loss)(params)
-    assert float(ours) == pytest.approx(theirs.item(), rel=1e-6), loss_type
-    np.testing.assert_allclose(np.asarray(grads["lm_head"]["kernel"]), trainer.model.lm_head.weight.grad.numpy().T,
-                               atol=1e-6, rtol=0, err_msg=loss_type)
+  def loss(params):
+    logp, entropy = actor_lib.token_logprobs(nnx.merge(graphdef, params), batch["tokens"], batch["positions"],
+                                             batch["segments"])
+    return grpo.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["weights"], objective,
+                            segments_BxT=batch["segments"], ref_logp_BxT=batch["ref_logp"],
+                            is_weights_BxT=batch["is_weights"], rollout_logp_BxT=batch["rollout_logp"],
+                            entropy_BxT=entropy)[0]
+
+  ours, grads = jax.value_and_grad(loss)(params)
+  assert float(ours) == pytest.approx(theirs.item(), rel=2e-6, abs=1e-7), case
+  np.testing.assert_allclose(np.asarray(grads["lm_head"]["kernel"]), trainer.model.lm_head.weight.grad.numpy().T,
+                             atol=2e-6, rtol=0, err_msg=case)

@@ -127,8 +127,8 @@ def test_the_rollouts_old_log_probs_update_as_the_recomputed_ones(tmp_path, tiny
     records = metrics.read(str(tmp_path / old / "metrics.jsonl"))
     runs[old] = params, records
   recomputed = runs["recompute"][1][0]
-  print("float32 mismatch:", recomputed["mismatch/logp_abs_diff"], recomputed["mismatch/kl_k3"])
-  assert recomputed["mismatch/logp_abs_diff"] < 1e-5 and abs(recomputed["mismatch/kl_k3"]) < 1e-9
+  print("float32 mismatch:", recomputed["mismatch/logp_abs_diff"], recomputed["mismatch/k3_kl"])
+  assert recomputed["mismatch/logp_abs_diff"] < 1e-5 and abs(recomputed["mismatch/k3_kl"]) < 1e-9
   assert recomputed["train/updates"] == 2 and not any(k.startswith("mismatch/") for k in runs["auto"][1][0])
   stats = lambda run: (run[0], [{"loss": r["train/loss"], "grad_norm": r["train/grad_norm"]} for r in run[1]])
   initial = nnx.state(hf.from_pretrained(tiny_policy_dir))

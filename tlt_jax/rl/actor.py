@@ -34,7 +34,7 @@ from tlt_jax.models.transformer import CausalLM
 from tlt_jax.rl import grpo
 
 # Planes of a training batch beyond the packed rows' tokens / positions / segments.
-FLOAT_PLANES = ("weights", "advantages", "old_logp", "ref_logp", "is_weights")
+FLOAT_PLANES = ("weights", "advantages", "old_logp", "ref_logp", "is_weights", "rollout_logp")
 
 
 def token_logprobs(model: CausalLM, tokens_BxT, positions_BxT, segments_BxT, *, temperature: float = 1.0,
@@ -107,14 +107,14 @@ class Actor:
   optimizer state are the adapters', the base weights (`frozen`) take no gradient."""
 
   def __init__(self, model: CausalLM, optimizer: optax.GradientTransformation, *, micro_batch_rows: int,
-               clip_low: float, clip_high: float, kl_coef: float = 0.0, remat: bool = False, logits_chunk: int = 1024,
+               loss: grpo.Objective = grpo.Objective(), remat: bool = False, logits_chunk: int = 1024,
                attention_block: int = 0, temperature: float = 1.0, seed: int = 0,
                mesh: jax.sharding.Mesh | None = None):
     """`mesh`: micro-batches are split over its batch axes (model already placed on it); None: as given.
     `attention_block` > 0: attention over this many queries at a time; `temperature`: the rollout's
-    (log-probs of logits / T); `seed`: a bfloat16 policy's stochastic rounding. Config: `rl.actor` gives
-    the keyword arguments but `temperature`, `seed` and `mesh`, and `rl.optimizer` those of
-    `make_optimizer`."""
+    (log-probs of logits / T); `seed`: a bfloat16 policy's stochastic rounding; `loss`: the objective
+    (`rl.loss`). Config: `rl.actor` gives the keyword arguments but `loss`, `temperature`, `seed` and `mesh`,
+    and `rl.optimizer` those of `make_optimizer`."""
     self.lora = lora.spec_of(model)
     self.graphdef, self.params, self.frozen = nnx.split(model, nnx.Param if self.lora is None else nnx.LoRAParam, ...)
     self.rounding = any(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(self.params))
@@ -135,8 +135,8 @@ class Actor:
     else:
       self.opt_state = optimizer.init(self.params)
     self.micro_batch_rows = micro_batch_rows
-    self._loss_args = dict(clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef)
-    self.uses_ref = kl_coef > 0
+    self.loss = loss
+    self.uses_ref = loss.kl_coef > 0
     self._forward = dict(temperature=temperature or 1.0, remat=remat, chunk=logits_chunk,
                          query_block=attention_block or None)
     self.mesh = mesh
@@ -161,9 +161,11 @@ class Actor:
     def loss(p):
       logp, entropy = token_logprobs(nnx.merge(self.graphdef, p, frozen), batch["tokens"], batch["positions"],
                                      batch["segments"], **self._forward)
-      value, stats = grpo.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["weights"],
+      value, stats = grpo.policy_loss(logp, batch["old_logp"], batch["advantages"], batch["weights"], self.loss,
+                                      segments_BxT=batch["segments"],
                                       ref_logp_BxT=batch["ref_logp"] if self.uses_ref else None,
-                                      is_weights_BxT=batch["is_weights"], **self._loss_args)
+                                      is_weights_BxT=batch["is_weights"], rollout_logp_BxT=batch["rollout_logp"],
+                                      entropy_BxT=entropy)
       stats["entropy"] = (entropy * batch["weights"]).sum()
       return value, stats
     (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
@@ -261,18 +263,20 @@ class Actor:
 
 
 def training_batch(rows_5xRxT: np.ndarray, advantages: np.ndarray, keep: np.ndarray, aggregation: str,
-                   old_logp: np.ndarray, ref_logp: np.ndarray | None,
-                   is_weights: np.ndarray | None = None, max_len: int = 0) -> dict[str, np.ndarray]:
-  """The planes `Actor.update` takes, for packed rows whose index plane numbers the samples;
-  `is_weights` [R, T]: each token's policy-loss weight (truncated importance sampling; None: 1);
-  `max_len`: the response budget (the "constant" aggregation's normaliser)."""
+                   old_logp: np.ndarray, ref_logp: np.ndarray | None, is_weights: np.ndarray | None = None,
+                   max_len: int = 0, rollout_logp: np.ndarray | None = None) -> dict[str, np.ndarray]:
+  """The planes `Actor.update` takes, for packed rows whose index plane numbers the samples (and whose loss
+  mask says which tokens train: a rollout correction's rejections already out); `is_weights` [R, T]: each
+  token's policy-loss weight (the rollout correction's; None: 1); `max_len`: the response budget (the "constant"
+  aggregation's normaliser); `rollout_logp`: the rollout's log-probs (None: `old_logp`)."""
   tokens, positions, segments, loss_mask, index = rows_5xRxT
   adv = np.where(index > 0, np.asarray(advantages, np.float32)[np.maximum(index - 1, 0)], 0.0)
   return {"tokens": tokens, "positions": positions, "segments": segments,
           "weights": grpo.token_weights(index, loss_mask, keep, aggregation, max_len),
           "advantages": adv.astype(np.float32),
           "old_logp": old_logp, "ref_logp": old_logp if ref_logp is None else ref_logp,
-          "is_weights": np.ones(tokens.shape, np.float32) if is_weights is None else is_weights.astype(np.float32)}
+          "is_weights": np.ones(tokens.shape, np.float32) if is_weights is None else is_weights.astype(np.float32),
+          "rollout_logp": old_logp if rollout_logp is None else rollout_logp}
 
 
 def response_plane(rows_5xRxT: np.ndarray, values: Sequence[np.ndarray]) -> np.ndarray:
@@ -285,13 +289,3 @@ def response_plane(rows_5xRxT: np.ndarray, values: Sequence[np.ndarray]) -> np.n
     slots = np.nonzero((index == number) & (loss_mask > 0))  # one row, in order
     out[slots] = np.asarray(v, np.float32)[:len(slots[0])]
   return out
-
-
-def mismatch(trainer_logp: np.ndarray, rollout_logp: np.ndarray, rows_5xRxT: np.ndarray) -> dict[str, float]:
-  """Sums over the response tokens of packed rows of the training-inference mismatch (what verl logs of
-  vLLM against FSDP): |rollout log p - trainer log p|, and the k3 estimate of KL(rollout || trainer),
-  exp(d) - d - 1 with d = trainer - rollout (unbiased under the rollout's samples, >= 0); and the count."""
-  mask = (rows_5xRxT[3] > 0) & (rows_5xRxT[4] > 0)
-  d = (np.asarray(trainer_logp, np.float64) - rollout_logp)[mask]
-  return {"abs_diff": float(np.abs(d).sum()), "k3": float((np.expm1(d) - d).sum()), "tokens": int(mask.sum())}
-

@@ -12,7 +12,7 @@ from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
 from tlt_jax.rollout.state import EngineConfig
 from tlt_jax.rollout.tlt import TLTConfig
-from tlt_jax.rl import tools
+from tlt_jax.rl import corrections, grpo, tools
 
 
 def strategies(config) -> tuple[Strategy, ...]:
@@ -84,3 +84,17 @@ def tool_turns(config, tok, workers: int | None = None) -> tools.ToolTurns | Non
   r = config.rollout
   return tools.ToolTurns(r.tools, tok, max_turns=r.max_turns, timeout_s=r.tool_timeout_s,
                          workers=r.tool_workers if workers is None else workers, max_tokens=r.tool_max_tokens)
+
+
+def objective(config) -> grpo.Objective:
+  return grpo.Objective(**config.rl.loss)
+
+
+def rollout_correction(config) -> corrections.RolloutCorrection:
+  """`rl.rollout_correction`: a preset's values where the keys are at their defaults, then the keys."""
+  keys = {k: v for k, v in config.rl.rollout_correction.items() if k != "preset"}
+  preset = config.rl.rollout_correction.preset
+  if preset:
+    defaults = corrections.RolloutCorrection()
+    keys.update({k: v for k, v in corrections.PRESETS[preset].items() if keys[k] == getattr(defaults, k)})
+  return corrections.RolloutCorrection(**keys)

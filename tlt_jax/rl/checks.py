@@ -13,7 +13,7 @@ from tlt_jax import fields, targets
 from tlt_jax.config import config_value, eval_set, leaves, renamed
 from tlt_jax.drafter.buffer import BufferConfig
 from tlt_jax.models import lora
-from tlt_jax.rl import builders, datasets, grpo, rewards, tasks, tools
+from tlt_jax.rl import builders, corrections, datasets, grpo, rewards, tasks, tools
 
 
 # Smallest valid value of each numeric key of the sections no dataclass is built from ('>' where a key
@@ -30,11 +30,10 @@ _AT_LEAST = {
     "drafter.draft_vocab_size": -1, "drafter.distill.steps": 0, "drafter.distill.learning_rate": 0,
     "drafter.distill.batch_rows": 1, "drafter.distill.row_len": 2, "drafter.distill.draft_steps": 0,
     "drafter.distill.prompts": 1,
-    "rl.mini_batches": 1, "rl.max_skipped_updates": 1, "rl.row_len": 2, "rl.overlong_buffer": 0, "rl.tis_cap": 0,
+    "rl.mini_batches": 1, "rl.max_skipped_updates": 1, "rl.row_len": 2, "rl.overlong_buffer": 0,
     "rl.advantage_eps": 0, "data.reward_workers": 0, "data.reward_max_failures": 0, "logging.completions_per_step": 0,
     "rl.optimizer.learning_rate": 0, "rl.optimizer.warmup_steps": 0, "rl.optimizer.weight_decay": 0,
     "rl.actor.micro_batch_rows": 1, "rl.actor.logits_chunk": 1, "rl.actor.attention_block": 0,
-    "rl.actor.clip_low": 0, "rl.actor.clip_high": 0, "rl.actor.kl_coef": 0,
     "eval.every": 0, "eval.size": 1, "eval.num_samples": 1, "checkpoint.every": 1, "checkpoint.keep": 1,
 }
 _ABOVE = {"policy.lora.alpha": 0, "rollout.tool_timeout_s": 0,
@@ -46,15 +45,16 @@ _CHOICES = {
     "policy.weight_dtype": ("float32", "bfloat16"),
     "policy.export_dtype": ("", "float32", "bfloat16"),
     "task.family": tuple(sorted(tasks.FAMILIES)),
-    "rl.loss_aggregation": grpo.AGGREGATIONS,
     "rl.advantage_std": grpo.ADVANTAGE_STDS,
+    "rl.rollout_correction.preset": ("",) + tuple(corrections.PRESETS),
     "rl.old_logp": ("auto", "rollout", "recompute"),
     "rollout.drafter": ("eagle", "suffix"),
 }
 # Tuple keys and what they hold (a --config override writes a tuple as a Python literal).
 _TUPLES = {"rollout.strategies": ("strategy names", str), "rollout.tools": ("tool names", str),
            "rollout.engine.batch_buckets": ("integers", int),
-           "rollout.bandit.thresholds": ("integers", int), "drafter.feature_layers": ("integers", int)}
+           "rollout.bandit.thresholds": ("integers", int), "drafter.feature_layers": ("integers", int),
+           "rl.loss.sapo_temperatures": ("numbers", (int, float)), "rl.loss.vespo": ("numbers", (int, float))}
 
 
 def check(config: ml_collections.ConfigDict) -> None:
@@ -94,7 +94,6 @@ def check(config: ml_collections.ConfigDict) -> None:
     need(config_value(config, key) > low, key, f"must be > {low}")
   for key, high in _AT_MOST.items():
     need(config_value(config, key) <= high, key, f"must be <= {high}")
-  need(config.rl.actor.clip_low < 1, "rl.actor.clip_low", "must be < 1")
   for key, choices in _CHOICES.items():
     need(config_value(config, key) in choices, key, f"must be one of {choices}")
   need(not config.mesh.target or config.mesh.target in targets.names(), "mesh.target",
@@ -135,7 +134,6 @@ def check(config: ml_collections.ConfigDict) -> None:
       tools.schema(spec)
     except tools.ToolError as e:
       need(False, "rollout.tools", str(e))
-  need(config.rl.tis_cap == 0 or config.rl.tis_cap >= 1, "rl.tis_cap", "must be 0 (off) or >= 1")
   s = config.rollout.sampling
   need(config.rl.old_logp != "rollout" or not s.top_k and s.top_p >= 1, "rl.old_logp",
        "the rollout's log-probs under top-k / top-p are of a truncated distribution, not the policy's: use "
@@ -162,7 +160,9 @@ def check(config: ml_collections.ConfigDict) -> None:
       ("rollout.bandit", lambda: builders.bandit(config, named), {}),
       ("rollout.tlt", lambda: builders.tlt_config(config), {}),
       ("drafter.trainer", lambda: builders.drafter_trainer_config(config), {}),
-      ("drafter.buffer", lambda: BufferConfig(**config.drafter.buffer), {})):
+      ("drafter.buffer", lambda: BufferConfig(**config.drafter.buffer), {}),
+      ("rl.loss", lambda: builders.objective(config), {}),
+      ("rl.rollout_correction", lambda: builders.rollout_correction(config), {})):
     try:
       build()
     except fields.FieldError as e:

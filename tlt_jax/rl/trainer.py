@@ -8,9 +8,9 @@ One step:
      running prompt count, so a resumed run samples exactly what the uninterrupted one would have;
   3. rewards (+ DAPO's overlong penalty), group advantages, dynamic sampling, overlong filtering;
   4. the responses' old log-probs (`rl.old_logp`): the rollout's own where they are the trainer's numbers
-     (float32), else recomputed by the trainer, their gap to the rollout's logged (`mismatch/*`; rollout
-     numerics then enter the loss only through `rl.tis_cap`'s importance weights); then `mini_batches`
-     optimizer updates of micro-batched gradients;
+     (float32), else recomputed by the trainer, their gap to the rollout's logged (`mismatch/*`, verl's
+     metrics; rollout numerics then enter the loss only through `rl.rollout_correction`'s importance weights
+     and rejections, tlt_jax.rl.corrections); then `mini_batches` optimizer updates of micro-batched gradients;
   5. the new policy into the rollouts (the drafter reads its embedding and lm_head live);
   6. a metrics record (`rollout/compilations`: executables compiled during the rollout, the first
      step's engines' and drafter trainer's; none after it); a checkpoint every `checkpoint.every` steps.
@@ -59,11 +59,13 @@ from tlt_jax.rollout import profile
 
 def recomputes_old_logp(config) -> bool:
   """Whether the trainer recomputes the old log-probs (`rl.old_logp`; "auto": unless the rollout's are its
-  own numbers: float32 compute, and the sampling distribution is softmax(logits / T), no top-k / top-p)."""
+  own numbers: float32 compute, and the sampling distribution is softmax(logits / T), no top-k / top-p; and
+  no rollout correction, which weighs the two)."""
   if config.rl.old_logp != "auto":
     return config.rl.old_logp == "recompute"
   s = config.rollout.sampling
-  return not (config.policy.dtype == "float32" and not s.top_k and s.top_p >= 1)
+  own = config.policy.dtype == "float32" and not s.top_k and s.top_p >= 1
+  return not own or builders.rollout_correction(config).enabled
 
 
 def make_actor(config: ml_collections.ConfigDict, policy: CausalLM,
@@ -79,6 +81,7 @@ def make_actor(config: ml_collections.ConfigDict, policy: CausalLM,
       state = jax.tree.map(np.asarray, state)
     nnx.update(policy, sharding.place(state, sharding.param_shardings(state, mesh)))
   return actor_lib.Actor(policy, actor_lib.make_optimizer(**config.rl.optimizer), **config.rl.actor,
+                         loss=builders.objective(config),
                          temperature=config.rollout.sampling.temperature, seed=config.seed, mesh=mesh)
 
 
@@ -135,6 +138,7 @@ class Trainer:
                  100 * trained / (trained + frozen), "; LoRA adapters" if self.actor.lora else "",
                  sum(x.nbytes for x in jax.tree.leaves(self.actor.opt_state)) / 1e9)
     self.recompute_old_logp = recomputes_old_logp(c)
+    self.correction = builders.rollout_correction(c)
     # A LoRA run's checkpoints hold its adapters alone: the base model they were trained on is checked on resume.
     self.lora = None
     if self.actor.lora is not None:
@@ -312,19 +316,19 @@ class Trainer:
     order = np.random.default_rng([c.seed, self.step]).permutation(kept)
     sequences = [(examples[s.prompt_index].prompt_ids, s.tokens.tolist(),
                   *(() if s.tool_mask is None else (~s.tool_mask,))) for s in samples]  # tool tokens: no loss
-    batches, gap = [], {"abs_diff": 0.0, "k3": 0.0, "tokens": 0}
+    parts = []
     for part in np.array_split(order, min(c.rl.mini_batches, len(order))):
       rows = packing.pack([sequences[i] for i in part], c.rl.row_len, index=True)
       rollout_logp = actor_lib.response_plane(rows, [samples[i].own(samples[i].logprobs) for i in part])
       old = self.actor.logprobs(self.actor.params, rows) if self.recompute_old_logp else rollout_logp
       ref = self.actor.logprobs(self.ref_params, rows) if self.ref_params is not None else None
-      for k, v in actor_lib.mismatch(old, rollout_logp, rows).items():
-        gap[k] += v
-      is_weights = np.minimum(np.exp(old - rollout_logp), c.rl.tis_cap) if c.rl.tis_cap else None
-      batches.append(actor_lib.training_batch(rows, adv[part], np.ones(len(part), bool), c.rl.loss_aggregation,
-                                              old, ref, is_weights, c.rollout.sampling.max_new_tokens))
-    mismatch = {"mismatch/logp_abs_diff": gap["abs_diff"] / max(gap["tokens"], 1),
-                "mismatch/kl_k3": gap["k3"] / max(gap["tokens"], 1)} if self.recompute_old_logp else {}
+      parts.append((part, rows, rollout_logp, old, ref))
+    is_weights, loss_masks, mismatch = self._correct(parts)
+    batches = []
+    for (part, rows, rollout_logp, old, ref), w, loss_mask in zip(parts, is_weights, loss_masks):
+      rows = np.concatenate([rows[:3], loss_mask[None], rows[4:]])
+      batches.append(actor_lib.training_batch(rows, adv[part], np.ones(len(part), bool), c.rl.loss.aggregation,
+                                              old, ref, w, c.rollout.sampling.max_new_tokens, rollout_logp))
     times = {"time/old_logp_s": time.perf_counter() - start}  # and the reference's, with a KL
     sums, skipped = {}, 0
     for batch in batches:
@@ -348,6 +352,20 @@ class Trainer:
     times["time/update_s"] = time.perf_counter() - start - times["time/old_logp_s"]
     return {**{f"train/{k}": v / max(applied, 1) for k, v in sums.items()}, "train/updates": applied,
             "train/skipped_updates": skipped, **mismatch, **times}
+
+  def _correct(self, parts):
+    """The rollout correction over the whole step's mini-batches (one batch, as verl computes it): each part's
+    importance weights (None: off) and loss mask (rejected tokens out), and the mismatch metrics; nothing when
+    the old log-probs are the rollout's own."""
+    if not self.recompute_old_logp:
+      return [None] * len(parts), [rows[3] for _, rows, *_ in parts], {}
+    offsets = np.cumsum([0] + [len(part) for part, *_ in parts])
+    rows = np.concatenate([np.concatenate([r[:4], np.where(r[4:] > 0, r[4:] + o, 0)]) for (_, r, *_), o
+                           in zip(parts, offsets)], axis=1)
+    old, rollout = (np.concatenate([p[i] for p in parts]) for i in (3, 2))
+    weights, loss_mask, metrics = self.correction.apply(old, rollout, rows)
+    ends = np.cumsum([r.shape[1] for _, r, *_ in parts])[:-1]
+    return ([None] * len(parts) if weights is None else np.split(weights, ends)), np.split(loss_mask, ends), metrics
 
   # ---- the loop ----
 
