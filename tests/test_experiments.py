@@ -274,3 +274,21 @@ def test_vs_trl_smoke_runs_both_sides_on_the_same_prompts(tmp_path, tiny_policy_
   phases = summary["tlt_jax_update_phases"]
   assert all(phases[k] > 0 for k in ("forward_s", "forward_backward_s", "optimizer_s", "forward_backward_temp_gb"))
   assert all(v > 0 for v in summary["peak_rss_gb"].values())
+
+
+def test_objectives_runs_each_arm_and_compares_it_with_the_first(tmp_path, xla_cache):
+  """`objectives.py` on the tiny smoke config: an arm's run each (CISPO's objective set), its last held-out
+  reward against the first arm's paired over the same prompts, its step times, and a figure."""
+  out = tmp_path / "objectives"
+  env = {**os.environ, "XLA_FLAGS": xla_flags_without_device_count()}
+  done = subprocess.run([sys.executable, "objectives.py", "--arms=default,cispo", f"--out={out}",
+                         "--config=../configs/tiny.py:smoke", "--config.eval.every=1", "--config.eval.size=4",
+                         "--config.steps=2", "--config.rollout.speculative=False",
+                         f"--config.rollout.compilation_cache_dir={xla_cache}"], cwd=EXPERIMENTS, env=env,
+                        capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = json.loads((out / "objectives.json").read_text())
+  assert json.loads((out / "cispo" / "config.json").read_text())["rl.loss.kind"] == "cispo"
+  cispo = result["compare"]["cispo"]
+  assert cispo["vs_baseline_ci95"] >= 0 and cispo["step_s"] > 0 and "vs_baseline" not in result["compare"]["default"]
+  assert (out / "objectives.png").stat().st_size > 0 and "cispo" in done.stdout

@@ -382,3 +382,16 @@ def test_tool_turns_train_the_models_tokens_only_and_resume_exactly(tmp_path, ti
     assert 0 < r["tools/calls_per_response"] < 2 and r["rollout/tool_turns"] > 0, r
     assert r["reward/mean"] == pytest.approx(r["tools/calls_per_response"] / 2, abs=1e-6)
     assert r["mismatch/logp_abs_diff"] < 1e-4 and r["train/updates"] > 0, r
+
+
+def test_an_objective_and_a_rollout_correction_run_in_the_trainer(tmp_path, tiny_policy_dir, xla_cache):
+  """GSPO-style CISPO with verl's geometric-mean rejection and token TIS: "auto" old log-probs are recomputed
+  (the correction weighs them against the rollout's), the updates apply, and verl's metrics are logged; in
+  float32 the two agree, so nothing is rejected and every weight is 1 up to rounding."""
+  _run(tmp_path / "run", 1, tiny_policy_dir, xla_cache, **{
+      "eval.every": 0, "rl.loss.kind": "cispo", "rl.loss.importance_level": "sequence",
+      "rl.rollout_correction.preset": "decoupled_geo_rs_token_tis"})
+  record = metrics.read(str(tmp_path / "run" / "metrics.jsonl"))[0]
+  assert record["train/updates"] == 2 and record["train/skipped_updates"] == 0
+  assert record["mismatch/rs_masked_fraction"] == 0.0 and abs(record["mismatch/is_mean"] - 1) < 1e-5
+  assert abs(record["mismatch/chi2_token"]) < 1e-5 and record["mismatch/training_ppl"] > 1
