@@ -219,6 +219,10 @@ def base() -> ml_collections.ConfigDict:
   # std, or none (Dr. GRPO). TRL's eps is 1e-4, verl's 1e-6.
   c.rl.advantage_std = "sample"
   c.rl.advantage_eps = 1e-6
+  # Several reward functions (data.reward): sum_then_normalize (their weighted sum's group advantages), or
+  # normalize_then_sum (GDPO: each function's group-normalised values summed, then normalised over the
+  # batch; advantage_std unused). TRL multi_objective_aggregation.
+  c.rl.reward_aggregation = "sum_then_normalize"
   c.rl.dynamic_sampling = True  # drop groups whose rewards are all equal (verl algorithm.filter_groups.enable)
   c.rl.overlong_filter = False  # truncated responses do not enter the loss (TRL mask_truncated_completions)
   c.rl.overlong_buffer = 0  # DAPO's soft overlong penalty over the last this-many tokens (verl overlong_buffer.len)

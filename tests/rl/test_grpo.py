@@ -33,6 +33,31 @@ def test_an_unscorable_reward_is_left_out_of_its_group_as_trl_leaves_it():
   np.testing.assert_array_equal(grpo.keep_groups(r), [True, False, False, True])
 
 
+def test_normalize_then_sum_is_trls_gdpo_and_the_batch_std_its_scale_rewards():
+  """TRL 1.16's multi_objective_aggregation="normalize_then_sum" and scale_rewards="batch", as its
+  _generate_and_score_completions computes them (with its nanstd), on the same per-function rewards."""
+  torch = pytest.importorskip("torch")
+  from trl.trainer.utils import nanstd  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(3)
+  g, n, k = 3, 4, 2
+  values = rng.integers(0, 3, (k, g * n)).astype(np.float64)
+  values[1, 5] = np.nan  # the second function does not apply to one sample
+  values[:, 9] = np.nan  # no function applies to another
+  weights = np.array([1.0, 0.5])
+  per_func = torch.tensor(values.T)  # TRL's rewards_per_func: [samples, functions]
+  grouped = per_func.view(-1, n, k)
+  reward_k = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+  rewards = (reward_k.view(-1, k) * torch.tensor(weights)[None]).nansum(dim=1)
+  rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
+  trl = torch.nan_to_num((rewards - torch.nanmean(rewards)) / (nanstd(rewards) + 1e-4), nan=0.0)
+  np.testing.assert_allclose(grpo.normalize_then_sum(values, weights, n, 1e-4), trl.numpy(), atol=1e-6)
+  summed = torch.tensor(np.nansum(weights[:, None] * values, axis=0))
+  summed[9] = torch.nan
+  by_batch = (summed - torch.nanmean(summed.view(-1, n), dim=1).repeat_interleave(n)) / (nanstd(summed) + 1e-4)
+  np.testing.assert_allclose(grpo.advantages(summed.numpy().reshape(g, n), "batch", 1e-4).reshape(-1),
+                             torch.nan_to_num(by_batch, nan=0.0).numpy(), atol=1e-6)
+
+
 def test_dynamic_sampling_keeps_groups_with_signal():
   r = np.array([[1, 0, 1], [1, 1, 1], [0, 0, 0], [0.5, 0.5, 0.2]])
   np.testing.assert_array_equal(grpo.keep_groups(r), [True, False, False, True])

@@ -70,11 +70,15 @@ def _items(responses, truth="4"):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_users_reward_file_scores_and_logs_its_extra_keys(user_reward, workers):
   s = scorer.Scorer(workers=workers, timeout_s=20)
+  per_function = []
   try:
-    scores, stats = s.score(user_reward(), _items(["4", "5", "4 "]))
+    scores, stats = s.score(user_reward(), _items(["4", "5", "4 "]), per_function=per_function)
   finally:
     s.close()
   np.testing.assert_array_equal(scores, [0.5, 0.0, 0.5])
+  (values, weights), = per_function  # one function, weight 1: its values are the scores
+  np.testing.assert_array_equal(values, [[0.5, 0.0, 0.5]])
+  np.testing.assert_array_equal(weights, [1.0])
   assert stats == {"mean": pytest.approx(1 / 3), "failures": 0.0, "timeouts": 0.0, "acc": pytest.approx(2 / 3),
                    "len": pytest.approx(4 / 3), "source_is_mine": 1.0}
 

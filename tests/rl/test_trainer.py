@@ -385,12 +385,13 @@ def test_tool_turns_train_the_models_tokens_only_and_resume_exactly(tmp_path, ti
 
 
 def test_an_objective_and_a_rollout_correction_run_in_the_trainer(tmp_path, tiny_policy_dir, xla_cache):
-  """GSPO-style CISPO with verl's geometric-mean rejection and token TIS: "auto" old log-probs are recomputed
+  """GSPO-style CISPO with verl's geometric-mean rejection and token TIS, GDPO's advantages: "auto" old
+  log-probs are recomputed
   (the correction weighs them against the rollout's), the updates apply, and verl's metrics are logged; in
   float32 the two agree, so nothing is rejected and every weight is 1 up to rounding."""
   _run(tmp_path / "run", 1, tiny_policy_dir, xla_cache, **{
       "eval.every": 0, "rl.loss.kind": "cispo", "rl.loss.importance_level": "sequence",
-      "rl.rollout_correction.preset": "decoupled_geo_rs_token_tis"})
+      "rl.rollout_correction.preset": "decoupled_geo_rs_token_tis", "rl.reward_aggregation": "normalize_then_sum"})
   record = metrics.read(str(tmp_path / "run" / "metrics.jsonl"))[0]
   assert record["train/updates"] == 2 and record["train/skipped_updates"] == 0
   assert record["mismatch/rs_masked_fraction"] == 0.0 and abs(record["mismatch/is_mean"] - 1) < 1e-5

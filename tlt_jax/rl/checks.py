@@ -46,6 +46,7 @@ _CHOICES = {
     "policy.export_dtype": ("", "float32", "bfloat16"),
     "task.family": tuple(sorted(tasks.FAMILIES)),
     "rl.advantage_std": grpo.ADVANTAGE_STDS,
+    "rl.reward_aggregation": grpo.REWARD_AGGREGATIONS,
     "rl.rollout_correction.preset": ("",) + tuple(corrections.PRESETS),
     "rl.old_logp": ("auto", "rollout", "recompute"),
     "rollout.drafter": ("eagle", "suffix"),

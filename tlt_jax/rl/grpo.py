@@ -30,6 +30,7 @@ AGGREGATIONS = ("token", "sequence", "constant", "sequence_sum")
 LOSSES = ("clip", "cispo", "sapo", "vespo")
 IMPORTANCE_LEVELS = ("token", "sequence")
 ADVANTAGE_STDS = ("sample", "population", "batch", "none")
+REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 def advantages(rewards_GxN: np.ndarray, std: str = "sample", eps: float = 1e-6) -> np.ndarray:
@@ -53,6 +54,20 @@ def advantages(rewards_GxN: np.ndarray, std: str = "sample", eps: float = 1e-6) 
     spread = np.sqrt((centred ** 2).sum(axis=1, keepdims=True) / np.maximum(n - ddof, 1)) * (n > ddof)
     centred = centred / (spread + eps)
   return centred.astype(np.float32)
+
+
+def normalize_then_sum(values_KxGN: np.ndarray, weights_K: np.ndarray, group: int, eps: float = 1e-6) -> np.ndarray:
+  """[G * N] advantages of several reward functions normalised one by one (GDPO; TRL's
+  multi_objective_aggregation="normalize_then_sum"): each function's group-normalised values (sample std), summed
+  with their weights, then normalised over the batch (its mean and sample std). A sample no function scores
+  (all NaN) gets advantage 0."""
+  values = np.asarray(values_KxGN, np.float64)
+  each = np.stack([advantages(v.reshape(-1, group), "sample", eps).reshape(-1) for v in values])
+  summed = (np.asarray(weights_K, np.float64)[:, None] * each).sum(axis=0)
+  summed[np.isnan(values).all(axis=0)] = np.nan
+  scored = summed[~np.isnan(summed)]
+  spread = scored.std(ddof=1) if len(scored) > 1 else 0.0
+  return np.nan_to_num((summed - (scored.mean() if len(scored) else 0.0)) / (spread + eps)).astype(np.float32)
 
 
 def keep_groups(rewards_GxN: np.ndarray) -> np.ndarray:

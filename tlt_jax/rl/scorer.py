@@ -190,11 +190,13 @@ class Scorer:
 
   def score(self, reward: str | Sequence[str] | rewards.Reward, items: Sequence[rewards.Item], *, what: str = "",
             state: rewards.TrainerState | None = None,
-            columns: dict[str, list] | None = None) -> tuple[np.ndarray, dict[str, float]]:
+            columns: dict[str, list] | None = None,
+            per_function: list | None = None) -> tuple[np.ndarray, dict[str, float]]:
     """(scores [N], stats): the mean, `failures` and `timeouts` (calls that raised or timed out, each
     scoring 0), each function's mean when there are several, and the mean of every other numeric key the
     functions return in dicts or log. `what` (e.g. "in step 3") goes into errors. `columns` gets what TRL
-    functions log with `log_extra`: a list of N per column (None where a call logged none)."""
+    functions log with `log_extra`: a list of N per column (None where a call logged none); `per_function`
+    gets (each function's values [K, N], NaN where it returned None; their weights [K])."""
     reward = rewards.check(reward)
     n, k = len(items), len(reward.specs)
     calls = []  # (function, the samples it scores)
@@ -225,6 +227,8 @@ class Scorer:
         extras.setdefault(key, []).append(x)
     self._check_failures(reward, items, failed, what)
     weights = np.asarray(reward.weights)[:, None]
+    if per_function is not None:
+      per_function.append((values, weights[:, 0]))
     scores = np.nansum(weights * values, axis=0).astype(np.float32)
     unscored = np.isnan(values).all(axis=0)
     scores[unscored] = np.nan  # TRL's: out of the logged mean and the group's baseline, advantage 0

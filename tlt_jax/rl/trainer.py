@@ -261,11 +261,19 @@ class Trainer:
     logged_columns = {}  # what TRL-style reward functions log with log_extra: columns of completions.jsonl
     items = [examples[s.prompt_index].item(t, s.answer.tolist(), tools.trajectory(s), tools.conversation(s, self.tok))
              for s, t in zip(samples, texts)]
+    per_function = []
     scores, reward_stats = self.scorer.score(examples[0].reward, items, what=f"in step {self.step + 1}",
-                                             state=rewards.TrainerState(self.step, c.steps), columns=logged_columns)
+                                             state=rewards.TrainerState(self.step, c.steps), columns=logged_columns,
+                                             per_function=per_function)
     lengths = np.asarray([len(s.tokens) for s in samples])
-    shaped = scores + grpo.overlong_penalty(lengths, c.rollout.sampling.max_new_tokens, c.rl.overlong_buffer)
-    adv = grpo.advantages(shaped.reshape(-1, g), c.rl.advantage_std, c.rl.advantage_eps).reshape(-1)
+    penalty = grpo.overlong_penalty(lengths, c.rollout.sampling.max_new_tokens, c.rl.overlong_buffer)
+    shaped = scores + penalty
+    if c.rl.reward_aggregation == "normalize_then_sum":  # the overlong penalty: one more function, weight 1
+      values, weights = per_function[0]
+      adv = grpo.normalize_then_sum(np.concatenate([values, penalty[None]]) if c.rl.overlong_buffer else values,
+                                    np.append(weights, 1.0) if c.rl.overlong_buffer else weights, g, c.rl.advantage_eps)
+    else:
+      adv = grpo.advantages(shaped.reshape(-1, g), c.rl.advantage_std, c.rl.advantage_eps).reshape(-1)
     truncated = np.asarray([s.finish_reason == "length" for s in samples]).reshape(-1, g)
     keep = grpo.trained_samples(shaped.reshape(-1, g), truncated, c.rl.dynamic_sampling, c.rl.overlong_filter)
 
