@@ -13,6 +13,7 @@ from tests.conftest import VOCAB, float_order_mismatches
 from tlt_jax import packing, sharding
 from tlt_jax.models import hf, lora
 from tlt_jax.rl import actor as actor_lib
+from tlt_jax.rl import grpo
 
 SEQS = [([3, 17, 9], [44, 2, 61, 8]), ([5, 6], [70, 71, 72, 73, 74, 75]), ([9, 9, 9, 4], [12, 1]),
         ([30], [31, 32, 33])]
@@ -38,22 +39,27 @@ def test_packed_logprobs_match_transformers_per_sample(hf_dirs):
     assert np.all(np.asarray(entropy)[rows[3] > 0] > 0)
 
 
-def _actor(model, micro_batch_rows, long_rows=False):
+def _actor(model, micro_batch_rows, long_rows=False, loss=grpo.Objective()):
   """`long_rows`: the memory savers of long-sequence training (remat, attention by query blocks)."""
-  return actor_lib.Actor(model, optax.sgd(0.1), micro_batch_rows=micro_batch_rows,
+  return actor_lib.Actor(model, optax.sgd(0.1), micro_batch_rows=micro_batch_rows, loss=loss,
                          remat=long_rows, logits_chunk=4, attention_block=4 if long_rows else 0)
 
 
-def test_micro_batching_remat_and_query_blocks_do_not_change_the_update(hf_dirs):
+@pytest.mark.parametrize("loss", [grpo.Objective(), grpo.Objective(kind="cispo", importance_level="sequence",
+                                                                    off_policy_mask=0.1, cispo_max=1.5)],
+                         ids=["default", "sequence-level"])
+def test_micro_batching_remat_and_query_blocks_do_not_change_the_update(hf_dirs, loss):
+  """A sequence's ratio, mask and weight are its row's: micro-batches of rows leave every objective as it is."""
   path, _ = hf_dirs["qwen3"]
   rows = packing.pack(SEQS, 8, index=True)  # 4 rows of 8 tokens
   adv = np.array([1.0, -0.5, 0.25, -1.0], np.float32)
   runs = []
   for micro, long_rows in ((4, False), (1, True)):
-    actor = _actor(hf.from_pretrained(path), micro, long_rows)
+    actor = _actor(hf.from_pretrained(path), micro, long_rows, loss)
     initial = jax.tree.map(np.array, actor.params)  # a copy: the update donates the buffers
     old = actor.logprobs(actor.params, rows) - 0.5  # ratio 1.65: positive advantages clip
-    batch = actor_lib.training_batch(rows, adv, np.ones(4, bool), "sequence", old, None)
+    batch = actor_lib.training_batch(rows, adv, np.ones(4, bool), "sequence", old, None,
+                                     rollout_logp=old + 0.8)  # the sampler 0.3 above: negative ones masked
     stats = actor.update(batch)
     runs.append((actor.params, [stats]))
   reference, other = runs  # the micro-batches' gradients are summed in another order
@@ -61,6 +67,8 @@ def test_micro_batching_remat_and_query_blocks_do_not_change_the_update(hf_dirs)
   for k in ("clip_frac", "entropy"):  # sums of non-negative terms: relative rounding ~1e-7
     np.testing.assert_allclose(other[1][0][k], reference[1][0][k], rtol=1e-5)
   assert reference[1][0]["grad_norm"] > 0 and 0 < reference[1][0]["clip_frac"] < 1
+  if loss.off_policy_mask:
+    assert 0 < reference[1][0]["masked"] < 1 and other[1][0]["masked"] == pytest.approx(reference[1][0]["masked"])
 
 
 def _adam_updates(actor, batches, weights=None):
