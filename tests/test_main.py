@@ -33,10 +33,11 @@ BAD_CONFIGS = [
     (["--config.rl.bogus=1"], "unknown config key 'bogus' in --config.rl.bogus"),
     (["--config=configs/tiny.py", "--config.rollout.nope=2"], "unknown config key 'nope' in --config.rollout.nope"),
     (["--config.rl.optimizer.learning_rate=fast"], "--config.rl.optimizer.learning_rate=fast"),
-    (["--config.rl.loss_aggregation=mean"], "config.rl.loss_aggregation='mean'"),
+    (["--config.rl.loss.aggregation=mean"], "config.rl.loss.aggregation='mean'"),
     (["--config.policy.weight_dtype=bfloat16"], "config.policy.weight_dtype='bfloat16': bfloat16 master weights "
      "need policy.dtype=bfloat16 (weights narrower than the compute)"),
-    (["--config.rl.tis_cap=0.5"], "config.rl.tis_cap=0.5: must be 0 (off) or >= 1"),
+    (["--config.rl.tis_cap=2"], "config.rl.tis_cap is now config.rl.rollout_correction.is_level and"),
+    (["--config.rl.rollout_correction.rs=seq_mean_k9"], "config.rl.rollout_correction.rs='seq_mean_k9': must name"),
     (["--config.policy.lora.rank=-1"], "config.policy.lora.rank=-1: must be >= 0"),
     (["--config.policy.lora.path=nowhere"], "config.policy.lora.path='nowhere': holds no adapter_config.json"),
     (["--config.policy.lora.target_modules=7"], "config.policy.lora.target_modules=7: must be 'all-linear', a regex"),
@@ -215,7 +216,7 @@ def _fault_config(workdir, steps, policy_dir, drafter_dir, cache_dir):
   c = tiny_rl_config(workdir, steps, cache_dir)
   c.policy.path = policy_dir
   c.policy.dtype = "bfloat16"
-  c.rl.tis_cap = 2.0  # truncated importance sampling of the rollout's log-probs, resumed exactly too
+  c.rl.rollout_correction.preset = "decoupled_token_is"  # truncated importance sampling, resumed exactly too
   c.data.reward_workers = 2  # the rewards in worker processes, as a run has them
   c.checkpoint.every = 1
   c.mesh.cpu_devices = 0  # the 8 devices XLA_FLAGS gives this process and its subprocesses: one compilation cache

@@ -43,6 +43,15 @@ def test_the_change_is_judged_against_its_paired_interval():
   assert report.summary(_records(first, noisy), "nowhere")["held_out"]["verdict"] == "within noise"
 
 
+def test_a_prompt_with_nothing_scorable_leaves_the_pairs_and_the_rest_stay_paired():
+  """An evaluation lists every prompt in order, None where no response could be scored (every reward function
+  returned None): the pairs are the prompts scorable both times, not shifted by the missing one."""
+  records = _records([0.2, 0.4, 0.6], [0.3, 0.5, 0.7])
+  records[-1]["eval/prompt_rewards"] = [0.3, None, 0.7]
+  h = report.held_out(records)
+  assert h["change_interval"] == "paired over 2 prompts" and h["change_ci95"] == pytest.approx(0.0, abs=1e-9)
+
+
 def test_without_per_prompt_rewards_the_two_intervals_combine():
   records = _records([0.0, 1.0], [1.0, 1.0])
   for r in records:

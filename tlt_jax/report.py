@@ -47,9 +47,10 @@ def held_out(records: list[dict], prefix: str = "eval/") -> dict | None:
     return out
   out["change"] = get(last, "reward") - get(first, "reward")
   a, b = get(first, "prompt_rewards"), get(last, "prompt_rewards")
-  if a and b and len(a) == len(b):
-    out["change_ci95"] = metrics.ci95([y - x for x, y in zip(a, b)])
-    out["change_interval"] = f"paired over {len(a)} prompts"
+  if a and b and len(a) == len(b):  # None: a prompt with no scorable response, out of the pairs
+    pairs = [y - x for x, y in zip(a, b) if x is not None and y is not None]
+    out["change_ci95"] = metrics.ci95(pairs)
+    out["change_interval"] = f"paired over {len(pairs)} prompts"
   elif get(first, "reward_ci95") is not None and get(last, "reward_ci95") is not None:
     out["change_ci95"] = math.hypot(get(first, "reward_ci95"), get(last, "reward_ci95"))
     out["change_interval"] = "the two evaluations' intervals combined"

@@ -38,7 +38,8 @@ def verl():
   functional = types.ModuleType("verl.utils.torch_functional")
   functional.torch = torch
   source = root.joinpath("utils", "torch_functional.py").read_text()
-  body = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name in ("masked_sum", "masked_mean")]
+  body = [n for n in ast.parse(source).body
+          if isinstance(n, ast.FunctionDef) and n.name in ("masked_sum", "masked_mean")]
   exec(compile(ast.Module(body, []), "verl/utils/torch_functional.py", "exec"), functional.__dict__)  # pylint: disable=exec-used
   protocol = types.ModuleType("verl.protocol")
   protocol.DataProto = type("DataProto", (), {"from_dict": staticmethod(lambda tensors: tensors)})
@@ -156,7 +157,8 @@ def test_trls_truncate_mode_clips_both_ways(logprobs):
   rows = logprobs["rows"]
   trained = (rows[3] > 0) & (rows[4] > 0)
   ratio = np.exp(trainer - rollout)[trained]
-  weights, _, _ = corrections.RolloutCorrection(is_level="token", is_min=0.97, is_max=1.02).apply(trainer, rollout, rows)
+  token = corrections.RolloutCorrection(is_level="token", is_min=0.97, is_max=1.02)
+  weights, _, _ = token.apply(trainer, rollout, rows)
   np.testing.assert_allclose(weights[trained], np.clip(ratio, 0.97, 1.02), rtol=1e-6)
   assert (weights[trained] == 0.97).any() and (weights[trained] == 1.02).any()
   seq, _, _ = corrections.RolloutCorrection(is_level="sequence", is_min=0.9, is_max=1.1).apply(trainer, rollout, rows)

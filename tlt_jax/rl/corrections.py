@@ -160,8 +160,8 @@ class RolloutCorrection:
 
 def offpolicy_metrics(train: np.ndarray, roll: np.ndarray, seq: "_Sequences") -> dict[str, float]:
   """verl's off-policy diagnostics of the trained tokens' log-probs (trainer's, rollout's): KL(rollout ||
-  trainer) directly and by k3 (and the tokens' mean |log p gap|), each side's perplexity (the sequences' mean), their log difference, and the
-  chi-squared divergences of the token and sequence ratios."""
+  trainer) directly and by k3 (and the tokens' mean |log p gap|), each side's perplexity (the sequences' mean),
+  their log difference, and the chi-squared divergences of the token and sequence ratios."""
   log_r = train - roll
   mean_train, mean_roll = seq.mean(train), seq.mean(roll)
   diff = mean_roll - mean_train
@@ -169,7 +169,8 @@ def offpolicy_metrics(train: np.ndarray, roll: np.ndarray, seq: "_Sequences") ->
           "mismatch/kl": float((roll - train).mean()), "mismatch/k3_kl": float((np.expm1(log_r) - log_r).mean()),
           "mismatch/training_ppl": float(np.exp(-mean_train).mean()),
           "mismatch/training_log_ppl": float(-mean_train.mean()),
-          "mismatch/rollout_ppl": float(np.exp(-mean_roll).mean()), "mismatch/rollout_log_ppl": float(-mean_roll.mean()),
+          "mismatch/rollout_ppl": float(np.exp(-mean_roll).mean()),
+          "mismatch/rollout_log_ppl": float(-mean_roll.mean()),
           "mismatch/log_ppl_diff": float(diff.mean()), "mismatch/log_ppl_abs_diff": float(np.abs(diff).mean()),
           "mismatch/log_ppl_diff_max": float(diff.max()), "mismatch/log_ppl_diff_min": float(diff.min()),
           "mismatch/ppl_ratio": float(np.exp(diff).mean()),

@@ -94,11 +94,14 @@ def evaluate(s: EvalSet, scorer: scorer_lib.Scorer, tok, state: rewards.TrainerS
   prompt, score, answered, length = (np.asarray(column) for column in zip(*rows))
   scored = ~np.isnan(score)  # NaN: no reward function applies (TRL's None), out of the means
   per_prompt = metrics_lib.group_means(score[scored], prompt[scored].tolist())
+  # One entry per prompt, in order (None: no response scorable), so that evaluations pair prompt by prompt.
+  by_prompt = [None if np.isnan(score[prompt == i]).all() else round(float(np.nanmean(score[prompt == i])), 4)
+               for i in sorted(set(prompt.tolist()))]
   correct = [int((score[prompt == i] >= 1.0).sum()) for i in sorted(set(prompt.tolist()))]
   k = s.k or s.num_samples
   return {s.key("reward"): float(score[scored].mean()) if scored.any() else math.nan,
           s.key("reward_ci95"): metrics_lib.ci95(per_prompt),
-          s.key("prompt_rewards"): [round(x, 4) for x in per_prompt],
+          s.key("prompt_rewards"): by_prompt,
           s.key("accuracy"): float((score[scored] >= 1.0).mean()) if scored.any() else math.nan,
           s.key("pass@1"): float(np.mean([c / s.num_samples for c in correct])),
           s.key(f"pass@{k}"): float(np.mean([pass_at_k(s.num_samples, c, k) for c in correct])),

@@ -36,8 +36,9 @@ REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 def advantages(rewards_GxN: np.ndarray, std: str = "sample", eps: float = 1e-6) -> np.ndarray:
   """(r - group mean) / (group std + eps): the sample std (N - 1 degrees of freedom, as verl and TRL
   take it; a group of one has none: 0), the population std (N), the sample std of the whole batch's rewards
-  (`std="batch"`, TRL's scale_rewards="batch"), or no std at all, the mean removed only (`std="none"`, Dr. GRPO). A NaN reward (no reward function applies) is left out of its group's mean and
-  std and gets advantage 0, as TRL does."""
+  (`std="batch"`, TRL's scale_rewards="batch"), or no std at all, the mean removed only (`std="none"`, Dr.
+  GRPO). A NaN reward (no reward function applies) is left out of its group's mean and std and gets advantage 0,
+  as TRL does."""
   if std not in ADVANTAGE_STDS:
     raise ValueError(f"advantage std must be one of {ADVANTAGE_STDS}, got {std!r}")
   r = np.asarray(rewards_GxN, np.float64)
