@@ -310,9 +310,9 @@ def _timing(key: str) -> bool:
   """Figures that follow the wall clock or the process: times, the acceptance length and the idle slot
   share (the bandit picks SD on or off by measured speed, so which tail steps were speculative, and
   how many slot-steps a play took, varies; the samples do not), how many drafter rounds started
-  before the last group finished (the drafter's steps and their results do not vary), and what
-  compiled (a resumed process compiles its engines in its first step)."""
-  return key.endswith(("_s", "_share")) or key.startswith("time/") or key in (
+  before the last group finished (the drafter's steps and their results do not vary), what
+  compiled (a resumed process compiles its engines in its first step), and peak memory (the process's)."""
+  return key.endswith(("_s", "_share")) or key.startswith(("time/", "memory/")) or key in (
       "rollout/accept_len", "rollout/idle_slot_fraction", "spot/train_rounds", "rollout/compilations")
 
 

@@ -18,6 +18,7 @@ from typing import Sequence
 from absl import logging
 
 from tlt_jax import files
+from tlt_jax import memory
 from tlt_jax import metrics
 
 FIGURE = "run.png"
@@ -114,13 +115,24 @@ def summary(records: list[dict], workdir: str, *, figure: str | None = None, wal
   steps = [r["step"] for r in records if "reward/mean" in r]
   out = {"steps": max(steps, default=0), "wall_s": wall_s, "held_out": held_out(records),
          "eval_sets": eval_sets(records) or None, "rollout": rollout(records),
-         "training_reward": training_reward(records), "training": training(records)}
+         "training_reward": training_reward(records), "training": training(records), "memory": peak_memory(records)}
   paths = {"metrics": os.path.join(workdir, "metrics.jsonl"), "completions": os.path.join(workdir, "completions.jsonl"),
            "tensorboard": os.path.join(workdir, "tensorboard"),
            "figure": figure, "export": os.path.join(workdir, "export"),
            "checkpoints": os.path.join(workdir, "checkpoints")}
   out["outputs"] = {k: v for k, v in paths.items() if v and os.path.exists(v)}
   return {k: v for k, v in out.items() if v is not None}
+
+
+def peak_memory(records: list[dict]) -> dict | None:
+  """The run's peak memory and the phase that set it: the host process's resident set and, where the backend
+  keeps it, the devices' bytes in use (tlt_jax.memory)."""
+  out = {}
+  for where, prefix in (("host", "memory/"), ("device", "memory/device/")):
+    found = memory.peak_phase(records, prefix)
+    if found:
+      out[where] = {"phase": found[0], "gb": found[1]}
+  return out or None
 
 
 def _pm(value: float, ci: float | None) -> str:
@@ -175,6 +187,9 @@ def text(s: dict) -> str:
     m = r["mismatch"]
     lines.append(f"training-inference mismatch (every step): mean |rollout - trainer log p| {m['logp_abs_diff']:.2e}, "
                  f"KL {m['k3_kl']:.2e}")
+  if s.get("memory"):
+    lines.append("peak memory: " + ", ".join(f"{where} {m['gb']:.2f} GB (in {m['phase']})"
+                                              for where, m in s["memory"].items()))
   lines.append("outputs:")
   for name, path in s.get("outputs", {}).items():
     lines.append(f"  {name + ':':13s}{path}")

@@ -20,9 +20,9 @@ from tlt_jax.rollout.tools import Turn, Turns
 
 
 def _timing(key: str) -> bool:
-  """Timing figures and what compiled (a resumed process compiles in its first step) differ between
-  runs; everything else must not."""
-  return key.endswith(("_s", "_share")) or key.startswith("time/") or key == "rollout/compilations"
+  """Timing figures, peak memory and what compiled (a resumed process compiles in its first step) differ
+  between runs; everything else must not."""
+  return key.endswith(("_s", "_share")) or key.startswith(("time/", "memory/")) or key == "rollout/compilations"
 
 
 def _run(workdir, steps, policy_dir, cache_dir, **overrides):
@@ -63,7 +63,7 @@ def test_resume_continues_exactly(tmp_path, tiny_policy_dir, xla_cache):
   # Held-out evaluations before the first step and every 2 steps, identical after the resume.
   assert [r["step"] for r in a if "eval/reward" in r] == [0, 2, 4] and set(a[0]) == {"step", "eval/reward",
       "eval/reward_ci95", "eval/prompt_rewards", "eval/accuracy", "eval/pass@1", "eval/pass@2", "eval/answered",
-      "eval/response_length", "eval/reward_failures", "time/eval_s"}
+      "eval/response_length", "eval/reward_failures", "time/eval_s", "memory/eval_gb"}
   # The interval is over the held-out prompts' means (3 prompts: `tiny_rl_config`'s eval.size).
   assert len(a[0]["eval/prompt_rewards"]) == 3 and a[0]["eval/reward"] == pytest.approx(
       np.mean(a[0]["eval/prompt_rewards"]), abs=1e-4)
@@ -396,3 +396,5 @@ def test_an_objective_and_a_rollout_correction_run_in_the_trainer(tmp_path, tiny
   assert record["train/updates"] == 2 and record["train/skipped_updates"] == 0
   assert record["mismatch/rs_masked_fraction"] == 0.0 and abs(record["mismatch/is_mean"] - 1) < 1e-5
   assert abs(record["mismatch/chi2_token"]) < 1e-5 and record["mismatch/training_ppl"] > 1
+  phases = {"rollout", "rewards", "old_logp", "update", "push", "checkpoint"}  # each one's host peak memory
+  assert {f"memory/{p}_gb" for p in phases} <= set(record) and all(record[f"memory/{p}_gb"] > 0.1 for p in phases)

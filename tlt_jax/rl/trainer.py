@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 from tlt_jax import checkpoint as checkpoint_lib
 from tlt_jax import distributed
+from tlt_jax import memory
 from tlt_jax import metrics as metrics_lib
 from tlt_jax import packing
 from tlt_jax import sharding
@@ -138,6 +139,7 @@ class Trainer:
                  100 * trained / (trained + frozen), "; LoRA adapters" if self.actor.lora else "",
                  sum(x.nbytes for x in jax.tree.leaves(self.actor.opt_state)) / 1e9)
     self.recompute_old_logp = recomputes_old_logp(c)
+    self.peaks = memory.Peaks()  # each phase's peak memory, into each step's record
     self.correction = builders.rollout_correction(c)
     # A LoRA run's checkpoints hold its adapters alone: the base model they were trained on is checked on resume.
     self.lora = None
@@ -249,7 +251,7 @@ class Trainer:
     indices, offset = self._batch_prompts(self.step)
     examples = [self.prompts[i] for i in indices]
     g = c.rollout.num_samples
-    with profile.count_compilations() as compiled:  # the first step's prepares the engines; later ones: none
+    with profile.count_compilations() as compiled, self.peaks.phase("rollout"):  # compiles at the first step only
       samples, rollout_metrics = self.rollout.generate([ex.prompt_ids for ex in examples], g, prompt_offset=offset)
     rollout_s = time.perf_counter() - start
     if compiled and self._rolled_out:  # this process's first rollout compiles every executable; later ones none
@@ -262,9 +264,10 @@ class Trainer:
     items = [examples[s.prompt_index].item(t, s.answer.tolist(), tools.trajectory(s), tools.conversation(s, self.tok))
              for s, t in zip(samples, texts)]
     per_function = []
-    scores, reward_stats = self.scorer.score(examples[0].reward, items, what=f"in step {self.step + 1}",
-                                             state=rewards.TrainerState(self.step, c.steps), columns=logged_columns,
-                                             per_function=per_function)
+    with self.peaks.phase("rewards"):
+      scores, reward_stats = self.scorer.score(examples[0].reward, items, what=f"in step {self.step + 1}",
+                                               state=rewards.TrainerState(self.step, c.steps), columns=logged_columns,
+                                               per_function=per_function)
     lengths = np.asarray([len(s.tokens) for s in samples])
     penalty = grpo.overlong_penalty(lengths, c.rollout.sampling.max_new_tokens, c.rl.overlong_buffer)
     shaped = scores + penalty
@@ -280,7 +283,8 @@ class Trainer:
     t_train = time.perf_counter()
     reward_s = t_train - start - rollout_s
     train_stats = self._update(examples, samples, adv, keep)
-    self._push_policy()
+    with self.peaks.phase("push"):
+      self._push_policy()
     train_s = time.perf_counter() - t_train
 
     self.step += 1
@@ -296,9 +300,13 @@ class Trainer:
               "time/rollout_s": rollout_s, "time/reward_s": reward_s, "time/train_s": train_s,
               "time/step_s": time.perf_counter() - start}
     if self._eval_due():
-      record.update(self.evaluate())
-    if self.checkpoints.due(self.step) and self.checkpoints.save(self.step, *self._state()):
-      self.saved_step = self.step
+      with self.peaks.phase("eval"):
+        record.update(self.evaluate())
+    if self.checkpoints.due(self.step):
+      with self.peaks.phase("checkpoint"):
+        if self.checkpoints.save(self.step, *self._state()):
+          self.saved_step = self.step
+    record.update(self.peaks.record())
     if self.metrics is not None:
       self.metrics.write_completions(self.step, [
           {**{name: column[i] for name, column in logged_columns.items()}, "prompt": s.prompt_index,
@@ -325,13 +333,14 @@ class Trainer:
     sequences = [(examples[s.prompt_index].prompt_ids, s.tokens.tolist(),
                   *(() if s.tool_mask is None else (~s.tool_mask,))) for s in samples]  # tool tokens: no loss
     parts = []
-    for part in np.array_split(order, min(c.rl.mini_batches, len(order))):
-      rows = packing.pack([sequences[i] for i in part], c.rl.row_len, index=True)
-      rollout_logp = actor_lib.response_plane(rows, [samples[i].own(samples[i].logprobs) for i in part])
-      old = self.actor.logprobs(self.actor.params, rows) if self.recompute_old_logp else rollout_logp
-      ref = self.actor.logprobs(self.ref_params, rows) if self.ref_params is not None else None
-      parts.append((part, rows, rollout_logp, old, ref))
-    is_weights, loss_masks, mismatch = self._correct(parts)
+    with self.peaks.phase("old_logp"):
+      for part in np.array_split(order, min(c.rl.mini_batches, len(order))):
+        rows = packing.pack([sequences[i] for i in part], c.rl.row_len, index=True)
+        rollout_logp = actor_lib.response_plane(rows, [samples[i].own(samples[i].logprobs) for i in part])
+        old = self.actor.logprobs(self.actor.params, rows) if self.recompute_old_logp else rollout_logp
+        ref = self.actor.logprobs(self.ref_params, rows) if self.ref_params is not None else None
+        parts.append((part, rows, rollout_logp, old, ref))
+      is_weights, loss_masks, mismatch = self._correct(parts)
     batches = []
     for (part, rows, rollout_logp, old, ref), w, loss_mask in zip(parts, is_weights, loss_masks):
       rows = np.concatenate([rows[:3], loss_mask[None], rows[4:]])
@@ -339,23 +348,24 @@ class Trainer:
                                               old, ref, w, c.rollout.sampling.max_new_tokens, rollout_logp))
     times = {"time/old_logp_s": time.perf_counter() - start}  # and the reference's, with a KL
     sums, skipped = {}, 0
-    for batch in batches:
-      stats = self.actor.update(batch)
-      if stats.pop("skipped"):
-        skipped += 1
-        self.skipped_in_a_row += 1
-        logging.warning("step %d: skipped a policy update with a non-finite loss or gradient (%s); %d in a row",
-                        self.step + 1, ", ".join(f"{k}={v:.4g}" for k, v in stats.items()), self.skipped_in_a_row)
-        if self.skipped_in_a_row >= c.rl.max_skipped_updates:
-          raise NonFiniteUpdates(
-              f"step {self.step + 1}: {self.skipped_in_a_row} policy updates in a row had a non-finite loss or "
-              f"gradient (config.rl.max_skipped_updates={c.rl.max_skipped_updates}); stopping. The last checkpoint "
-              f"(step {self.saved_step}) holds the params from before them: lower rl.optimizer.learning_rate, check "
-              "the data and rewards, then resume")
-        continue
-      self.skipped_in_a_row = 0
-      for k, v in stats.items():
-        sums[k] = sums.get(k, 0.0) + v
+    with self.peaks.phase("update"):  # every micro-batch's gradient and the optimizer's update
+      for batch in batches:
+        stats = self.actor.update(batch)
+        if stats.pop("skipped"):
+          skipped += 1
+          self.skipped_in_a_row += 1
+          logging.warning("step %d: skipped a policy update with a non-finite loss or gradient (%s); %d in a row",
+                          self.step + 1, ", ".join(f"{k}={v:.4g}" for k, v in stats.items()), self.skipped_in_a_row)
+          if self.skipped_in_a_row >= c.rl.max_skipped_updates:
+            raise NonFiniteUpdates(
+                f"step {self.step + 1}: {self.skipped_in_a_row} policy updates in a row had a non-finite loss or "
+                f"gradient (config.rl.max_skipped_updates={c.rl.max_skipped_updates}); stopping. The last checkpoint "
+                f"(step {self.saved_step}) holds the params from before them: lower rl.optimizer.learning_rate, check "
+                "the data and rewards, then resume")
+          continue
+        self.skipped_in_a_row = 0
+        for k, v in stats.items():
+          sums[k] = sums.get(k, 0.0) + v
     applied = len(batches) - skipped
     times["time/update_s"] = time.perf_counter() - start - times["time/old_logp_s"]
     return {**{f"train/{k}": v / max(applied, 1) for k, v in sums.items()}, "train/updates": applied,
@@ -386,7 +396,9 @@ class Trainer:
     total = self.config.steps if steps is None else steps
     records, reason = [], None
     if self.step == 0 and self._eval_due() and total > 0:  # the starting point (every process evaluates its share)
-      record = self.evaluate()
+      with self.peaks.phase("eval"):
+        record = self.evaluate()
+      record.update(self.peaks.record())
       if self.metrics is not None:
         self.metrics.write(0, record)
     with tqdm(total=total, initial=self.step, desc="rl", unit="step", disable=not distributed.primary()) as bar:
