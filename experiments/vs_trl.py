@@ -7,12 +7,14 @@
 The config's job (configs/smollm2.py: 8 prompts x 8 samples at its temperature and token budget, its
 learning rate, clip range, loss aggregation, mini-batches per step and grad clip; no KL) with plain
 rollouts, no held-out evaluation and no checkpoint, run by each side in a process of its own, one after
-the other (the peak memory, ru_maxrss, is each process's own):
+the other (the peak memory, ru_maxrss, is each process's own; each phase's peak after the first step too:
+tlt_jax's records, TRL's generation-and-scoring and update; tlt_jax.memory):
   tlt_jax  tlt_jax.rl.trainer.Trainer, `--steps` steps;
   trl      TRL's GRPOTrainer (transformers `generate`, torch on the CPU) over the same steps' prompts (the
            same prompt tokens: the config's chat-templated prompts), in the same float32, DAPO's
            token-level loss, `rl.mini_batches` optimizer updates a step (gradient accumulation over
-           `--trl_batch_size` samples at a time, padded to the longest), sample-std group
+           `--trl_batch_size` samples at a time, padded to the longest; by default as many tokens as
+           tlt_jax's micro-batch of packed rows, the choice printed), sample-std group
            advantages, constant learning rate, no KL, activation checkpointing as `rl.actor.remat` (off;
            TRL's default is on); old log-probs recomputed (TRL has no others from `generate`); the same
            reward (the config's, through tlt_jax.rl.scorer).
@@ -43,8 +45,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", os.path.join(os.path.dirname
 _STEPS = flags.DEFINE_integer("steps", 2, "RL steps per side (the first is left out of the ratios).")
 _OUT = flags.DEFINE_string("out", "runs/vs_trl", "Output directory.")
 _SIDES = flags.DEFINE_list("sides", ["tlt_jax", "trl"], "Which sides to run, each in a process of its own.")
-_TRL_BATCH = flags.DEFINE_integer("trl_batch_size", 8, "TRL's per_device_train_batch_size (its default): samples "
-                                   "per forward / backward, padded to the longest.")
+_TRL_BATCH = flags.DEFINE_integer("trl_batch_size", 0, "TRL's per_device_train_batch_size: samples per forward / "
+                                   "backward, padded to the longest; 0: as many tokens as tlt_jax's micro-batch "
+                                   "(rl.actor.micro_batch_rows rows of rl.row_len) at TRL's longest (prompt + budget).")
 _SIDE = flags.DEFINE_string("side", "", "Internal: run this side in this process.")
 
 PHASES = ("rollout_s", "reward_s", "old_logp_s", "update_s", "step_s")
@@ -62,6 +65,17 @@ def job(config):
   c.checkpoint.every = 10**6
   c.steps = _STEPS.value
   return c
+
+
+def equal_tokens(c) -> int:
+  """TRL's micro-batch holding about the tokens of ours: our packed rows' tokens over TRL's longest padded
+  sequence (the prompt and the whole budget), at least 1, lowered to a divisor of an update's samples."""
+  ours = c.rl.actor.micro_batch_rows * c.rl.row_len
+  micro = max(1, round(ours / (c.data.max_prompt_len + c.rollout.sampling.max_new_tokens)))
+  per_update = c.rollout.num_samples * c.rollout.prompts_per_step // c.rl.mini_batches
+  while per_update % micro:
+    micro -= 1
+  return micro
 
 
 def run_tlt_jax(config, out: str) -> dict:
@@ -84,7 +98,19 @@ def run_tlt_jax(config, out: str) -> dict:
             "update_s": r["time/update_s"], "step_s": r["time/step_s"], "samples_trained": r["samples_trained"],
             "reward": r["reward/mean"]} for r in records]
   return {"steps": steps, "prompt_indices": indices, "peak_rss_gb": peak, "update_phases": phases,
-          "old_logp": "recomputed" if trainer.recompute_old_logp else "the rollout's"}
+          "old_logp": "recomputed" if trainer.recompute_old_logp else "the rollout's",
+          "phase_peaks_gb": phase_peaks(records)}
+
+
+def phase_peaks(records: list[dict]) -> dict[str, float]:
+  """Each phase's host peak (memory/<phase>_gb) over the steps after the first."""
+  out = {}
+  for r in records[1:]:
+    for key, value in r.items():
+      if key.startswith("memory/") and key.count("/") == 1:
+        name = key[len("memory/"):-len("_gb")]
+        out[name] = max(out.get(name, 0.0), value)
+  return out
 
 
 def update_phases(actor, batch: dict) -> dict:
@@ -151,6 +177,7 @@ def run_trl(config, out: str, indices: list[list[int]]) -> dict:
   import transformers
   import trl
 
+  from tlt_jax import memory
   from tlt_jax.rl import bootstrap, rewards, scorer
   c = job(config)
   tok = transformers.AutoTokenizer.from_pretrained(c.policy.path)
@@ -165,7 +192,9 @@ def run_trl(config, out: str, indices: list[list[int]]) -> dict:
 
   g, per_step = c.rollout.num_samples, c.rollout.prompts_per_step
   samples = g * per_step
-  micro = min(_TRL_BATCH.value, samples // c.rl.mini_batches)
+  micro = min(_TRL_BATCH.value or equal_tokens(c), samples // c.rl.mini_batches)
+  print(f"TRL: {micro} samples a micro-batch (per_device_train_batch_size; tlt_jax: {c.rl.actor.micro_batch_rows} "
+        f"packed rows of {c.rl.row_len} tokens)", flush=True)
   if samples % (micro * c.rl.mini_batches):
     raise app.UsageError(f"{samples} samples a step do not split into {c.rl.mini_batches} updates of "
                          f"--trl_batch_size={micro} samples at a time")
@@ -200,14 +229,28 @@ def run_trl(config, out: str, indices: list[list[int]]) -> dict:
   _Timer(trainer, "_get_per_token_logps_and_entropies", times,
          lambda: "update_forward_s" if torch.is_grad_enabled() else "old_logp_s")
   _Timer(trainer, "_generate_and_score_completions", times, "prepare_s")
-  steps = []
+  steps, peaks = [], {}
+  prepare = trainer._generate_and_score_completions  # pylint: disable=protected-access
+
+  def measured(*args, **kwargs):  # its own peak: generation, rewards, old log-probs
+    memory.reset_host_peak()
+    try:
+      return prepare(*args, **kwargs)
+    finally:
+      if steps:  # the first step's peaks are left out, as tlt_jax's
+        peaks["prepare"] = max(peaks.get("prepare", 0.0), memory.host_peak_gb())
+      memory.reset_host_peak()
+  trainer._generate_and_score_completions = measured  # pylint: disable=protected-access
 
   class Steps(transformers.TrainerCallback):
     def on_step_begin(self, *_, **__):
+      memory.reset_host_peak()
       if not times.get("_start"):
         times["_start"] = time.perf_counter()
 
     def on_step_end(self, _args, state, *__, **___):
+      if steps:
+        peaks["update"] = max(peaks.get("update", 0.0), memory.host_peak_gb())
       if state.global_step % c.rl.mini_batches == 0:  # one generation batch's updates done: an RL step
         step_s = time.perf_counter() - times.pop("_start")
         record = {k: times.pop(k, 0.0) for k in ("rollout_s", "reward_s", "old_logp_s", "update_forward_s",
@@ -218,7 +261,7 @@ def run_trl(config, out: str, indices: list[list[int]]) -> dict:
   trainer.train()
   score.close()
   generated = [p for batch in calls["prompt_ids"] for p in batch[::g]]
-  return {"steps": steps, "peak_rss_gb": peak_rss_gb(),
+  return {"steps": steps, "peak_rss_gb": peak_rss_gb(), "phase_peaks_gb": peaks,
           "same_prompt_tokens": generated == [list(r.prompt_ids) for r in rows],
           "settings": {k: getattr(args, k) for k in ("per_device_train_batch_size", "steps_per_generation",
                                                      "gradient_accumulation_steps", "loss_type", "max_steps")}}
@@ -227,7 +270,8 @@ def run_trl(config, out: str, indices: list[list[int]]) -> dict:
 def summary(results: dict) -> dict:
   """The last step's phases of each side, and TRL / tlt_jax for each phase and per trained sample."""
   last = {side: r["steps"][-1] for side, r in results.items()}
-  out = {"last_step": last, "peak_rss_gb": {s: r["peak_rss_gb"] for s, r in results.items()}}
+  out = {"last_step": last, "peak_rss_gb": {s: r["peak_rss_gb"] for s, r in results.items()},
+         "phase_peaks_gb": {s: r.get("phase_peaks_gb") for s, r in results.items()}}
   if "tlt_jax" in results:
     out["tlt_jax_update_phases"] = results["tlt_jax"]["update_phases"]
   if set(results) == {"tlt_jax", "trl"}:

@@ -8,6 +8,7 @@ vs_trl.py's both sides."""
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -260,9 +261,9 @@ def test_bench_kernels_says_what_failed(tmp_path):
 def test_vs_trl_smoke_runs_both_sides_on_the_same_prompts(tmp_path, tiny_policy_dir, smoke_env):
   """`vs_trl.py` on configs/smollm2.py's smoke job (a tiny policy): tlt_jax's trainer and TRL's GRPOTrainer each
   run a step in a process of its own, TRL gets the same prompt tokens, and the summary holds both sides'
-  phases, the update's phases and the ratios."""
+  phases, the update's phases, each phase's peak memory and the ratios."""
   out = tmp_path / "out"
-  done = subprocess.run([sys.executable, "vs_trl.py", "--config=../configs/smollm2.py:smoke", "--steps=1",
+  done = subprocess.run([sys.executable, "vs_trl.py", "--config=../configs/smollm2.py:smoke", "--steps=2",
                          f"--config.policy.path={tiny_policy_dir}", "--config.rl.dynamic_sampling=False",
                          f"--out={out}"], cwd=EXPERIMENTS, env=smoke_env,
                         capture_output=True, text=True, timeout=600)
@@ -274,6 +275,11 @@ def test_vs_trl_smoke_runs_both_sides_on_the_same_prompts(tmp_path, tiny_policy_
   phases = summary["tlt_jax_update_phases"]
   assert all(phases[k] > 0 for k in ("forward_s", "forward_backward_s", "optimizer_s", "forward_backward_temp_gb"))
   assert all(v > 0 for v in summary["peak_rss_gb"].values())
+  # Each side's phases' own peaks (after the first step), at TRL's micro-batch of equal tokens (printed).
+  assert set(summary["phase_peaks_gb"]["trl"]) == {"prepare", "update"}
+  assert {"rollout", "rewards", "old_logp", "update"} <= set(summary["phase_peaks_gb"]["tlt_jax"])
+  assert all(v > 0.1 for side in summary["phase_peaks_gb"].values() for v in side.values())
+  assert re.search(r"TRL: \d+ samples a micro-batch \(per_device_train_batch_size; tlt_jax: ", done.stdout)
 
 
 def test_objectives_runs_each_arm_and_compares_it_with_the_first(tmp_path, xla_cache):
