@@ -282,6 +282,8 @@ class Trainer:
 
     t_train = time.perf_counter()
     reward_s = t_train - start - rollout_s
+    for rollout in self._rollouts:  # their copy of the policy is stale from here: its memory goes to the update
+      rollout.release_policy_params()
     train_stats = self._update(examples, samples, adv, keep)
     with self.peaks.phase("push"):
       self._push_policy()

@@ -99,6 +99,12 @@ class BaseRollout(abc.ABC):
     """New policy params (after an actor update) for the next `generate`; the caller may donate
     its own arrays afterwards."""
 
+  def release_policy_params(self) -> None:
+    """Drops the engines' copy of the policy (while the trainer updates it, the memory is the trainer's);
+    `set_policy_params` gives them the next one, same shapes, nothing recompiled."""
+    for engine in self.engines:
+      engine.set_params(None)
+
   def drafter_model(self) -> Drafter | None:
     """The drafter this rollout speculates with, as trained so far (for the export); None without one."""
     return None
