@@ -53,8 +53,10 @@ _SIDE = flags.DEFINE_string("side", "", "Internal: run this side in this process
 PHASES = ("rollout_s", "reward_s", "old_logp_s", "update_s", "step_s")
 
 
-def peak_rss_gb() -> float:
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+def peak_rss_gb(*phase_peaks: float) -> float:
+  """The process's peak resident set, GB: ru_maxrss (KiB on Linux), which a phase's reset of the high-water mark
+  (tlt_jax.memory) restarts, so the largest of it and the phases' own peaks."""
+  return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, *phase_peaks)
 
 
 def job(config):
@@ -89,7 +91,8 @@ def run_tlt_jax(config, out: str) -> dict:
   try:
     # Step 1 alone, its checkpoint written (orbax saves the first step) before the steps that are timed.
     records = trainer.run(1) + trainer.run()
-    peak = peak_rss_gb()  # the run's (the phases below hold copies of the params and the optimizer state)
+    # The run's (the phases below hold copies of the params and the optimizer state).
+    peak = peak_rss_gb(*[v for r in records for k, v in r.items() if k.startswith("memory/") and k.count("/") == 1])
     phases = update_phases(trainer.actor, batches[-1]) if batches else None  # None: no group's rewards differed
     indices = [trainer._batch_prompts(s)[0] for s in range(c.steps)]  # pylint: disable=protected-access
   finally:
@@ -237,8 +240,10 @@ def run_trl(config, out: str, indices: list[list[int]]) -> dict:
     try:
       return prepare(*args, **kwargs)
     finally:
+      peak = memory.host_peak_gb()
+      peaks["process"] = max(peaks.get("process", 0.0), peak)
       if steps:  # the first step's peaks are left out, as tlt_jax's
-        peaks["prepare"] = max(peaks.get("prepare", 0.0), memory.host_peak_gb())
+        peaks["prepare"] = max(peaks.get("prepare", 0.0), peak)
       memory.reset_host_peak()
   trainer._generate_and_score_completions = measured  # pylint: disable=protected-access
 
@@ -249,8 +254,10 @@ def run_trl(config, out: str, indices: list[list[int]]) -> dict:
         times["_start"] = time.perf_counter()
 
     def on_step_end(self, _args, state, *__, **___):
+      peak = memory.host_peak_gb()
+      peaks["process"] = max(peaks.get("process", 0.0), peak)
       if steps:
-        peaks["update"] = max(peaks.get("update", 0.0), memory.host_peak_gb())
+        peaks["update"] = max(peaks.get("update", 0.0), peak)
       if state.global_step % c.rl.mini_batches == 0:  # one generation batch's updates done: an RL step
         step_s = time.perf_counter() - times.pop("_start")
         record = {k: times.pop(k, 0.0) for k in ("rollout_s", "reward_s", "old_logp_s", "update_forward_s",
@@ -261,7 +268,7 @@ def run_trl(config, out: str, indices: list[list[int]]) -> dict:
   trainer.train()
   score.close()
   generated = [p for batch in calls["prompt_ids"] for p in batch[::g]]
-  return {"steps": steps, "peak_rss_gb": peak_rss_gb(), "phase_peaks_gb": peaks,
+  return {"steps": steps, "peak_rss_gb": peak_rss_gb(peaks.pop("process", 0.0)), "phase_peaks_gb": peaks,
           "same_prompt_tokens": generated == [list(r.prompt_ids) for r in rows],
           "settings": {k: getattr(args, k) for k in ("per_device_train_batch_size", "steps_per_generation",
                                                      "gradient_accumulation_steps", "loss_type", "max_steps")}}
