@@ -370,3 +370,12 @@ def test_each_key_gets_its_own_comment_or_its_block_s():
   assert notes["model.hidden_size"].startswith("Architecture of the tiny policy")  # past model.vocab_size's own
   assert notes["rollout.engine.num_pages"] == notes["rollout.engine.page_size"]
   assert "sft.steps" not in notes
+
+
+def test_a_rollout_correction_needs_the_trainers_own_old_log_probs():
+  config = config_lib.base()
+  config.rl.old_logp, config.rl.rollout_correction.preset = "rollout", "decoupled_token_is"
+  with pytest.raises(ValueError, match=r"^config.rl.old_logp='rollout': .* rl.rollout_correction .* do nothing"):
+    checks.check(config)
+  config.rl.old_logp = "auto"  # recomputed for the correction (trainer.recomputes_old_logp)
+  checks.check(config)

@@ -135,6 +135,11 @@ def check(config: ml_collections.ConfigDict) -> None:
       tools.schema(spec)
     except tools.ToolError as e:
       need(False, "rollout.tools", str(e))
+  correction = config.rl.rollout_correction
+  corrected = correction.preset or correction.is_level or correction.rs
+  need(config.rl.old_logp != "rollout" or not corrected, "rl.old_logp",
+       "'rollout' makes the old log-probs the rollout's own, so rl.rollout_correction (which weighs the "
+       "trainer's against the rollout's) would do nothing: use 'auto' or 'recompute'")
   s = config.rollout.sampling
   need(config.rl.old_logp != "rollout" or not s.top_k and s.top_p >= 1, "rl.old_logp",
        "the rollout's log-probs under top-k / top-p are of a truncated distribution, not the policy's: use "
