@@ -37,3 +37,16 @@ def test_the_summary_names_the_phase_that_set_the_peak():
   s = report.summary(records, "nowhere")
   assert s["memory"] == {"host": {"phase": "update", "gb": 2.25}, "device": {"phase": "update", "gb": 9.0}}
   assert "peak memory: host 2.25 GB (in update), device 9.00 GB (in update)" in report.text(s)
+
+
+def test_releasing_the_host_heap_returns_what_a_phase_freed():
+  """200 MB of small blocks freed below a live one stay resident (the heap cannot shrink past it) until
+  `release_host` hands their pages back."""
+  rss = lambda: int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmRSS"))) / 1e6
+  blocks = [bytes(2000) for _ in range(100_000)]
+  live = [bytes(2000) for _ in range(10)]
+  del blocks
+  before = rss()
+  if not memory.release_host():
+    pytest.skip("no glibc malloc_trim here")
+  assert before - rss() > 0.1 and live

@@ -251,6 +251,7 @@ class Trainer:
     indices, offset = self._batch_prompts(self.step)
     examples = [self.prompts[i] for i in indices]
     g = c.rollout.num_samples
+    memory.release_host()  # what the last step's evaluation and checkpoint freed
     with profile.count_compilations() as compiled, self.peaks.phase("rollout"):  # compiles at the first step only
       samples, rollout_metrics = self.rollout.generate([ex.prompt_ids for ex in examples], g, prompt_offset=offset)
     rollout_s = time.perf_counter() - start
@@ -284,7 +285,9 @@ class Trainer:
     reward_s = t_train - start - rollout_s
     for rollout in self._rollouts:  # their copy of the policy is stale from here: its memory goes to the update
       rollout.release_policy_params()
+    memory.release_host()  # what the rollout freed, before the update stands on it
     train_stats = self._update(examples, samples, adv, keep)
+    memory.release_host()  # what the update freed, before the next phases
     with self.peaks.phase("push"):
       self._push_policy()
     train_s = time.perf_counter() - t_train
