@@ -48,7 +48,7 @@ def compare(records: dict[str, list[dict]], baseline: str) -> dict[str, dict]:
            "train_s": float(np.median([r["time/train_s"] for r in steps])) if steps else None}
     a, b = last(baseline)["eval/prompt_rewards"], last(arm)["eval/prompt_rewards"]
     pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]  # None: nothing scorable
-    if arm != baseline and len(a) == len(b):
+    if arm != baseline and len(a) == len(b) and pairs:
       row.update(vs_baseline=float(np.mean([y - x for x, y in pairs])),
                  vs_baseline_ci95=metrics.ci95([y - x for x, y in pairs]), paired_prompts=len(pairs))
     out[arm] = row

@@ -177,10 +177,9 @@ def per_sequence(x_BxT: jax.Array, segments_BxT: jax.Array, mask_BxT: jax.Array,
   segments (row-local: rows may be sharded)."""
   t = x_BxT.shape[1]
   reduce = jax.vmap(lambda v, s: jax.ops.segment_sum(v, s, num_segments=t))
-  m = mask_BxT.astype(x_BxT.dtype)
   total = reduce(jnp.where(mask_BxT, x_BxT, 0.0), segments_BxT)
   if mean:
-    total = total / jnp.maximum(reduce(m, segments_BxT), 1.0)
+    total = total / jnp.maximum(reduce(mask_BxT.astype(x_BxT.dtype), segments_BxT), 1.0)
   return jnp.take_along_axis(total, segments_BxT, axis=1)
 
 
