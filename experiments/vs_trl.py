@@ -15,8 +15,8 @@ tlt_jax's records, TRL's generation-and-scoring and update; tlt_jax.memory):
            token-level loss, `rl.mini_batches` optimizer updates a step (gradient accumulation over
            `--trl_batch_size` samples at a time, padded to the longest; by default as many tokens as
            tlt_jax's micro-batch of packed rows, the choice printed), sample-std group
-           advantages, constant learning rate, no KL, activation checkpointing as `rl.actor.remat` (off;
-           TRL's default is on); old log-probs recomputed (TRL has no others from `generate`); the same
+           advantages, constant learning rate, no KL, activation checkpointing as `rl.actor.remat` (on in
+           configs/smollm2.py, as TRL's default); old log-probs recomputed (TRL has no others from `generate`); the same
            reward (the config's, through tlt_jax.rl.scorer).
 Prints, per side, the last step's phases (generation, rewards, old log-probs, the update) and the
 ratios TRL / tlt_jax: per step, and the update's seconds per trained sample (with dynamic sampling,

@@ -19,8 +19,8 @@ accepts what a GPU or TPU compiler may refuse, and its memory figures are a CPU'
 
 The report, per executable: compiled or not (the compiler's message), its memory from the compiler
 (arguments, outputs, temporaries, code) and what the run keeps resident beside it on the device (the
-trainer's master weights, AdamW moments and reference policy during a rollout; the rollout copies and the
-drafter trainer's state during an update), against the device's memory: the target's, or
+trainer's master weights, AdamW moments and reference policy during a rollout; the drafter trainer's state
+during an update, the rollouts' copies of the policy dropped then), against the device's memory: the target's, or
 `mesh.device_memory_gb` if smaller (on the CPU stand-in, the resident memory alone is checked). With a
 target, also a roofline (`roofline`): the target compiles the policy's forward over k new tokens per row
 (k = 1: a decode step; k = each strategy's verify tokens) on a rollout group's devices at batch 1, 16 and
@@ -248,17 +248,19 @@ def _resident(built: _Built) -> dict[str, int]:
   trainer = getattr(built.rollout, "drafter_trainer", None)
   return {"trainer": _device_bytes((actor.params, actor.frozen, actor.opt_state)),
           "reference": _device_bytes(actor.params) if actor.uses_ref else 0,
-          "rollout": _device_bytes((engine.params, engine.drafter_params)),
+          "rollout": _device_bytes(engine.params), "rollout_drafter": _device_bytes(engine.drafter_params),
           "drafter": _device_bytes((trainer.params, trainer.opt_state)) if trainer is not None else 0,
           "eval": _device_bytes(built.held_out.engines[0].params) if built.held_out is not None else 0}
 
 
 def _beside(state: dict[str, int], moments: int) -> dict[str, int]:
   """What the run keeps on a device while each kind of executable runs, beyond the executable's own arguments
-  (an update takes the params and moments; a gradient or log-prob pass the params alone)."""
+  (an update takes the params and moments; a gradient or log-prob pass the params alone). The trainer's
+  passes run after the rollouts dropped their copies of the policy (`release_policy_params`)."""
   rest = lambda *parts: sum(v for k, v in state.items() if k not in parts)
-  return {"train/update": rest("trainer"), "train": rest("trainer") + moments, "rollout": rest("rollout"),
-          "eval": rest("eval"), "drafter": rest("drafter", "rollout"), "warmup": 0}
+  return {"train/update": rest("trainer", "rollout", "eval"), "train": rest("trainer", "rollout", "eval") + moments,
+          "rollout": rest("rollout", "rollout_drafter"), "eval": rest("eval"),
+          "drafter": rest("drafter", "rollout", "rollout_drafter"), "warmup": 0}
 
 
 def _run(config) -> dict:
@@ -308,7 +310,8 @@ def _run(config) -> dict:
     limit, report["device_memory"] = config.mesh.device_memory_gb, "config.mesh.device_memory_gb"
   report["device_memory_gb"] = round(limit, 6)
   report["cache_rows"] = cache_rows(config, cfg, engine.config, dtype.itemsize, trainer is not None,
-                                    engine.mesh.size, (state["rollout"] + beside["rollout"]) / GB, limit)
+                                    engine.mesh.size,
+                                    (state["rollout"] + state["rollout_drafter"] + beside["rollout"]) / GB, limit)
   if target is not None:
     report["roofline"] = roofline(config, cfg, engine.config, target, engine.mesh, dtype)
   report.update(check(executables, limit, on_cpu=devices[0].platform == "cpu"))

@@ -129,11 +129,12 @@ def abstract(tree) -> bool:
   return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
 
-def place(tree, shardings):
-  """`tree` laid out by `shardings` (a tree of them, or one): a copy of its arrays (never an alias), or,
-  for shapes (a dry run's), the shapes with those shardings: nothing is created."""
+def place(tree, shardings, alias: bool = False):
+  """`tree` laid out by `shardings` (a tree of them, or one): a copy of its arrays (with `alias`, their own
+  buffers where they are laid out so already), or, for shapes (a dry run's), the shapes with those shardings:
+  nothing is created."""
   if not abstract(tree):
-    return jax.device_put(tree, shardings, may_alias=False)
+    return jax.device_put(tree, shardings, may_alias=alias)
   shaped = lambda s, subtree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), subtree)
   return jax.tree.map(shaped, shardings, tree)  # `shardings` is a prefix of `tree`, as device_put takes it
 

@@ -203,6 +203,25 @@ def test_scanned_and_unrolled_layers_agree_under_remat(hf_dirs):
       np.testing.assert_allclose(a.get_value()[i], b.get_value(), atol=1e-5, rtol=1e-4, err_msg=str(path_))
 
 
+@pytest.mark.parametrize("scan", [True, False])
+def test_remat_keeps_one_layers_activations_in_both_forms(hf_dirs, scan):
+  """The gradient of a training forward needs far less scratch memory under remat, scanned and unrolled
+  (unrolled, XLA:CPU merged `jax.checkpoint`'s recomputation back into the forward pass: no saving)."""
+  path, _ = hf_dirs["qwen3"]
+  graphdef, state = nnx.split(hf.from_pretrained(path, scan_layers=scan))
+  tokens = jnp.zeros((4, 64), jnp.int32)
+  causal = jnp.broadcast_to(jnp.tril(jnp.ones((64, 64), bool)), (4, 64, 64))
+
+  def temp(remat):
+    def loss(state):
+      hidden, _, _ = nnx.merge(graphdef, state)(tokens, jnp.broadcast_to(jnp.arange(64), (4, 64)), None, causal,
+                                                remat=remat)
+      return jnp.sum(hidden ** 2)
+    return jax.jit(jax.grad(loss)).lower(state).compile().memory_analysis().temp_size_in_bytes
+
+  assert temp(True) < 0.6 * temp(False)
+
+
 @pytest.mark.parametrize("kv_block", [None, 4])
 def test_a_paged_cache_decodes_as_a_contiguous_one(loaded, kv_block):
   """Prefill, decode, verify and commit with rows scattered over a shuffled pool of 4-slot pages

@@ -1,5 +1,6 @@
 """PlainRollout: one engine over a 2-device mesh samples what the engine alone samples (prompt
-indices counted within the call), takes new policy params, and checkpoints its bandit."""
+indices counted within the call), takes new policy params (without a copy where they are laid out so
+already), and checkpoints its bandit."""
 
 import jax
 from flax import nnx
@@ -44,6 +45,11 @@ def test_plain_rollout_samples_as_its_engine_takes_params_and_checkpoints_its_ba
   expected = engine.generate(PROMPTS, 2, prompt_offset=5).samples
   assert [t for _, _, t in tokens(again)] == [t for _, _, t in tokens(expected)]
   assert tokens(again) != tokens(samples)
+  # Params laid out as the engine needs them are taken as they are: no second copy of the policy.
+  placed = sharding.place(nnx.state(other), sharding.param_shardings(nnx.state(other), mesh))
+  rollout.set_policy_params(placed)
+  buffers = lambda tree: [s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(tree) for s in x.addressable_shards]
+  assert buffers(rollout.engine.params) == buffers(placed)
 
   arrays, meta = rollout.state_dict()
   assert arrays == {} and rollout.abstract_state(meta) == {} and meta["bandits"] == [rollout.engine.bandit.state_dict()]

@@ -127,9 +127,10 @@ class DrafterTrainer:
 
   # ---- placement ----
 
-  def on_group(self, g: int, state: nnx.State) -> nnx.State:
-    """A copy of `state` on group g's devices (never an alias: the update donates the master params)."""
-    return sharding.place(state, sharding.param_shardings(state, self.meshes[g]))
+  def on_group(self, g: int, state: nnx.State, alias: bool = False) -> nnx.State:
+    """`state` on group g's devices: a copy (the drafter's update donates its master params), or with `alias`
+    the arrays themselves where they are laid out so already."""
+    return sharding.place(state, sharding.param_shardings(state, self.meshes[g]), alias=alias)
 
   def _rows(self, g: int) -> int:
     """Group g's rows: rows_per_device on each of the devices its rows split over (a tensor-parallel

@@ -296,7 +296,7 @@ class CausalLM(nnx.Module):
                                          query_block, pages)
 
     if remat:  # unrolled, the layer index stays a Python int: each copy indexes the cache at a constant
-      run = jax.checkpoint(run, static_argnums=() if cfg.scan_layers else (4,))
+      run = jax.checkpoint(run) if cfg.scan_layers else _remat_in_order(run)
 
     def step(carry, layer):
       """Layer i over the carry (x, caches, requested outputs); the body of both forms."""
@@ -313,6 +313,34 @@ class CausalLM(nnx.Module):
         carry, _ = step(carry, (i, nnx.state(layer)))
     x, k, v, aux = carry
     return self.model.norm(x), aux, None if cache is None else dataclasses.replace(cache, k=k, v=v)
+
+
+def _remat_in_order(run):
+  """`run(state, x, k, v, i)` (i a Python int) recomputed in the backward pass, each layer's recomputation
+  once the gradient of its output exists. `jax.checkpoint` over unrolled layers keeps its recomputation
+  apart from the forward pass with optimization barriers, which XLA:CPU removes before its common-subexpression
+  pass: the recomputation then merges back into the forward pass and every layer's activations stay alive
+  (SmolLM2's gradient needed as much with remat as without). Here the recomputation's input depends on the
+  output's cotangent (x + 0 * one element of it: the same value, which no compiler folds for floats), so it
+  can neither merge with the forward pass nor start before its layer's turn in the backward pass."""
+
+  def layer(i):
+    @jax.custom_vjp
+    def f(state, x, k, v):
+      return run(state, x, k, v, i)
+
+    def fwd(state, x, k, v):
+      return f(state, x, k, v), (state, x, k, v)
+
+    def bwd(saved, cotangent):
+      state, x, k, v = saved
+      x = x + jnp.zeros((), x.dtype) * cotangent[0].reshape(-1)[0].astype(x.dtype)
+      return jax.vjp(lambda *a: run(*a, i), state, x, k, v)[1](cotangent)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+  return lambda state, x, k, v, i: layer(i)(state, x, k, v)
 
 
 def prefill(model: CausalLM, tokens_BxT, lengths_B, cache: KVCache, *, all_logits: bool = False,

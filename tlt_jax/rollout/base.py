@@ -96,8 +96,9 @@ class BaseRollout(abc.ABC):
 
   @abc.abstractmethod
   def set_policy_params(self, params: nnx.State) -> None:
-    """New policy params (after an actor update) for the next `generate`; the caller may donate
-    its own arrays afterwards."""
+    """New policy params (after an actor update) for the next `generate`. Where they are laid out as the
+    engines need them the rollout keeps the caller's arrays (no second copy of the policy): the caller calls
+    `release_policy_params` before it donates them."""
 
   def release_policy_params(self) -> None:
     """Drops the engines' copy of the policy (while the trainer updates it, the memory is the trainer's);

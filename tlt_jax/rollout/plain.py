@@ -52,4 +52,7 @@ class PlainRollout(BaseRollout):
     return samples, out.metrics.summary()
 
   def set_policy_params(self, params: nnx.State) -> None:
-    self.engine.set_params(params if self._shardings is None else sharding.place(params, self._shardings))
+    """The policy's params laid out on the engine's mesh; the caller's own arrays where they already are (no
+    second copy of the policy: the trainer's update, which donates its params, runs after
+    `release_policy_params`)."""
+    self.engine.set_params(params if self._shardings is None else sharding.place(params, self._shardings, alias=True))

@@ -125,11 +125,13 @@ class TLTRollout(BaseRollout):
     self._push()
 
   def set_policy_params(self, params: nnx.State) -> None:
-    """New policy params into every group's engine (copies: the caller may donate its own)."""
+    """New policy params into every group's engine: the caller's own arrays on a group whose devices and layout
+    they already have (the trainer's update, which donates them, runs after `release_policy_params`), copies
+    on the others."""
     if distributed.multiprocess():  # e.g. the trainer's arrays over every process's devices
       params = distributed.to_host(params)
     for g, engine in zip(self.groups, self.engines):
-      engine.set_params(self.drafter_trainer.on_group(g, params))
+      engine.set_params(self.drafter_trainer.on_group(g, params, alias=True))
 
   def _push(self) -> None:
     """The master drafter into every group's engine (copies), with its version."""
