@@ -41,7 +41,7 @@ def moved(initial: nnx.State, dtype: str, weight_dtype: str, stochastic: bool, l
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: CausalLM(CONFIG, dtype=dtype, param_dtype=weight_dtype,
                                                           rngs=nnx.Rngs(0))))
   model = nnx.merge(graphdef, jax.tree.map(lambda x: jax.numpy.array(x, weight_dtype), initial))  # a copy: donated
-  actor = actor_lib.Actor(model, actor_lib.make_optimizer(learning_rate, 0, 0.0, 1.0), micro_batch_rows=8)
+  actor = actor_lib.Actor(model, actor_lib.make_optimizer(learning_rate, 0, 0.0), micro_batch_rows=8, max_grad_norm=1.0)
   actor.rounding = actor.rounding and stochastic  # nearest: the plain float update of bfloat16 weights
   rng = np.random.default_rng(0)
   sequences = [(rng.integers(2, CONFIG.vocab_size, 8).tolist(), rng.integers(2, CONFIG.vocab_size, 24).tolist())

@@ -135,10 +135,11 @@ def update_phases(actor, batch: dict) -> dict:
     return grads
   grads = gradient()
 
-  def optimizer():  # on copies: the update donates the params and the optimizer state
-    params, state = jax.block_until_ready(jax.tree.map(jnp.copy, (actor.params, actor.opt_state)))
+  def optimizer():  # on copies: the clip donates the gradient, the update the params and the optimizer state
+    params, state, g = jax.block_until_ready(jax.tree.map(jnp.copy, (actor.params, actor.opt_state, grads)))
     start = time.perf_counter()
-    jax.block_until_ready(actor._apply(params, state, grads))  # pylint: disable=protected-access
+    g, _ = actor._clip(g)  # pylint: disable=protected-access
+    jax.block_until_ready(actor._apply(params, state, g))  # pylint: disable=protected-access
     return time.perf_counter() - start
 
   def timed(f):

@@ -74,6 +74,8 @@ def test_dry_run_compiles_and_sizes_every_part(report):
   # The trainer's passes run after the rollouts dropped their copies of the policy: the drafters' stay.
   assert ex["train/update"]["beside_gb"] == pytest.approx(state["drafter"] + state["rollout_drafter"], abs=1e-5)
   assert ex["train/update"]["resident_gb"] < 3 * report["policy_gb"]  # the params and moments split over fsdp
+  assert ex["train/clip"]["beside_gb"] == pytest.approx(  # the gradient, in place, beside the trainer's state
+      state["trainer"] + state["drafter"] + state["rollout_drafter"], abs=1e-5)
   name = report["max_per_device_executable"]
   assert report["max_per_device_gb"] == pytest.approx(ex[name]["resident_gb"] + ex[name]["beside_gb"], abs=1e-5)
   # The drafter buffer's share of a checkpoint: 32 x 8 samples of this step and the longest quarter

@@ -11,9 +11,9 @@ locked, so a mistyped key in a `--config.key=value` override is an error that na
 A subtree that builds a dataclass mirrors it: `SamplingParams(**rollout.sampling, ...)`,
 `EngineConfig(**rollout.engine, ...)`, `Bandit(strategies, **rollout.bandit)`, `TLTConfig(**rollout.tlt)`,
 `DrafterTrainerConfig(**drafter.trainer, ...)`, `BufferConfig(**drafter.buffer)`,
-`actor.make_optimizer(**rl.optimizer)`, `actor.Actor(policy, optimizer, **rl.actor)` (tlt_jax.rl.builders
-builds them); the dataclasses check their own fields' ranges (the check re-raises their errors naming
-the key). Tuples are tuples; on the command line they are Python literals, strings quoted:
+`actor.make_optimizer(**rl.optimizer)` (its `max_grad_norm` the actor's), `actor.Actor(policy, optimizer,
+**rl.actor)` (tlt_jax.rl.builders builds them); the dataclasses check their own fields' ranges (the check
+re-raises their errors naming the key). Tuples are tuples; on the command line they are Python literals, strings quoted:
 `--config.rollout.strategies="('3_1_4','4_2_6')"`, `--config.rollout.engine.batch_buckets="(1,2,4,8)"`,
 `--config.drafter.feature_layers="(1,3,5)"`.
 """
@@ -262,7 +262,7 @@ def base() -> ml_collections.ConfigDict:
   c.rl.loss.top_entropy_quantile = 1.0  # < 1: only the highest-entropy share of tokens trains (TRL's; 0.2 in the paper)
   c.rl.loss.kl_coef = 0.0  # > 0: low-variance KL to the frozen initial policy (TRL beta; verl actor.kl_loss_coef)
   c.rl.loss.kl_is_correction = False  # the KL weighed by the ratio (TRL use_bias_correction_kl)
-  c.rl.optimizer = ml_collections.ConfigDict()  # actor.make_optimizer: AdamW after global-norm clipping
+  c.rl.optimizer = ml_collections.ConfigDict()  # actor.make_optimizer: AdamW after the actor's global-norm clip
   c.rl.optimizer.learning_rate = 1e-4  # TRL learning_rate; verl actor.optim.lr
   c.rl.optimizer.warmup_steps = 0  # learning-rate warm-up
   c.rl.optimizer.weight_decay = 0.0  # AdamW's (TRL weight_decay; verl actor.optim.weight_decay)

@@ -99,8 +99,8 @@ def test_updates_on_8_devices_match_one_device_and_a_wrong_gradient_does_not(hf_
             for _ in range(8)]
     batches.append((packing.pack(seqs, 24, index=True), rng.randn(8).astype(np.float32)))
   assert all(rows.shape[1] == 8 for rows, _ in batches)
-  new = lambda mesh: actor_lib.Actor(hf.from_pretrained(path, mesh=mesh), actor_lib.make_optimizer(1e-2, 0, 0.0, 1.0),
-                                     micro_batch_rows=8, mesh=mesh)
+  new = lambda mesh: actor_lib.Actor(hf.from_pretrained(path, mesh=mesh), actor_lib.make_optimizer(1e-2, 0, 0.0),
+                                     micro_batch_rows=8, max_grad_norm=1.0, mesh=mesh)
   one = new(None)
   initial = jax.tree.map(np.array, one.params)  # a copy: updates donate the buffers
   reference = _adam_updates(one, batches)
@@ -113,20 +113,59 @@ def test_updates_on_8_devices_match_one_device_and_a_wrong_gradient_does_not(hf_
     assert set(wrong) == {"update", "loss", "grad_norm"}, wrong
 
 
-def test_a_non_finite_gradient_leaves_params_and_optimizer_state_alone(hf_dirs):
-  """The update step itself (a NaN loss is skipped before it: tests/rl/test_trainer.py)."""
-  actor = actor_lib.Actor(hf.from_pretrained(hf_dirs["qwen3"][0]), optax.adam(0.1), micro_batch_rows=4)
-  before = jax.tree.map(np.asarray, (actor.params, actor.opt_state))
-  grads = jax.tree.map(lambda x: np.full(x.shape, 0.5, x.dtype), actor.params)
-  leaf = jax.tree.leaves(grads)[0]
-  leaf.flat[0] = np.inf
-  actor.params, actor.opt_state, norm = actor._apply(actor.params, actor.opt_state, grads)
-  assert not np.isfinite(norm)
+def _one_batch(actor):
+  rows = packing.pack(SEQS, 8, index=True)
+  return actor_lib.training_batch(rows, np.array([1.0, -1.0, 0.5, -0.5]), np.ones(4, bool), "token",
+                                  actor.logprobs(actor.params, rows), None)
+
+
+def test_a_non_finite_gradient_leaves_params_and_optimizer_state_alone(hf_dirs, monkeypatch):
+  """The update step itself (a NaN loss is skipped before it: tests/rl/test_trainer.py): a gradient with an
+  infinite element but a finite loss."""
+  actor = actor_lib.Actor(hf.from_pretrained(hf_dirs["qwen3"][0]), optax.adam(0.1), micro_batch_rows=4,
+                          max_grad_norm=1.0)
+  batch = _one_batch(actor)
+  before = jax.tree.map(np.array, (actor.params, actor.opt_state))
+  grads = actor._grads
+  infinite = lambda *args: (lambda g, stats: (jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.inf), g), stats))(
+      *grads(*args))
+  monkeypatch.setattr(actor, "_grads", infinite)
+  stats = actor.update(batch)
+  assert stats["skipped"] == 1.0 and not np.isfinite(stats["grad_norm"]) and np.isfinite(stats["loss"])
   after = jax.tree.map(np.asarray, (actor.params, actor.opt_state))
   assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), before, after)))
-  leaf.flat[0] = 0.5
-  actor.params, actor.opt_state, norm = actor._apply(actor.params, actor.opt_state, grads)
-  assert np.isfinite(norm) and not np.array_equal(jax.tree.leaves(actor.params)[0], jax.tree.leaves(before[0])[0])
+  monkeypatch.setattr(actor, "_grads", grads)
+  stats = actor.update(batch)
+  assert stats["skipped"] == 0.0 and not np.array_equal(jax.tree.leaves(actor.params)[0], jax.tree.leaves(before[0])[0])
+
+
+@pytest.mark.parametrize("max_grad_norm", [1e-3, 1e3])
+def test_the_clipped_update_equals_optax_clip_then_adamw_and_holds_no_copy(hf_dirs, max_grad_norm):
+  """The actor clips the gradient in place before AdamW: the same params and moments as optax's own
+  clip_by_global_norm chained before the same AdamW on that gradient (clipping at 1e-3, not at 1e3), and the
+  update's executable holds no params-sized scratch (optax's chain in one step made XLA hold a clipped copy)."""
+  actor = actor_lib.Actor(hf.from_pretrained(hf_dirs["qwen3"][0]), actor_lib.make_optimizer(1e-2, 0, 0.1),
+                          micro_batch_rows=4, max_grad_norm=max_grad_norm)
+  batch = _one_batch(actor)
+  grads = actor._zeros(actor.params)
+  for mb in actor._micro_batches(batch):
+    grads, _ = actor._grads(actor.params, actor.frozen, mb, grads)
+  grads = jax.tree.map(np.array, grads)
+  reference = optax.chain(optax.clip_by_global_norm(max_grad_norm), actor_lib.make_optimizer(1e-2, 0, 0.1))
+  ref_state = reference.init(actor.params)
+  updates, ref_state = reference.update(grads, ref_state, actor.params)
+  ref_params = optax.apply_updates(actor.params, updates)
+  assert optax.tree.norm(grads) > 1e-3
+  stats = actor.update(batch)
+  np.testing.assert_allclose(stats["grad_norm"], optax.tree.norm(grads), rtol=1e-6)
+  for ours, theirs in ((actor.params, ref_params), (actor.opt_state, ref_state[1])):
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+  shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  params, opt_state = jax.tree.map(shape, (actor.params, actor.opt_state))
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  for fn, args in ((actor._clip, (params,)), (actor._apply, (params, opt_state, params))):
+    assert fn.lower(*args).compile().memory_analysis().temp_size_in_bytes < 0.25 * param_bytes
 
 
 def test_grpo_updates_raise_the_reward_they_are_given():
@@ -142,7 +181,7 @@ def test_grpo_updates_raise_the_reward_they_are_given():
   model = CausalLM(cfg, rngs=nnx.Rngs(0))
   target, g = 5, 8
   prompts = [[3 + i, 7, 9] for i in range(8)]
-  actor = actor_lib.Actor(model, actor_lib.make_optimizer(1e-2, 0, 0.0, 1.0), micro_batch_rows=8)
+  actor = actor_lib.Actor(model, actor_lib.make_optimizer(1e-2, 0, 0.0), micro_batch_rows=8, max_grad_norm=1.0)
   engine = Engine(model, EngineConfig(batch_buckets=(1, 2, 4, 8, 16, 32, 64), max_prompt_len=8, max_new_tokens=4,
                                       kv_block=16, compact=False), SamplingParams(temperature=1.0, max_new_tokens=4))
   means = []
@@ -163,7 +202,7 @@ def test_grpo_updates_raise_the_reward_they_are_given():
 def _weights_moved(path, dtype, weight_dtype, learning_rate=1e-6, updates=5):
   """Mean |dw| over every weight after `updates` GRPO updates on one batch with the project's optimizer."""
   actor = actor_lib.Actor(hf.from_pretrained(path, dtype=dtype, param_dtype=weight_dtype),
-                          actor_lib.make_optimizer(learning_rate, 0, 0.0, 1.0), micro_batch_rows=4)
+                          actor_lib.make_optimizer(learning_rate, 0, 0.0), micro_batch_rows=4, max_grad_norm=1.0)
   flat = lambda p: np.concatenate([np.asarray(x, np.float32).ravel() for x in jax.tree.leaves(p)])
   initial, rows = flat(actor.params), packing.pack(SEQS, 8, index=True)
   for _ in range(updates):

@@ -68,11 +68,10 @@ def token_logprobs(model: CausalLM, tokens_BxT, positions_BxT, segments_BxT, *, 
   return merge(logp), merge(entropy)
 
 
-def make_optimizer(learning_rate: float, warmup_steps: int, weight_decay: float,
-                   max_grad_norm: float) -> optax.GradientTransformation:
+def make_optimizer(learning_rate: float, warmup_steps: int, weight_decay: float) -> optax.GradientTransformation:
+  """AdamW (`rl.optimizer`; its `max_grad_norm` is the actor's, which clips the gradient in place first)."""
   schedule = optax.linear_schedule(0.0, learning_rate, warmup_steps) if warmup_steps else learning_rate
-  return optax.chain(optax.clip_by_global_norm(max_grad_norm),
-                     optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=weight_decay))
+  return optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=weight_decay)
 
 
 class RoundingState(NamedTuple):
@@ -108,13 +107,15 @@ class Actor:
 
   def __init__(self, model: CausalLM, optimizer: optax.GradientTransformation, *, micro_batch_rows: int,
                loss: grpo.Objective = grpo.Objective(), remat: bool = False, logits_chunk: int = 1024,
-               attention_block: int = 0, temperature: float = 1.0, seed: int = 0,
+               attention_block: int = 0, max_grad_norm: float = 0.0, temperature: float = 1.0, seed: int = 0,
                mesh: jax.sharding.Mesh | None = None):
     """`mesh`: micro-batches are split over its batch axes (model already placed on it); None: as given.
-    `attention_block` > 0: attention over this many queries at a time; `temperature`: the rollout's
+    `attention_block` > 0: attention over this many queries at a time; `max_grad_norm` > 0: the gradient
+    is scaled to at most this global norm before `optimizer` sees it (in its own buffer: a clip inside the
+    optimizer's step made XLA hold a clipped copy of the whole gradient); `temperature`: the rollout's
     (log-probs of logits / T); `seed`: a bfloat16 policy's stochastic rounding; `loss`: the objective
-    (`rl.loss`). Config: `rl.actor` gives the keyword arguments but `loss`, `temperature`, `seed` and `mesh`,
-    and `rl.optimizer` those of `make_optimizer`."""
+    (`rl.loss`). Config: `rl.actor` gives the keyword arguments but `loss`, `max_grad_norm`, `temperature`,
+    `seed` and `mesh`; `rl.optimizer` those of `make_optimizer` and `max_grad_norm`."""
     self.lora = lora.spec_of(model)
     self.graphdef, self.params, self.frozen = nnx.split(model, nnx.Param if self.lora is None else nnx.LoRAParam, ...)
     self.rounding = any(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(self.params))
@@ -135,6 +136,7 @@ class Actor:
     else:
       self.opt_state = optimizer.init(self.params)
     self.micro_batch_rows = micro_batch_rows
+    self.max_grad_norm = max_grad_norm
     self.loss = loss
     self.uses_ref = loss.kl_coef > 0
     self._forward = dict(temperature=temperature or 1.0, remat=remat, chunk=logits_chunk,
@@ -147,6 +149,7 @@ class Actor:
     param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
     self._grads = jax.jit(self._grads_fn, out_shardings=(param_shardings, None), donate_argnums=(3,))
     self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=param_shardings)
+    self._clip = jax.jit(self._clip_fn, donate_argnums=(0,))
     self._apply = jax.jit(self._apply_fn, donate_argnums=(0, 1))
     self._rollout_params = jax.jit(self._rollout_params_fn, static_argnums=(2,))
 
@@ -171,19 +174,26 @@ class Actor:
     (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
     return jax.tree.map(jnp.add, sum_so_far, grads), {"loss": value, **stats}
 
-  def _apply_fn(self, params, opt_state, grads):
-    """The optimizer update, or params and state unchanged when the gradient is not finite."""
+  def _clip_fn(self, grads):
+    """The gradient's global norm, and the gradient scaled to at most `max_grad_norm` (donated: in place)."""
     norm = optax.tree.norm(grads)
+    if self.max_grad_norm > 0:
+      scale = jnp.minimum(1.0, self.max_grad_norm / norm)
+      grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+    return grads, norm
+
+  def _apply_fn(self, params, opt_state, grads):
+    """The optimizer update. Without a test of the gradient's norm inside (the host reads it first): each
+    new moment and weight is then written over its old one in place, with no copies in scratch."""
     updates, new_state = self.optimizer.update(grads, opt_state, params)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(jnp.isfinite(norm), a, b), new, old)
     if self.rounding:  # bfloat16 weights: p + u in float32, stochastically rounded, a key per leaf
       leaves, tree = jax.tree.flatten(params)
       key = jax.random.fold_in(jax.random.key(self.seed), new_state[-1].count)
       new = [stochastic_round(p.astype(jnp.float32) + u.astype(jnp.float32), jax.random.fold_in(key, i))
              if p.dtype == jnp.bfloat16 else (p + u).astype(p.dtype)
              for i, (p, u) in enumerate(zip(leaves, tree.flatten_up_to(updates)))]
-      return keep(jax.tree.unflatten(tree, new), params), keep(new_state, opt_state), norm
-    return keep(optax.apply_updates(params, updates), params), keep(new_state, opt_state), norm
+      return jax.tree.unflatten(tree, new), new_state
+    return optax.apply_updates(params, updates), new_state
 
   def _rollout_params_fn(self, params, frozen, dtype):
     return rollout_copy(nnx.state(lora.merged(nnx.merge(self.graphdef, params, frozen))), dtype)
@@ -227,9 +237,12 @@ class Actor:
         sums[k] = sums.get(k, 0.0) + float(v)
     if not all(map(math.isfinite, sums.values())):
       return {**sums, "grad_norm": math.nan, "skipped": 1.0}
-    self.params, self.opt_state, grad_norm = self._apply(self.params, self.opt_state, grads)
+    grads, grad_norm = self._clip(grads)
     grad_norm = float(grad_norm)
-    return {**sums, "grad_norm": grad_norm, "skipped": float(not math.isfinite(grad_norm))}
+    if not math.isfinite(grad_norm):
+      return {**sums, "grad_norm": grad_norm, "skipped": 1.0}
+    self.params, self.opt_state = self._apply(self.params, self.opt_state, grads)
+    return {**sums, "grad_norm": grad_norm, "skipped": 0.0}
 
   def model(self) -> CausalLM:
     return nnx.merge(self.graphdef, self.params, self.frozen)
@@ -243,7 +256,7 @@ class Actor:
 
   def compile(self, row_len: int) -> ExecutablePool:
     """Compiles, ahead of time for the actor's (possibly abstract) params, what a step runs on micro-batches of
-    rows of `row_len` tokens into `pool`: their log-probs, the gradient and the optimizer update (with LoRA,
+    rows of `row_len` tokens into `pool`: their log-probs, the gradient, its clip and the optimizer update (with LoRA,
     also the rollouts' merged copy). A dry run's sizes; the run itself compiles the same at their first call."""
     shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
     params, opt_state, frozen = (jax.tree.map(shape, t) for t in (self.params, self.opt_state, self.frozen))
@@ -256,6 +269,7 @@ class Actor:
         self.pool.get_or_compile(name, lambda: fn.lower(*args).compile())
     compile_("logprobs", self._logprobs, params, frozen, batch["tokens"], batch["positions"], batch["segments"])
     compile_("gradient", self._grads, params, frozen, batch, params)
+    compile_("clip", self._clip, params)
     compile_("update", self._apply, params, opt_state, params)
     if self.lora is not None:
       compile_("rollout_params", self._rollout_params, params, frozen, jnp.dtype(self.model().dtype))

@@ -81,8 +81,9 @@ def make_actor(config: ml_collections.ConfigDict, policy: CausalLM,
     if not sharding.abstract(state):  # each process holds the whole policy: its host copy goes onto the mesh
       state = jax.tree.map(np.asarray, state)
     nnx.update(policy, sharding.place(state, sharding.param_shardings(state, mesh)))
-  return actor_lib.Actor(policy, actor_lib.make_optimizer(**config.rl.optimizer), **config.rl.actor,
-                         loss=builders.objective(config),
+  optimizer = {k: v for k, v in config.rl.optimizer.items() if k != "max_grad_norm"}
+  return actor_lib.Actor(policy, actor_lib.make_optimizer(**optimizer), **config.rl.actor,
+                         max_grad_norm=config.rl.optimizer.max_grad_norm, loss=builders.objective(config),
                          temperature=config.rollout.sampling.temperature, seed=config.seed, mesh=mesh)
 
 
