@@ -1,9 +1,12 @@
 """The step functions on their own: the prefill's and the plain segment's drafter feeds equal
-feeding it pair by pair; a reset and a halving move rows and nothing else; a preempted row resumes
-as it was."""
+feeding it pair by pair; a reset and a halving move rows and nothing else (a halving without a scratch copy
+of the caches); a preempted row resumes as it was."""
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +23,9 @@ from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import Strategy
 from tlt_jax.rollout.state import SlotRows
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def padded(ps, t=24):
@@ -122,9 +128,35 @@ def test_halve_gathers_rows_and_keeps_the_bank(models):
     if x is not None and name not in ("done", "row_id"):
       np.testing.assert_array_equal(x[0], getattr(a, name)[2], err_msg=name)
   assert b.row_id.tolist() == [a.row_id[2], -1] and b.done.tolist() == [a.done[2], True]
-  np.testing.assert_array_equal(b.cache.k, a.cache.k[:, [2, 0]])
+  for name in ("k", "v"):
+    np.testing.assert_array_equal(getattr(b.cache, name), getattr(a.cache, name)[:, [2, 0]])
   np.testing.assert_array_equal(b.cache.lengths, a.cache.lengths[[2, 0]])
   np.testing.assert_array_equal(b.bank, a.bank)
+
+
+def test_halving_holds_no_copy_of_the_caches():
+  """The engine's halving writes the halved caches where it returns them: XLA:CPU's gather over the 5-d caches
+  had come out transposed and been copied out, half a cache of scratch (seen at the compiler's default
+  optimisation, which this process's fast-compile flags change: a process of its own; 3 heads of 64)."""
+  code = """if True:
+    import jax.numpy as jnp
+    from flax import nnx
+    from tlt_jax.models import CausalLM, ModelConfig
+    from tlt_jax.rollout.engine import Engine
+    from tlt_jax.rollout.sampling import SamplingParams
+    from tlt_jax.rollout.state import EngineConfig
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=128,
+                      num_layers=2, num_heads=3, num_kv_heads=3, head_dim=64)
+    engine = Engine(CausalLM(cfg, rngs=nnx.Rngs(0)), EngineConfig(batch_buckets=(1, 2, 4, 8), max_prompt_len=64,
+                    max_new_tokens=64), SamplingParams(max_new_tokens=64))
+    engine.prepare(8)
+    half = engine._abstract_state(4).cache.k
+    print(engine.pool[("halve", 4, 8)].memory_analysis().temp_size_in_bytes, half.size * half.dtype.itemsize)"""
+  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  temp, half = map(int, out.stdout.split()[-2:])
+  assert temp < 0.1 * half, (temp, half)
 
 
 def test_reset_empties_the_new_rows_slots_and_the_new_prompts_bank_rows(models):

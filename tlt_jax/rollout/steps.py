@@ -107,7 +107,13 @@ def halve(st: RowState, keep_b) -> RowState:
       return None
     if c.pages is not None:
       return dataclasses.replace(c, lengths=c.lengths[src], pages=c.pages[src])
-    return KVCache(k=c.k[:, src], v=c.v[:, src], lengths=c.lengths[src])
+    return KVCache(k=rows(c.k), v=rows(c.v), lengths=c.lengths[src])
+
+  def rows(x_LxBxPxKxD):
+    """x[:, src], gathered over a [L, B, P, K * D] view: over the 5-d array XLA:CPU gathered into a transposed
+    layout and copied it out, a half cache of scratch."""
+    l, b, p, k, d = x_LxBxPxKxD.shape
+    return x_LxBxPxKxD.reshape(l, b, p, k * d)[:, src].reshape(l, len(src), p, k, d)
 
   empty = keep_b < 0
   # Rows keep their bank row through the gather.
