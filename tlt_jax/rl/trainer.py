@@ -421,6 +421,7 @@ class Trainer:
     self.checkpoints.wait()
     self.stopped = reason if self.step < total else None
     if not self.stopped:
+      memory.release_host()  # what the checkpoint's host copies freed, before the export's own
       self.export()
     return records
 
