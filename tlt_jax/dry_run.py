@@ -256,8 +256,8 @@ def _resident(built: _Built) -> dict[str, int]:
 def _beside(state: dict[str, int], moments: int) -> dict[str, int]:
   """What the run keeps on a device while each kind of executable runs, beyond the executable's own arguments
   (an update takes the params and moments; a gradient or log-prob pass the params alone; the clip the gradient
-  alone). The trainer's
-  passes run after the rollouts dropped their copies of the policy (`release_policy_params`)."""
+  alone). The trainer's passes run after the rollouts dropped their copies of the policy
+  (`release_policy_params`)."""
   rest = lambda *parts: sum(v for k, v in state.items() if k not in parts)
   return {"train/update": rest("trainer", "rollout", "eval"), "train": rest("trainer", "rollout", "eval") + moments,
           "train/clip": rest("rollout", "eval"),
