@@ -56,7 +56,7 @@ def test_dry_run_compiles_and_sizes_every_part(report):
   assert rows["mean_response_len"] == 12 and rows["page_size"] == 64 and rows["contiguous_rows"] == 8
   kv_bytes = 2 * (6 + 1) * 1 * 32 * 4  # k and v, 6 target layers + the drafter's, 1 KV head (not split), float32
   assert rows["kv_bytes_per_token"] == kv_bytes
-  assert rows["contiguous_cache_gb"] == round(8 * 128 * kv_bytes / (1 << 30), 3)  # capacity 16 + 48 + 4, in pages
+  assert rows["contiguous_cache_gb"] == round(8 * 128 * kv_bytes / (1 << 30), 3)  # capacity 16 + 48 + 4 - 1, in pages
   assert rows["paged_rows_same_bytes"] == 8 * 2  # a mean row fills 16 + 12 tokens + a 16-step play: 1 page
   assert rows["paged_rows_device_memory"] > 1000  # 1 GB holds thousands of such rows
   # The trainer's float32 masters and AdamW moments (3 x the policy, the moments sharded like their params
@@ -71,6 +71,10 @@ def test_dry_run_compiles_and_sizes_every_part(report):
   assert state["drafter"] > 0 and state["reference"] == 0  # no KL term: no reference policy
   assert ex["rollout/plain/8"]["beside_gb"] == pytest.approx(state["trainer"] + state["drafter"] + state["eval"],
                                                             abs=1e-5)
+  # Compaction gathers the cache's values apart: the halving of the rest has them beside, their gather the halved keys.
+  halve, values = ex["rollout/halve/4/8"], ex["rollout/take_rows/4/8"]
+  assert halve["beside_gb"] == pytest.approx(ex["rollout/plain/8"]["beside_gb"] + values["argument_gb"], abs=1e-5)
+  assert values["beside_gb"] == pytest.approx(ex["rollout/plain/8"]["beside_gb"] + values["output_gb"], abs=1e-5)
   # The trainer's passes run after the rollouts dropped their copies of the policy: the drafters' stay.
   assert ex["train/update"]["beside_gb"] == pytest.approx(state["drafter"] + state["rollout_drafter"], abs=1e-5)
   assert ex["train/update"]["resident_gb"] < 3 * report["policy_gb"]  # the params and moments split over fsdp

@@ -300,6 +300,11 @@ def _run(config) -> dict:
   for name, entry in executables.items():
     if entry["compiled"]:
       entry["beside_gb"] = _gb(beside[max((p for p in beside if name == p or name.startswith(p + "/")), key=len)])
+  for name, entry in executables.items():  # compaction gathers a contiguous cache's values apart (Engine._halve)
+    if "/take_rows/" in name and entry["compiled"]:
+      halve = executables[name.replace("/take_rows/", "/halve/")]
+      halve["beside_gb"] = round(halve["beside_gb"] + entry["argument_gb"], 6)  # the values wait
+      entry["beside_gb"] = round(entry["beside_gb"] + entry["output_gb"], 6)  # beside the halved keys
   report.update(executables=executables, resident_gb={k: _gb(v) for k, v in state.items()},
                 policy_gb=_gb(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(built.policy)))))
   dtype, r = jnp.dtype(config.policy.dtype), config.rollout

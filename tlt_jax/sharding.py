@@ -111,7 +111,8 @@ def cache_shardings(cache, mesh: jax.sharding.Mesh, rules=RULES):
   rows), lengths [B] and page tables [B, M]."""
   kv = array_sharding(cache.k.shape, (None, *CACHE_AXES), mesh, rules)
   pages = None if cache.pages is None else array_sharding(cache.pages.shape, ("batch", None), mesh, rules)
-  return type(cache)(k=kv, v=kv, lengths=array_sharding(cache.lengths.shape, ("batch",), mesh, rules), pages=pages)
+  lengths = array_sharding(cache.lengths.shape, ("batch",), mesh, rules)
+  return type(cache)(k=kv, v=None if cache.v is None else kv, lengths=lengths, pages=pages)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None], rules=RULES) -> jax.Array:

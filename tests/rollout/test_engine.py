@@ -199,6 +199,22 @@ def test_speculative_greedy_is_identical_for_any_drafter(models, plain):
       assert rollout.metrics.verify_passes > 0
 
 
+@pytest.mark.parametrize("strategy,budget", [(None, 48), ("3_2_6", 43)], ids=["plain", "speculative"])
+def test_rows_fill_a_cache_of_exactly_their_slots(models, plain, strategy, budget):
+  """Prompts of max_prompt_len and no stop: every row writes up to its last slot (capacity = prompt + budget +
+  window - 1 = 64, no padding), and samples as a roomy cache does, with compaction from 8 rows down."""
+  model = models["qwen2_untied"]
+  config = configured(CONFIG, max_prompt_len=16, max_new_tokens=budget)
+  config = with_sd(config, strategy) if strategy else config
+  assert config.capacity == config.row_slots(16, budget) == 64
+  params = SamplingParams(temperature=1.0, max_new_tokens=budget, seed=4)
+  ps = [(p * 16)[:16] for p in prompts(8, seed=9)]
+  drafter = Drafter(model.config, rngs=nnx.Rngs(3)) if strategy else None
+  rollout = Engine(model, config, params, drafter=drafter).generate(ps)
+  assert {len(s.tokens) for s in rollout.samples} == {budget}
+  assert sample_set(rollout) == plain(model, params, ps)
+
+
 def test_speculative_sampling_equals_plain_sampling_with_the_same_seed(models, plain):
   model = models["qwen2_untied"]
   drafter = Drafter(model.config, rngs=nnx.Rngs(2))
@@ -359,7 +375,7 @@ def test_the_bank_follows_prompts_through_compaction(models):
   tokens = {rows[r]: host.tokens[r, :host.num_generated[r]] for r in range(4)}
   assert host.done[:2].all() and not host.done[2:].any()  # prompt 0's budget of 6 is used up
   check(st, tokens)
-  st = engine.pool[("halve", 2, 4)](st, np.asarray([3, 2], np.int32))  # prompt 1's rows, in reverse order
+  st = engine._halve(st, np.asarray([3, 2], np.int32), 4)  # prompt 1's rows, in reverse order  # pylint: disable=protected-access
   st = engine.pool[("speculate", 2, "s3_2_5")](*params, st, np.int32(0), None, np.int32(8))
   host = jax.device_get(st)
   assert host.sample_index.tolist() == [1, 0] and (host.num_generated > 12).all()

@@ -23,7 +23,7 @@ def test_config_lookups():
   assert CONFIG.prompt_buckets == (16, 24) and CONFIG.prompt_bucket(16) == 16 and CONFIG.prompt_bucket(17) == 24
   assert [CONFIG.bucket(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
   assert CONFIG.refill_chunk == 2 and configured(CONFIG, refill_rows=3).refill_chunk == 3
-  assert CONFIG.capacity == 96  # 24 + 64 + 1 rounded up to kv_block 16
+  assert CONFIG.capacity == 96  # 24 + 64 (+ a plain step's window 1, - 1) rounded up to kv_block 16
   assert with_sd(CONFIG, "3_2_6").capacity == 96 and not with_sd(CONFIG, "3_2_6").banking
   banking = with_sd(CONFIG, "s2_2_4")
   assert banking.banking and banking.bank_rows == 9 and CONFIG.bank_rows == 0

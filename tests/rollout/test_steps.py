@@ -134,6 +134,21 @@ def test_halve_gathers_rows_and_keeps_the_bank(models):
   np.testing.assert_array_equal(b.bank, a.bank)
 
 
+def test_the_engine_halves_a_contiguous_cache_one_array_at_a_time(models):
+  """`Engine._halve` gives `halve`'s state, the old keys freed before the values are gathered: the peak holds half
+  of one array beside the cache, not half of both."""
+  engine = Engine(models["qwen3"], CONFIG, SamplingParams(max_new_tokens=8))
+  engine.prepare(4)
+  st, keep = jax.device_put(filled_state(engine.steps, 4, seed=2)), np.asarray([3, -1], np.int32)
+  expected = jax.device_get(jax.jit(steps_lib.halve)(st, keep))
+  keys_freed, take = [], engine.pool[("take_rows", 2, 4)]
+  engine.pool._executables[("take_rows", 2, 4)] = (  # pylint: disable=protected-access
+      lambda x, keep_b: keys_freed.append(st.cache.k.is_deleted()) or take(x, keep_b))
+  out = engine._halve(st, keep, 4)  # pylint: disable=protected-access
+  assert keys_freed == [True] and st.cache.v.is_deleted()
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(out), expected)
+
+
 def test_halving_holds_no_copy_of_the_caches():
   """The engine's halving writes the halved caches where it returns them: XLA:CPU's gather over the 5-d caches
   had come out transposed and been copied out, half a cache of scratch (seen at the compiler's default

@@ -208,17 +208,18 @@ class Engine:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
                         self._shardings(state))
 
-  def _shardings(self, out: RowState) -> RowState | None:
-    """Rows split over the mesh's batch axis (the caches by the cache rules, the bank replicated)."""
-    if self.mesh is None:
-      return None
+  def _shardings(self, out: RowState | jax.ShapeDtypeStruct) -> RowState | jax.sharding.Sharding | None:
+    """Rows split over the mesh's batch axis (the caches by the cache rules, the bank replicated); an abstract
+    array's own."""
+    if self.mesh is None or isinstance(out, jax.ShapeDtypeStruct):
+      return None if self.mesh is None else out.sharding
     batch = lambda x: sharding.array_sharding(x.shape, ("batch",) + (None,) * (x.ndim - 1), self.mesh)
     shardings = jax.tree.map(batch, out.per_row())
     cache = lambda c: None if c is None else sharding.cache_shardings(c, self.mesh)
     bank = None if out.bank is None else sharding.array_sharding(out.bank.shape, (None, None), self.mesh)  # replicated
     return dataclasses.replace(shardings, cache=cache(out.cache), drafter_cache=cache(out.drafter_cache), bank=bank)
 
-  def _compile(self, key, fn, args, out: RowState, donate=()):
+  def _compile(self, key, fn, args, out: RowState | jax.ShapeDtypeStruct, donate=()):
     """Compiles `fn` for the abstract `args` into the pool; `out` is its abstract output (for shardings)."""
     def build():
       abstract = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
@@ -276,7 +277,11 @@ class Engine:
         self._compile(self._segment_key(b, s), functools.partial(self.steps.segment, strategy=s),
                       [*params, state(b), i32(), table(b), i32()], state(b), donate=(2,))
       if b // 2 >= self.page_shards and cfg.compact:
-        self._compile(("halve", b // 2, b), steps.halve, [state(b), i32(b // 2)], state(b // 2))
+        apart = self._values_apart
+        self._compile(("halve", b // 2, b), steps.halve, [apart(state(b)), i32(b // 2)], apart(state(b // 2)))
+        if not cfg.paged:
+          self._compile(("take_rows", b // 2, b), steps.take_rows, [state(b).cache.v, i32(b // 2)],
+                        state(b // 2).cache.v)
       if self.turns is not None:
         self._compile(("extend", b), self.steps.extend, [*params, state(b), i32(b, cfg.turn_chunk), i32(b), table(b)],
                       state(b), donate=(2,))
@@ -514,11 +519,27 @@ class Engine:
     job.out += self._harvest(job, st)
     b = sched.bucket
     for keep in sched.compact():
-      st = self.pool[("halve", b // 2, b)](st, keep)
+      st = self._halve(st, keep, b)
       b //= 2
     host = self._observe(job, sched, st, check=False)
     job.metrics.compact_s += time.perf_counter() - t0
     return st, host
+
+  def _values_apart(self, st: RowState) -> RowState:
+    """The state as `steps.halve` takes it: a contiguous target cache without its values."""
+    return st if self.config.paged else dataclasses.replace(st, cache=dataclasses.replace(st.cache, v=None))
+
+  def _halve(self, st: RowState, keep: np.ndarray, b: int) -> RowState:
+    """The rows of bucket b's slots `keep` into bucket b // 2. A contiguous target cache's keys are gathered
+    with the rest and their old array freed before its values are: the peak holds the cache and half of one
+    array, not half of both."""
+    halved = self.pool[("halve", b // 2, b)](self._values_apart(st), keep)
+    if self.config.paged:
+      return halved
+    st.cache.k.delete()
+    v = self.pool[("take_rows", b // 2, b)](st.cache.v, keep)
+    st.cache.v.delete()
+    return dataclasses.replace(halved, cache=dataclasses.replace(halved.cache, v=v))
 
   def _reserve(self, job: _Job, sched: Schedule, st: RowState, strategy: Strategy | None) -> RowState:
     """Every active row takes the pages a play of `strategy` may write, preempting rows while the

@@ -77,7 +77,6 @@ class Schedule:
     self.blocked = False
     self.held: set[int] = set()
     self._clock = itertools.count()
-    self._window = max([s.window for s in config.strategies] + [1])
 
   @property
   def active(self) -> int:
@@ -101,7 +100,7 @@ class Schedule:
 
   def _slots_for(self, r: int, slots: int) -> int:
     """What row r may write is bounded by its budget."""
-    return min(slots, self.prompt_lens[r] + self.budgets[r] + self._window)
+    return min(slots, self.config.row_slots(self.prompt_lens[r], self.budgets[r]))
 
   def _entry(self, r: int, shard: int) -> tuple:
     """What admitting row r on `shard` needs: (prompt, prompt len, slots, pages to leave free, shard).

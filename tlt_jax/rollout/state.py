@@ -107,12 +107,18 @@ class EngineConfig:
     """Prompts in flight at most: the largest batch + 1 (see `suffix.BankRows`); 0 without suffix strategies."""
     return self.batch_buckets[-1] + 1 if self.banking else 0
 
+  def row_slots(self, prompt_len: int, budget: int) -> int:
+    """Cache slots a row of `prompt_len` prompt tokens and `budget` new ones may write: a step at length n (the
+    tokens in its cache) writes slots n .. n + window - 1 (a plain step: the last token, at n), and steps run
+    while fewer than `budget` tokens are out, the last one never written, so n <= prompt_len + budget - 2; one
+    slot spare."""
+    return prompt_len + budget + max([s.window for s in self.strategies] + [1]) - 1
+
   @property
   def capacity(self) -> int:
-    """Cache slots per row: prompt, response, and the tree slots a step writes past the length."""
-    window = max([s.window for s in self.strategies] + [1])
+    """Cache slots per row (`row_slots` at the longest prompt and budget), a multiple of the page or kv_block."""
     unit = self.page_size or self.kv_block
-    return -(-(self.max_prompt_len + self.max_new_tokens + window) // unit) * unit
+    return -(-self.row_slots(self.max_prompt_len, self.max_new_tokens) // unit) * unit
 
   @property
   def paged(self) -> bool:

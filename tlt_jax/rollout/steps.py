@@ -95,10 +95,19 @@ def drop(st: RowState, drop_B) -> RowState:
   return dataclasses.replace(st, done=st.done | drop_B, row_id=jnp.where(drop_B, -1, st.row_id))
 
 
+def take_rows(x_LxBxPxKxD, keep_b):
+  """x[:, keep_b] (-1: an empty slot, row 0's), a contiguous cache array's rows for `halve`, gathered over a
+  [L, B, P, K * D] view: over the 5-d array XLA:CPU gathered into a transposed layout and copied it out, a
+  half cache of scratch."""
+  l, b, p, k, d = x_LxBxPxKxD.shape
+  return x_LxBxPxKxD.reshape(l, b, p, k * d)[:, jnp.maximum(keep_b, 0)].reshape(l, len(keep_b), p, k, d)
+
+
 def halve(st: RowState, keep_b) -> RowState:
   """Compaction: the rows of slots `keep_b` (int32 [B/2], -1: an empty slot) gathered into a state
   of half the batch, B/2; the bank stays as it is (it is held per prompt), and so does a paged
-  cache's pool (only the page tables move)."""
+  cache's pool (only the page tables move). A contiguous target cache may come without its values
+  (None: `Engine` gathers them apart with `take_rows`, after the old keys are freed)."""
   src = jnp.maximum(keep_b, 0)
   out = jax.tree.map(lambda x: x[src], st.per_row())
 
@@ -107,13 +116,8 @@ def halve(st: RowState, keep_b) -> RowState:
       return None
     if c.pages is not None:
       return dataclasses.replace(c, lengths=c.lengths[src], pages=c.pages[src])
-    return KVCache(k=rows(c.k), v=rows(c.v), lengths=c.lengths[src])
-
-  def rows(x_LxBxPxKxD):
-    """x[:, src], gathered over a [L, B, P, K * D] view: over the 5-d array XLA:CPU gathered into a transposed
-    layout and copied it out, a half cache of scratch."""
-    l, b, p, k, d = x_LxBxPxKxD.shape
-    return x_LxBxPxKxD.reshape(l, b, p, k * d)[:, src].reshape(l, len(src), p, k, d)
+    return KVCache(k=take_rows(c.k, keep_b), v=None if c.v is None else take_rows(c.v, keep_b),
+                   lengths=c.lengths[src])
 
   empty = keep_b < 0
   # Rows keep their bank row through the gather.
