@@ -71,6 +71,30 @@ def test_micro_batching_remat_and_query_blocks_do_not_change_the_update(hf_dirs,
     assert 0 < reference[1][0]["masked"] < 1 and other[1][0]["masked"] == pytest.approx(reference[1][0]["masked"])
 
 
+def test_every_objective_trains_through_the_actor(hf_dirs):
+  """The loss kinds, aggregations and options the micro-batch test above leaves out, each through the jitted update
+  on packed rows with a rollout and a reference policy apart from the trained one: a finite loss and gradient,
+  and the weights move (the formulas equal TRL's and verl's own: test_grpo.py, test_corrections.py)."""
+  path, _ = hf_dirs["qwen3"]
+  rows = packing.pack(SEQS, 8, index=True)
+  adv = np.array([1.0, -0.5, 0.25, -1.0], np.float32)
+  for loss in (grpo.Objective(kind="sapo", aggregation="constant"),
+               grpo.Objective(kind="vespo", importance_level="sequence", aggregation="sequence"),
+               grpo.Objective(importance_level="sequence", aggregation="sequence_sum"),  # TRL's luspo
+               grpo.Objective(dual_clip=3.0, off_policy_mask=0.1, top_entropy_quantile=0.5, kl_coef=0.1,
+                              kl_is_correction=True)):
+    actor = _actor(hf.from_pretrained(path), 2, loss=loss)
+    before = jax.tree.map(np.array, actor.params)
+    old = actor.logprobs(actor.params, rows) - 0.3
+    batch = actor_lib.training_batch(rows, adv, np.ones(4, bool), loss.aggregation, old, old + 0.1,
+                                     max_len=8, rollout_logp=old + 0.2)
+    stats = actor.update(batch)
+    assert not stats["skipped"] and all(np.isfinite(v) for v in stats.values()), (loss, stats)
+    moved = max(float(np.abs(a - np.asarray(b)).max()) for a, b in zip(jax.tree.leaves(before),
+                                                                          jax.tree.leaves(actor.params)))
+    assert stats["grad_norm"] > 0 and moved > 0, loss
+
+
 def _adam_updates(actor, batches, weights=None):
   """(params, stats) after one update of `actor` per (rows, advantages) batch, on-policy; `weights`
   [rows] scales each row's token weights (a wrong gradient)."""
